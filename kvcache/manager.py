@@ -1,0 +1,101 @@
+"""Decides which blocks a request gets: prefix matching, slot allocation, caching, freeing.
+
+The manager maps request ids to block tables; the pool (block_pool.py) holds the blocks.
+A request's block i holds its tokens [i * block_size, (i + 1) * block_size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcache.block_pool import BlockPool, KVBlock
+from kvcache.hashing import BlockHash
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 enable_events: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, enable_events)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks already in the prefix cache
+
+    def match_prefix(self, root: BlockHash, block_hashes: Sequence[BlockHash],
+                     token_ids: Sequence[int], max_tokens: int) -> list[KVBlock]:
+        """Leading blocks of this token sequence that the cache holds, covering <= max_tokens.
+
+        The caller passes max_tokens = num_tokens - 1 so at least one token is computed
+        (its logits start decoding).
+        """
+        if not self.pool.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[KVBlock] = []
+        parent = root
+        for i in range(min(len(block_hashes), max_tokens // bs)):
+            block = self.pool.get_cached_block(block_hashes[i], parent,
+                                               token_ids[i * bs:(i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+            parent = block_hashes[i]
+        return hits
+
+    def can_allocate(self, req_id: str, num_tokens: int,
+                     computed_blocks: Sequence[KVBlock] = ()) -> bool:
+        held = self.req_blocks.get(req_id, [])
+        need = cdiv(num_tokens, self.block_size) - len(held) - len(computed_blocks)
+        # computed blocks with ref_cnt 0 sit in the evictable list; touching them removes them
+        reserved = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        return need <= self.pool.num_free_blocks - reserved
+
+    def allocate_slots(self, req_id: str, num_tokens: int,
+                       computed_blocks: Sequence[KVBlock] = ()) -> list[KVBlock] | None:
+        """Give the request enough blocks for `num_tokens` tokens in total.
+
+        `computed_blocks` (prefix hits, first allocation only) are referenced, not allocated.
+        Returns the newly allocated blocks, or None (and changes nothing) if they don't fit.
+        """
+        if not self.can_allocate(req_id, num_tokens, computed_blocks):
+            return None
+        blocks = self.req_blocks.setdefault(req_id, [])
+        if computed_blocks:
+            assert not blocks, "prefix hits are only taken at a request's first allocation"
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+            self.num_cached_blocks[req_id] = len(computed_blocks)
+        need = cdiv(num_tokens, self.block_size) - len(blocks)
+        new = self.pool.allocate(need) if need > 0 else []
+        blocks.extend(new)
+        return new
+
+    def cache_computed(self, req_id: str, root: BlockHash, block_hashes: Sequence[BlockHash],
+                       token_ids: Sequence[int], num_computed_tokens: int) -> int:
+        """Register the request's blocks that are now full and computed. Returns how many."""
+        blocks = self.req_blocks[req_id]
+        start = self.num_cached_blocks.get(req_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(block_hashes), len(blocks))
+        if end <= start:
+            return 0
+        bs = self.block_size
+        parent = root if start == 0 else block_hashes[start - 1]
+        chunks = [token_ids[i * bs:(i + 1) * bs] for i in range(start, end)]
+        n = self.pool.cache_blocks(blocks[start:end], block_hashes[start:end], parent, chunks)
+        self.num_cached_blocks[req_id] = end
+        return n
+
+    def free(self, req_id: str) -> None:
+        """Release every block of the request, tail first (its prefix is evicted last)."""
+        blocks = self.req_blocks.pop(req_id, [])
+        self.num_cached_blocks.pop(req_id, None)
+        self.pool.free(reversed(blocks))
+
+    def block_table(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req_id, [])]
+
+    def blocks_of(self, req_id: str) -> list[KVBlock]:
+        return self.req_blocks.get(req_id, [])
