@@ -1,0 +1,230 @@
+"""The engine loop: admit requests, schedule a step, run the model, sample, post-process.
+
+One engine = one model + one KV pool + one scheduler. Prefill and decode workers (Ray actors)
+each host one; `raypd generate` runs one in-process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.hashing import CacheNamespace
+from kvcache.lifecycle import EngineStats
+from kvcache.manager import KVCacheManager, cdiv
+from workers.model_runner import DTYPES, ModelRunner
+from workers.request import Request, RequestStatus, SamplingParams
+from workers.sampler import sample
+from workers.scheduler import Scheduler, SchedulerConfig
+
+
+class RequestError(ValueError):
+    """A request the engine refuses, with a message fit for the client."""
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str = "auto"                 # model weights: auto | float32 | bfloat16
+    kv_dtype: str = "auto"              # KV pool: auto (= model dtype) | float32 | bfloat16
+    block_size: int = 16
+    num_blocks: int | None = None       # overrides kv_cache_gb
+    kv_cache_gb: float = 1.0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None    # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None      # torch threads for this engine (per actor)
+    seed: int = 0                       # for --model tiny weights
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_dtype not in ("auto", *DTYPES):
+            raise ValueError(f"kv_dtype must be auto, float32 or bfloat16, got {self.kv_dtype!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.num_blocks is None and self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+@dataclass
+class StepOutput:
+    request: Request
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, loaded=None) -> None:
+        """`loaded` = (model, tokenizer, ModelInfo) to share an already loaded model."""
+        cfg.validate()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        if loaded is None:
+            from workers.model_loader import load_model
+            loaded = load_model(cfg.model, cfg.dtype, seed=cfg.seed)
+        self.model, self.tokenizer, self.info = loaded
+        self.cfg = cfg
+        kv_dtype = self.info.dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
+        self.kv_dtype = kv_dtype
+        self.kv_bytes_per_token = (2 * self.info.num_layers * self.info.num_kv_heads
+                                   * self.info.head_dim * DTYPES[kv_dtype].itemsize)
+        num_blocks = cfg.num_blocks or int(cfg.kv_cache_gb * 2**30
+                                           // (cfg.block_size * self.kv_bytes_per_token))
+        self.max_model_len = cfg.max_model_len or self.info.max_position_embeddings
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.stats = EngineStats(num_blocks=num_blocks, block_size=cfg.block_size,
+                                 kv_bytes_per_token=self.kv_bytes_per_token)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+                                   self.kv, self.stats)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, DTYPES[kv_dtype])
+        self.namespace = CacheNamespace(self.info.model_id, self.info.revision,
+                                        self.info.tokenizer_fingerprint, kv_dtype)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    # ---- requests in -------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            chat = True
+        if chat:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        return list(prompt)
+
+    def make_request(self, prompt: str | list[int] | list[dict],
+                     sampling: SamplingParams | None = None, request_id: str | None = None,
+                     chat: bool = False, tenant: str = "", lora_id: str = "") -> Request:
+        """Validate and build a request (not yet queued). Raises RequestError."""
+        sampling = sampling or SamplingParams()
+        try:
+            sampling.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if isinstance(prompt, str) and not prompt.strip() and not chat:
+            raise RequestError("prompt is empty")
+        token_ids = self.tokenize(prompt, chat)
+        if not token_ids:
+            raise RequestError("prompt is empty")
+        vocab = self.info.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise RequestError(f"prompt has {n} tokens; the model's context is "
+                               f"{self.max_model_len} tokens (prompt must leave room for output)")
+        need = cdiv(n + 1, self.cfg.block_size)
+        if need > self.kv.pool.num_blocks:
+            raise RequestError(f"prompt needs {need} KV blocks; the whole pool has "
+                               f"{self.kv.pool.num_blocks}")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        ns = self.namespace.with_request(tenant=tenant, lora_id=lora_id)
+        req = Request(rid, token_ids, sampling, ns.root_hash(), self.cfg.block_size,
+                      eos_token_ids=() if sampling.ignore_eos else tuple(self.info.eos_token_ids))
+        req.update_block_hashes()
+        return req
+
+    def add_request(self, prompt, sampling: SamplingParams | None = None, **kw) -> Request:
+        req = kw.pop("request", None) or self.make_request(prompt, sampling, **kw)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.status is RequestStatus.FINISHED:
+            return False
+        self._finish(req, "abort", time.perf_counter())
+        return True
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        chunks = self.scheduler.schedule()
+        outputs: list[StepOutput] = []
+        now = time.perf_counter()
+        for req in self.scheduler.out_of_blocks:
+            self._finish(req, "length", now)
+            outputs.append(StepOutput(req, [], True))
+        self.scheduler.out_of_blocks.clear()
+        if not chunks:
+            return outputs
+        logits, sampled = self.runner.execute(chunks)
+        now = time.perf_counter()
+        self.stats.steps += 1
+        self.stats.observe_utilization(*self.scheduler.stored_tokens())
+        for ch in chunks:
+            ch.request.num_computed_tokens += ch.num_new_tokens
+            ch.request.lifecycle.computed_tokens += ch.num_new_tokens
+            self.stats.computed_tokens += ch.num_new_tokens
+        reqs = [chunks[i].request for i in sampled]
+        for req, tok in zip(reqs, sample(logits, reqs), strict=True):
+            req.append_token(tok, now)
+        for ch in chunks:
+            req = ch.request
+            self.kv.cache_computed(req.request_id, req.namespace_root, req.block_hashes,
+                                   req.all_token_ids, req.num_computed_tokens)
+        for req in reqs:
+            reason = self._stop_reason(req)
+            if reason:
+                self._finish(req, reason, now)
+            outputs.append(StepOutput(req, [req.output_token_ids[-1]], reason is not None))
+        return outputs
+
+    def _stop_reason(self, req: Request) -> str | None:
+        sp, tok, n_out = req.sampling, req.output_token_ids[-1], len(req.output_token_ids)
+        if n_out >= sp.min_tokens and (tok in req.eos_token_ids or tok in sp.stop_token_ids):
+            return "stop"
+        if sp.stop and n_out >= sp.min_tokens:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            hits = [text.find(s) for s in sp.stop if s in text]
+            if hits:
+                req.output_text = text[:min(hits)]
+                return "stop"
+        if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        if not (reason == "stop" and req.sampling.stop and req.output_text):
+            req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        req.finish(reason, now)
+        self.scheduler.finish(req)
+        self.stats.requests_finished += 1
+
+    def generate(self, prompts: Iterable, sampling: SamplingParams | None = None,
+                 **kw) -> list[Request]:
+        reqs = [self.add_request(p, sampling, **kw) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        return reqs
+
+    # ---- introspection -----------------------------------------------------------------------
+    def take_kv_events(self) -> list:
+        return self.kv.pool.take_events()
+
+    def get_stats(self) -> dict:
+        self.stats.evictions = self.kv.pool.evictions
+        d = self.stats.to_dict()
+        d.update(blocks_used=self.kv.pool.num_used_blocks, blocks_cached=self.kv.pool.num_cached_blocks,
+                 running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                 kv_dtype=self.kv_dtype)
+        return d
+
+    def check_invariants(self) -> None:
+        self.kv.pool.check_invariants()

@@ -1,0 +1,116 @@
+"""A request as the engine sees it: its tokens, sampling parameters, progress and KV lifecycle."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvcache.hashing import BlockHash, hash_block
+from kvcache.lifecycle import RequestLifecycle
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"invalid sampling parameter {name}: {why}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+
+
+@dataclass(eq=False)
+class Request:
+    """Tokens [0, num_computed_tokens) have KV in the request's blocks; the rest are to compute."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    namespace_root: BlockHash
+    block_size: int
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    lifecycle: RequestLifecycle = field(default_factory=RequestLifecycle)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    output_text: str = ""
+    eos_token_ids: tuple[int, ...] = ()   # empty when sampling.ignore_eos
+    generator: object | None = None   # torch.Generator for seeded sampling (set by the sampler)
+
+    def __post_init__(self) -> None:
+        self.lifecycle.prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still computing tokens it already knows (prompt, or everything after a preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def update_block_hashes(self) -> None:
+        """Extend the chained hashes to cover every full block of the known tokens."""
+        bs = self.block_size
+        tokens = None
+        while (len(self.block_hashes) + 1) * bs <= self.num_tokens:
+            if tokens is None:
+                tokens = self.all_token_ids
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else self.namespace_root
+            self.block_hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+            self.lifecycle.ttft_s = now - self.arrival_time
+        self.lifecycle.output_tokens = len(self.output_token_ids)
+        self.update_block_hashes()
+
+    def finish(self, reason: str, now: float) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_time = now
+        lc = self.lifecycle
+        lc.finish_reason = reason
+        lc.e2e_s = now - self.arrival_time
+        if self.first_token_time is not None and len(self.output_token_ids) > 1:
+            lc.tpot_s = (now - self.first_token_time) / (len(self.output_token_ids) - 1)

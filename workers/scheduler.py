@@ -1,0 +1,137 @@
+"""Continuous batching: which requests run this step and how many tokens each computes.
+
+Each step: running requests first (decodes, then unfinished prefill chunks), then waiting
+requests admitted in arrival order, all under a per-step token budget (chunked prefill).
+A waiting request's first admission takes its prefix hit from the cache. When blocks run
+out for a running request, the youngest running request is preempted (its blocks freed,
+recomputed later); cached-but-unreferenced blocks are evicted before that by the pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvcache.lifecycle import EngineStats
+from kvcache.manager import KVCacheManager
+from workers.model_runner import ScheduledChunk
+from workers.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048   # token budget of one step (prefill chunk size)
+    max_num_seqs: int = 64               # running requests at most
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, stats: EngineStats) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.stats = stats
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.out_of_blocks: list[Request] = []  # running alone yet cannot grow: engine ends them
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.cfg.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        # 1) running requests, decodes before prefill chunks (the runner wants decodes first)
+        self.running.sort(key=lambda r: r.is_prefill)
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._allocate(req, req.num_computed_tokens + n):
+                if len(self.running) == 1:   # alone and still too big: the pool is its limit
+                    self.out_of_blocks.append(req)
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING or req in self.out_of_blocks:
+                break
+            chunks.append(ScheduledChunk(req, n, self.kv.block_table(req.request_id)))
+            budget -= n
+            i += 1
+        # 2) admit waiting requests while budget, sequence slots and blocks allow; not in a step
+        #    that preempted (the freed blocks go to the running requests, no thrashing)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
+                and not preempted:
+            req = self.waiting[0]
+            hits = self.kv.match_prefix(req.namespace_root, req.block_hashes, req.all_token_ids,
+                                        req.num_tokens - 1)
+            num_cached = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            new = self.kv.allocate_slots(req.request_id, num_cached + n, hits)
+            if new is None:
+                break
+            self.waiting.popleft()
+            self._account_admission(req, num_cached, len(new))
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req, n, self.kv.block_table(req.request_id)))
+            budget -= n
+        used = self.kv.pool.num_used_blocks
+        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
+        return chunks
+
+    def _allocate(self, req: Request, num_tokens: int) -> bool:
+        new = self.kv.allocate_slots(req.request_id, num_tokens)
+        if new is None:
+            return False
+        if new:
+            req.lifecycle.blocks_allocated += len(new)
+            if not req.is_prefill:
+                req.lifecycle.block_appends += len(new)
+        return True
+
+    def _account_admission(self, req: Request, num_cached: int, num_new_blocks: int) -> None:
+        lc = req.lifecycle
+        lc.blocks_allocated += num_new_blocks
+        if lc.preemptions == 0:   # first admission: this is the request's prefix query
+            lc.cached_tokens = num_cached
+            self.stats.prompt_tokens += len(req.prompt_token_ids)
+            self.stats.reused_tokens += num_cached
+        else:                      # recompute after preemption
+            recompute = req.num_tokens - num_cached
+            lc.recomputed_tokens += recompute
+            self.stats.recomputed_tokens += recompute
+
+    def _preempt(self, req: Request) -> None:
+        """Free the request's blocks and put it back at the front of the queue (recompute)."""
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.lifecycle.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Release a finished (or aborted) request's blocks; its full blocks stay cached."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
+
+    def stored_tokens(self) -> tuple[int, int]:
+        """(tokens held in referenced blocks, referenced blocks), shared blocks counted once."""
+        bs = self.kv.block_size
+        filled: dict[int, int] = {}
+        for req in self.running:
+            for j, block_id in enumerate(self.kv.block_table(req.request_id)):
+                filled[block_id] = max(filled.get(block_id, 0),
+                                       min(bs, max(0, req.num_tokens - j * bs)))
+        return sum(filled.values()), len(filled)
