@@ -20,6 +20,8 @@ def _generator(req: Request) -> torch.Generator | None:
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """One token per row of `logits` [n, vocab], following each request's SamplingParams."""
     out: list[int] = []
+    if not requests:
+        return out
     greedy = logits.argmax(dim=-1).tolist()
     for row, req in enumerate(requests):
         sp = req.sampling

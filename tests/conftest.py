@@ -1,0 +1,54 @@
+"""Shared fixtures: the seeded tiny Llama (engine copy + independent reference copy), helpers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+torch.set_num_threads(int(os.environ.get("RAYPD_TEST_THREADS", "2")))
+
+
+def shared_dir() -> Path:
+    """../shared beside the checkout (override with RAYPD_SHARED_DIR)."""
+    return Path(os.environ.get("RAYPD_SHARED_DIR", ROOT.parent / "shared"))
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded():
+    """(model, tokenizer, info) of the tiny model, for engines (they swap its attention)."""
+    from workers.model_loader import load_model
+    return load_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_reference():
+    """A second, independently loaded copy of the tiny model, left on stock SDPA attention."""
+    from workers.model_loader import load_model
+    return load_model("tiny")[0]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos=None) -> list[int]:
+    """Reference: stock transformers generate(), greedy, batch of one."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def random_prompt(n: int, seed: int, vocab: int = 250, low: int = 3) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (n,), generator=g).tolist()
+
+
+def make_engine(loaded, **overrides):
+    from workers.engine import EngineConfig, LLMEngine
+    cfg = dict(model="tiny", num_blocks=256, block_size=16)
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg), loaded=loaded)

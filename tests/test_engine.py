@@ -1,0 +1,208 @@
+"""The paged engine's greedy output equals stock transformers generate(), on every path."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy, make_engine, random_prompt
+
+from workers.engine import RequestError
+from workers.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def _drained(engine) -> None:
+    engine.check_invariants()
+    counts = engine.kv.pool.counts()
+    assert counts["referenced"] == 0, f"blocks still referenced after drain: {counts}"
+
+
+def _assert_matches_hf(reference, reqs, max_new=24):
+    for r in reqs:
+        expected = hf_greedy(reference, r.prompt_token_ids, max_new)
+        assert r.output_token_ids == expected, f"{r.request_id} ({len(r.prompt_token_ids)} tok)"
+
+
+def test_single_request_matches_generate(tiny_loaded, tiny_reference):
+    engine = make_engine(tiny_loaded)
+    [req] = engine.generate([random_prompt(37, seed=1)], GREEDY)
+    _assert_matches_hf(tiny_reference, [req])
+    assert req.lifecycle.finish_reason == "length"
+    assert req.lifecycle.prompt_tokens == 37 and req.lifecycle.output_tokens == 24
+    assert req.lifecycle.ttft_s > 0 and req.lifecycle.tpot_s > 0
+    _drained(engine)
+
+
+def test_eight_mixed_length_requests_batched(tiny_loaded, tiny_reference):
+    engine = make_engine(tiny_loaded)
+    prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate([3, 9, 16, 17, 31, 48, 70, 5])]
+    reqs = engine.generate(prompts, GREEDY)
+    _assert_matches_hf(tiny_reference, reqs)
+    assert engine.stats.steps < 8 * 24, "requests were not batched together"
+    _drained(engine)
+
+
+def test_prefix_hit_skips_three_cached_blocks(tiny_loaded, tiny_reference):
+    engine = make_engine(tiny_loaded)
+    shared = random_prompt(48, seed=3)          # exactly 3 blocks of 16
+    [first] = engine.generate([shared + random_prompt(7, seed=4)], GREEDY)
+    [second] = engine.generate([shared + random_prompt(11, seed=5)], GREEDY)
+    assert first.lifecycle.cached_tokens == 0
+    assert second.lifecycle.cached_tokens == 48
+    assert second.lifecycle.computed_tokens == 11 + 24 - 1
+    _assert_matches_hf(tiny_reference, [first, second])
+    stats = engine.get_stats()
+    assert stats["reused_tokens"] == 48 and 0 < stats["hit_rate"] < 1
+    _drained(engine)
+
+
+def test_full_prompt_hit_still_computes_last_token(tiny_loaded, tiny_reference):
+    engine = make_engine(tiny_loaded)
+    prompt = random_prompt(32, seed=6)          # block aligned: a full hit must back off
+    engine.generate([prompt], GREEDY)
+    [again] = engine.generate([prompt], GREEDY)
+    assert again.lifecycle.cached_tokens == 16
+    _assert_matches_hf(tiny_reference, [again])
+    _drained(engine)
+
+
+def test_chunked_prefill_with_tiny_budget(tiny_loaded, tiny_reference):
+    engine = make_engine(tiny_loaded, max_num_batched_tokens=8)
+    prompts = [random_prompt(n, seed=20 + n) for n in (29, 45, 6)]
+    reqs = engine.generate(prompts, GREEDY)
+    _assert_matches_hf(tiny_reference, reqs)
+    _drained(engine)
+
+
+def test_preemption_on_tiny_pool_recomputes_same_output(tiny_loaded, tiny_reference):
+    engine = make_engine(tiny_loaded, num_blocks=10, block_size=8)
+    prompts = [random_prompt(n, seed=40 + n) for n in (20, 17, 25, 9)]
+    reqs = engine.generate(prompts, GREEDY)
+    assert engine.stats.preemptions > 0, "the pool was meant to force preemption"
+    assert sum(r.lifecycle.preemptions for r in reqs) == engine.stats.preemptions
+    assert engine.stats.recomputed_tokens > 0
+    _assert_matches_hf(tiny_reference, reqs)
+    _drained(engine)
+
+
+def test_eviction_in_lru_order_under_pressure(tiny_loaded):
+    engine = make_engine(tiny_loaded, num_blocks=12, block_size=8)
+    for seed in range(6):
+        engine.generate([random_prompt(30, seed=100 + seed)], SamplingParams(max_tokens=4))
+    assert engine.get_stats()["evictions"] > 0
+    _drained(engine)
+
+
+def test_bfloat16_kv_cache_runs(tiny_loaded):
+    engine = make_engine(tiny_loaded, kv_dtype="bfloat16")
+    [req] = engine.generate([random_prompt(20, seed=7)], GREEDY)
+    assert len(req.output_token_ids) == 24 and engine.runner.kv_cache.dtype.itemsize == 2
+    assert engine.kv_bytes_per_token == tiny_loaded[2].kv_bytes_per_token // 2
+    _drained(engine)
+
+
+def test_seeded_sampling_is_reproducible(tiny_loaded):
+    engine = make_engine(tiny_loaded)
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=123,
+                        ignore_eos=True)
+    a, b = engine.generate([random_prompt(12, seed=8)] * 2, sp)
+    c, = engine.generate([random_prompt(12, seed=8)],
+                         SamplingParams(max_tokens=16, temperature=0.9, seed=7, ignore_eos=True))
+    assert a.output_token_ids == b.output_token_ids
+    assert c.output_token_ids != a.output_token_ids
+    greedy, = engine.generate([random_prompt(12, seed=8)], SamplingParams(max_tokens=16,
+                                                                         ignore_eos=True))
+    top1, = engine.generate([random_prompt(12, seed=8)],
+                            SamplingParams(max_tokens=16, temperature=1.0, top_k=1, seed=1,
+                                           ignore_eos=True))
+    assert top1.output_token_ids == greedy.output_token_ids
+    _drained(engine)
+
+
+def test_stop_conditions(tiny_loaded):
+    engine = make_engine(tiny_loaded)
+    prompt = random_prompt(10, seed=9)
+    [free] = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    stop_tok = free.output_token_ids[4]
+    [by_id] = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                        stop_token_ids=(stop_tok,)))
+    first = free.output_token_ids.index(stop_tok)
+    assert by_id.output_token_ids == free.output_token_ids[:first + 1]
+    assert by_id.lifecycle.finish_reason == "stop"
+    stop_text = free.output_text[3:6]
+    if stop_text:
+        [by_str] = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                             stop=(stop_text,)))
+        assert by_str.lifecycle.finish_reason == "stop"
+        assert stop_text not in by_str.output_text
+        assert free.output_text.startswith(by_str.output_text)
+    _drained(engine)
+
+
+def test_abort_releases_blocks(tiny_loaded):
+    engine = make_engine(tiny_loaded)
+    req = engine.add_request(random_prompt(40, seed=11), GREEDY)
+    engine.step()
+    assert engine.kv.pool.counts()["referenced"] > 0
+    assert engine.abort(req.request_id)
+    assert req.lifecycle.finish_reason == "abort"
+    assert not engine.has_unfinished()
+    _drained(engine)
+
+
+@pytest.mark.parametrize("prompt, sampling, message", [
+    ("", SamplingParams(), "prompt is empty"),
+    ("   ", SamplingParams(), "prompt is empty"),
+    ("hi", SamplingParams(temperature=-1.0), "temperature"),
+    ("hi", SamplingParams(top_p=0.0), "top_p"),
+    ("hi", SamplingParams(max_tokens=0), "max_tokens"),
+    ("hi", SamplingParams(top_k=-2), "top_k"),
+    ("hi", SamplingParams(temperature=float("nan")), "temperature"),
+])
+def test_bad_requests_are_rejected_clearly(tiny_loaded, prompt, sampling, message):
+    engine = make_engine(tiny_loaded)
+    with pytest.raises(RequestError, match=message):
+        engine.add_request(prompt, sampling)
+    [ok] = engine.generate(["still serving"], SamplingParams(max_tokens=3))
+    assert ok.lifecycle.finish_reason in ("length", "stop")
+    _drained(engine)
+
+
+def test_prompt_over_context_or_pool_is_rejected(tiny_loaded):
+    engine = make_engine(tiny_loaded, max_model_len=64)
+    with pytest.raises(RequestError, match="context"):
+        engine.add_request(random_prompt(64, seed=12))
+    small_pool = make_engine(tiny_loaded, num_blocks=2, block_size=8)
+    with pytest.raises(RequestError, match="pool"):
+        small_pool.add_request(random_prompt(30, seed=13))
+    assert not engine.has_unfinished() and not small_pool.has_unfinished()
+
+
+def test_output_stops_at_context_limit(tiny_loaded):
+    engine = make_engine(tiny_loaded, max_model_len=40)
+    [req] = engine.generate([random_prompt(30, seed=14)], GREEDY)
+    assert req.num_tokens == 40 and req.lifecycle.finish_reason == "length"
+    _drained(engine)
+
+
+def test_unknown_model_is_an_error():
+    from workers.engine import EngineConfig, LLMEngine
+    from workers.model_loader import ModelLoadError
+    with pytest.raises(ModelLoadError):
+        LLMEngine(EngineConfig(model="no-such-model"))
+
+
+@pytest.mark.realmodel
+def test_smollm2_chat_matches_generate_and_says_paris():
+    from workers.engine import EngineConfig, LLMEngine
+    from workers.model_loader import load_model
+    reference = load_model("smollm2")[0]
+    engine = LLMEngine(EngineConfig(model="smollm2", num_blocks=64))
+    prompts = ["What is the capital of France?", "Name three primary colors."]
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=20), chat=True)
+    for r in reqs:
+        expected = hf_greedy(reference, r.prompt_token_ids, 20,
+                             eos=list(engine.info.eos_token_ids))
+        assert r.output_token_ids == expected
+    assert "Paris" in reqs[0].output_text
+    _drained(engine)
