@@ -1,0 +1,183 @@
+"""Ray Direct Transport (RDT): the staged tensor travels actor to actor over a collective group
+(gloo on CPU, nccl on GPU), routed by the orchestrator that created the group.
+
+The pattern, as two small methods on the worker actors and one call in the orchestrator:
+
+    @ray.remote(enable_tensor_transport=True)      # both classes; required on the receiver
+    class PrefillWorker:
+        def kv_send(self, transfer_id):            # the producer hands out the staged tensor
+            return rdt.send_pages(self.kv_producer, transfer_id)
+
+    @ray.remote(enable_tensor_transport=True)
+    class DecodeWorker:
+        def kv_recv(self, handle, pages, dest_block_ids, sent_at=None):
+            return rdt.receive_pages(self.kv_consumer, handle, pages,
+                                     self.kv_cache, dest_block_ids, sent_at=sent_at)
+
+    # orchestrator (the process that called ensure_group), once at startup:
+    rdt.ensure_group([*prefill_actors, *decode_actors], backend="gloo")
+    # per request, after prefill returned `handle` (made by a KVProducer on the "rdt" transport):
+    result = ray.get(rdt.route(prefill, decode, handle, dest_block_ids))
+    prefill.kv_ack.remote(handle.transfer_id)
+
+Rules measured on Ray 2.60: the receiving class must have ``enable_tensor_transport=True`` or
+the transfer hangs until the RDT timeout; the group must exist before ``kv_send`` is called;
+only the process that created the group may route the ref; a transfer timeout kills both actors
+and the group. An actor can be in one group per backend, so make one group for the whole pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from kvtransfer.base import (
+    KVTransport,
+    TransferError,
+    TransferHandle,
+    TransferResult,
+    as_bytes,
+    dtype_name,
+)
+
+_GROUP_BACKEND = {"gloo": "torch_gloo", "torch_gloo": "torch_gloo", "nccl": "nccl"}
+_TENSOR_TRANSPORT = {"gloo": "gloo", "torch_gloo": "gloo", "nccl": "nccl"}
+_groups_lock = threading.Lock()
+
+
+def default_backend() -> str:
+    """Return "nccl" where this process sees a GPU, else "gloo" (call it where the actors run)."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def ensure_group(actors: Sequence[Any], backend: str = "gloo"):
+    """Return the collective group holding all ``actors`` for ``backend``, creating it once.
+
+    Idempotent per set of actors. Since an actor can join only one group per backend, actors
+    that already sit in other groups are merged: those groups are destroyed and one group over
+    the union is made. Merge only while no transfer is in flight (e.g. at scale-out).
+    """
+    from ray.experimental import collective
+
+    group_backend = _group_backend(backend)
+    actors = list(actors)
+    with _groups_lock:
+        existing = collective.get_collective_groups(actors, backend=group_backend)
+        if existing:
+            return existing[0]
+        members = {a._ray_actor_id: a for a in actors}
+        for actor in actors:
+            for group in collective.get_collective_groups([actor], backend=group_backend):
+                members.update({a._ray_actor_id: a for a in group.actors})
+                collective.destroy_collective_group(group)
+        return collective.create_collective_group(list(members.values()), backend=group_backend)
+
+
+def route(
+    producer: Any,
+    consumer: Any,
+    handle: TransferHandle,
+    *args: Any,
+    backend: str = "gloo",
+    send_method: str = "kv_send",
+    recv_method: str = "kv_recv",
+    **kwargs: Any,
+):
+    """Send the staged pages of ``handle`` from ``producer`` to ``consumer``; returns the ref of
+    ``consumer.<recv_method>(handle, pages, *args, sent_at=..., **kwargs)``."""
+    sent_at = time.time()
+    send = getattr(producer, send_method).options(tensor_transport=_tensor_transport(backend))
+    pages_ref = send.remote(handle.transfer_id)
+    return getattr(consumer, recv_method).remote(
+        handle, pages_ref, *args, sent_at=sent_at, **kwargs
+    )
+
+
+def send_pages(producer: Any, transfer_id: str) -> torch.Tensor:
+    """Body of the producer's ``kv_send``: the staged tensor (``producer`` is a KVProducer)."""
+    return producer.take(transfer_id)
+
+
+def receive_pages(
+    consumer: Any,
+    handle: TransferHandle,
+    pages: torch.Tensor,
+    kv_cache: torch.Tensor | None = None,
+    dest_block_ids: Sequence[int] | None = None,
+    sent_at: float | None = None,
+) -> TransferResult:
+    """Body of the consumer's ``kv_recv`` (``consumer`` is a KVConsumer): check the arrived
+    tensor against the handle and scatter it into ``kv_cache`` when given."""
+    return consumer.accept(handle, pages, kv_cache, dest_block_ids, sent_at=sent_at)
+
+
+def check_arrived(handle: TransferHandle, pages: torch.Tensor) -> None:
+    """The tensor that RDT delivered matches the handle (shape, dtype, checksum)."""
+    if tuple(pages.shape) != tuple(handle.shape) or dtype_name(pages.dtype) != handle.dtype:
+        raise TransferError(
+            f"transfer {handle.transfer_id}: received {tuple(pages.shape)} {pages.dtype}, "
+            f"handle says {handle.shape} {handle.dtype}"
+        )
+    if handle.checksum is not None:
+        KVTransport._verify(handle, as_bytes(pages.detach().to("cpu").contiguous()))
+
+
+class RdtTransport(KVTransport):
+    """Keeps staged tensors (on their device) for ``take``; nothing is pulled: see ``route``."""
+
+    name = "rdt"
+
+    def __init__(self, **cfg):
+        super().__init__(**cfg)
+        self._lock = threading.Lock()
+        self._staged: dict[str, torch.Tensor] = {}
+
+    def _to_host(self, pages: torch.Tensor) -> torch.Tensor:
+        return pages.detach().contiguous()  # stays on its device: nccl sends GPU tensors
+
+    def _stage(self, handle: TransferHandle, pages: torch.Tensor) -> TransferHandle:
+        if self.checksum:
+            checksum, algo = self._checksum_of(as_bytes(pages.to("cpu")))
+            handle = replace(handle, checksum=checksum, checksum_algo=algo)
+        with self._lock:
+            self._staged[handle.transfer_id] = pages
+        return handle
+
+    def release(self, transfer_id: str) -> bool:
+        with self._lock:
+            return self._staged.pop(transfer_id, None) is not None
+
+    def take(self, transfer_id: str) -> torch.Tensor:
+        with self._lock:
+            pages = self._staged.get(transfer_id)
+        if pages is None:
+            raise TransferError(
+                f"transfer {transfer_id} is not staged here: released, expired or never staged"
+            )
+        return pages
+
+    def staged_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._staged)
+
+    def fetch(self, handle: TransferHandle) -> torch.Tensor:
+        raise TransferError(
+            f"rdt transfer {handle.transfer_id} cannot be pulled: the orchestrator sends it with "
+            "kvtransfer.rdt.route(producer, consumer, handle, ...)"
+        )
+
+
+def _group_backend(backend: str) -> str:
+    if backend not in _GROUP_BACKEND:
+        raise ValueError(f"unknown RDT backend {backend!r}; valid: gloo, nccl")
+    return _GROUP_BACKEND[backend]
+
+
+def _tensor_transport(backend: str) -> str:
+    _group_backend(backend)
+    return _TENSOR_TRANSPORT[backend]
