@@ -204,8 +204,45 @@ class LLMEngine:
         if not (reason == "stop" and req.sampling.stop and req.output_text):
             req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
         req.finish(reason, now)
-        self.scheduler.finish(req)
+        self.scheduler.finish(req, free_blocks=not (req.hold_kv and reason != "abort"))
+        self.requests.pop(req.request_id, None)
         self.stats.requests_finished += 1
+
+    # ---- disaggregation hooks ----------------------------------------------------------------
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks a finished `hold_kv` request kept for its transfer lease."""
+        self.kv.free(request_id)
+
+    def reserve(self, req: Request) -> int | None:
+        """Decode side: take the request's prefix hit and reserve blocks for its whole prompt
+        before anyone computes it (decode-first admission). Returns the hit in blocks, or None
+        (nothing reserved) when the pool cannot take it now."""
+        hits = self.kv.match_prefix(req.namespace_root, req.block_hashes, req.all_token_ids,
+                                    req.num_tokens - 1)
+        new = self.kv.allocate_slots(req.request_id, req.num_tokens, hits)
+        if new is None:
+            return None
+        self.requests[req.request_id] = req
+        req.lifecycle.blocks_allocated += len(new)
+        req.lifecycle.cached_tokens = len(hits) * self.cfg.block_size
+        self.stats.prompt_tokens += len(req.prompt_token_ids)
+        self.stats.reused_tokens += req.lifecycle.cached_tokens
+        return len(hits)
+
+    def activate(self, req: Request, first_token: int) -> StepOutput:
+        """Decode side: the reserved request's prompt KV is in its blocks now; add the first
+        token (sampled by the prefill worker) and let it decode."""
+        now = time.perf_counter()
+        req.num_computed_tokens = req.num_tokens
+        req.append_token(first_token, now)
+        self.kv.cache_computed(req.request_id, req.namespace_root, req.block_hashes,
+                               req.all_token_ids, req.num_computed_tokens)
+        req.status = RequestStatus.RUNNING
+        self.scheduler.running.append(req)
+        reason = self._stop_reason(req)
+        if reason:
+            self._finish(req, reason, now)
+        return StepOutput(req, [first_token], reason is not None)
 
     def generate(self, prompts: Iterable, sampling: SamplingParams | None = None,
                  **kw) -> list[Request]:

@@ -118,13 +118,14 @@ class Scheduler:
         self.stats.preemptions += 1
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request) -> None:
+    def finish(self, req: Request, free_blocks: bool = True) -> None:
         """Release a finished (or aborted) request's blocks; its full blocks stay cached."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req.request_id)
+        if free_blocks:
+            self.kv.free(req.request_id)
 
     def stored_tokens(self) -> tuple[int, int]:
         """(tokens held in referenced blocks, referenced blocks), shared blocks counted once."""
