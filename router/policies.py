@@ -1,0 +1,413 @@
+"""Routing policies: which prefill worker computes a request and which decode worker takes it,
+from the workers' load and the prefix index's per-worker match counts.
+
+Policies by name (`make_policy`):
+  round_robin   next worker in turn;
+  least_loaded  fewest queued + running prefill tokens;
+  cache_aware   SGLang router: if load is imbalanced (absolute and relative thresholds on
+                in-flight requests) -> shortest queue; else the best match if its match ratio
+                passes `cache_threshold`; else the worker with the smallest routing-history tree;
+  kv_cost       Dynamo KV router: argmin of overlap_weight x potential prefill blocks (queued
+                + this request's uncached) + potential active blocks;
+  locality      ours (default): Mooncake-Conductor style estimated TTFT per worker = queue wait
+                + prefill time of the uncached part + KV transfer time, from the workers' measured
+                rates; argmin of that TTFT plus the recompute work it costs everyone queued
+                behind; rejects early (SLOUnmeetable -> 429) when no worker can meet the SLO.
+Every policy shares one decode choice (BasePolicy.choose_decode).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from kvcache.hashing import BlockHash
+from router.prefix_index import ApproxPrefixIndex
+
+
+@dataclass
+class WorkerState:
+    """What the router knows of one worker at decision time (reported, then kept up to date
+    locally between reports). Token counts are tokens still to compute, not prompt lengths."""
+
+    worker_id: str
+    queued_tokens: int = 0        # prefill tokens waiting in the worker's queue (uncached part)
+    running_tokens: int = 0       # prefill tokens still to compute in running requests; for a
+                                  # decode worker, the context tokens of its running sequences
+    num_requests: int = 0         # requests in flight (queued + running): SGLang's "load"
+    active_blocks: int = 0        # KV blocks held by in-flight requests: Dynamo's active blocks
+    cached_blocks: int = 0        # prefix-cache blocks the index attributes to the worker
+    free_blocks: int = 0          # blocks an allocation could take now (free + evictable)
+    total_blocks: int = 0
+    prefill_tok_s: float = 10_000.0   # measured prefill rate at zero context, tokens / s
+    prefill_ctx_tokens: float = 0.0   # measured context at which a token costs twice as much
+                                      # (attention); 0: cost independent of context
+    overhead_s: float = 0.0           # measured fixed cost of one prefill request, s
+    transfer_gbps: float = 10.0       # measured KV transfer bandwidth, GB/s (1e9 bytes)
+    backlog_s: float | None = None    # worker's own estimate of its queued + running seconds
+    draining: bool = False
+
+    @property
+    def load_tokens(self) -> int:
+        return self.queued_tokens + self.running_tokens
+
+    def wait_s(self) -> float:
+        """Seconds until this worker could start a new request: its own estimate if it sent one,
+        else its queued + running tokens at its measured rate."""
+        if self.backlog_s is not None:
+            return self.backlog_s
+        return (self.queued_tokens + self.running_tokens) / self.prefill_tok_s
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    request_id: str
+    block_hashes: Sequence[BlockHash]   # chained, under the request's cache namespace
+    num_tokens: int                     # prompt tokens
+    block_size: int
+    tenant: str = ""                    # informational: the tenant is already in the hashes
+    output_tokens: int = 0              # expected / max new tokens (decode capacity)
+    decode_cached_blocks: int = 0       # leading blocks the chosen decode worker holds
+    arrival_s: float | None = None      # router clock at arrival (None: time.monotonic())
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
+
+
+class RoutingDecision(NamedTuple):
+    worker_id: str
+    reason: str                 # cache_hit | balance | least_loaded | round_robin | min_cost |
+                                # min_ttft | smallest_tree | decode_fit
+    est_ttft_s: float | None    # the policy's estimate, when it makes one
+    matched_blocks: int         # leading blocks the chosen worker holds
+
+
+class RoutingRejected(RuntimeError):
+    """No worker can take the request now; the ingress answers 429 with Retry-After."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class SLOUnmeetable(RoutingRejected):
+    """Every worker's estimated TTFT exceeds the SLO (reason "slo_reject")."""
+
+    def __init__(self, best_ttft_s: float, slo_s: float) -> None:
+        super().__init__("slo_reject",
+                         f"best estimated TTFT {best_ttft_s:.2f}s exceeds the SLO {slo_s:.2f}s",
+                         retry_after_s=max(1.0, math.ceil(best_ttft_s - slo_s)))
+        self.best_ttft_s = best_ttft_s
+        self.slo_s = slo_s
+
+
+def prefill_seconds(num_tokens: int, num_cached_tokens: int, tok_s: float,
+                    attn_ctx_tokens: float = 0.0) -> float:
+    """Compute time of prompt tokens [num_cached_tokens, num_tokens).
+
+    A token at position p costs (1 + p / attn_ctx_tokens) / tok_s: the linear layers cost the
+    same for every token, attention grows with the context it attends to (0 disables that).
+    Summed over the uncached tokens: u / tok_s * (1 + (num_tokens + num_cached) / (2 ctx)).
+    """
+    u = num_tokens - num_cached_tokens
+    if u <= 0:
+        return 0.0
+    t = u / tok_s
+    if attn_ctx_tokens > 0:
+        t *= 1.0 + (num_tokens + num_cached_tokens) / (2.0 * attn_ctx_tokens)
+    return t
+
+
+def cached_tokens(req: RoutingRequest, matched_blocks: int) -> int:
+    """Prompt tokens a worker holding `matched_blocks` leading blocks need not compute."""
+    return min(matched_blocks * req.block_size, req.num_tokens)
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose_prefill(self, req: RoutingRequest, workers: Sequence[WorkerState],
+                       matches: Mapping[str, int]) -> RoutingDecision: ...
+
+    def choose_decode(self, req: RoutingRequest, decode_workers: Sequence[WorkerState],
+                      matches: Mapping[str, int]) -> RoutingDecision: ...
+
+
+def _available(workers: Sequence[WorkerState]) -> list[WorkerState]:
+    out = [w for w in workers if not w.draining]
+    if not out:
+        raise RoutingRejected("no_workers", "no worker is available (all draining or none)")
+    return out
+
+
+class BasePolicy:
+    """Shared decode choice; subclasses implement `choose_prefill`."""
+
+    name = "base"
+
+    def __init__(self, decode_transfer_weight: float = 1.0) -> None:
+        self.decode_transfer_weight = decode_transfer_weight
+
+    def choose_prefill(self, req: RoutingRequest, workers: Sequence[WorkerState],
+                       matches: Mapping[str, int]) -> RoutingDecision:
+        raise NotImplementedError
+
+    def choose_decode(self, req: RoutingRequest, decode_workers: Sequence[WorkerState],
+                      matches: Mapping[str, int]) -> RoutingDecision:
+        """Among decode workers with room for the request, the lowest cost
+        transfer_weight x blocks to pull (those it lacks) + running tokens / block_size:
+        a worker that already holds the prefix pulls less; ties go to the most free blocks."""
+        out_blocks = -(-(req.num_tokens + req.output_tokens) // req.block_size)
+        best: tuple[float, int] | None = None
+        choice: RoutingDecision | None = None
+        for w in _available(decode_workers):
+            hit = min(matches.get(w.worker_id, 0), req.num_blocks)
+            need = out_blocks - hit
+            if need > w.free_blocks:
+                continue
+            cost = self.decode_transfer_weight * (req.num_blocks - hit) \
+                + w.running_tokens / req.block_size
+            key = (cost, -w.free_blocks)
+            if best is None or key < best:
+                best, choice = key, RoutingDecision(w.worker_id, "decode_fit", None, hit)
+        if choice is None:
+            raise RoutingRejected("no_decode_capacity",
+                                  f"no decode worker has {out_blocks} free blocks")
+        return choice
+
+
+class RoundRobin(BasePolicy):
+    name = "round_robin"
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._next = 0
+
+    def choose_prefill(self, req, workers, matches):
+        ws = _available(workers)
+        w = ws[self._next % len(ws)]
+        self._next += 1
+        return RoutingDecision(w.worker_id, "round_robin", None, matches.get(w.worker_id, 0))
+
+
+class LeastLoaded(BasePolicy):
+    """Fewest queued + running prefill tokens (not requests); ties: fewer requests, then the
+    least recently chosen (idle workers take turns)."""
+
+    name = "least_loaded"
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._decisions = 0
+        self._last_chosen: dict[str, int] = {}
+
+    def choose_prefill(self, req, workers, matches):
+        last = self._last_chosen
+        w = min(_available(workers),
+                key=lambda w: (w.load_tokens, w.num_requests, last.get(w.worker_id, -1)))
+        self._decisions += 1
+        last[w.worker_id] = self._decisions
+        return RoutingDecision(w.worker_id, "least_loaded", None, matches.get(w.worker_id, 0))
+
+
+class CacheAware(BasePolicy):
+    """SGLang router's cache_aware policy, on block hashes instead of characters.
+
+    Load is the number of in-flight requests, as in SGLang. Imbalanced when
+    max - min > balance_abs_threshold and max > balance_rel_threshold * min: shortest queue.
+    Otherwise the worker with the longest match if matched / request blocks > cache_threshold,
+    else the worker whose tree is smallest (ties: fewer in-flight requests). As in SGLang, the
+    tree is the policy's own routing history (the blocks routed to each worker, LRU-capped at
+    max_tree_blocks), which also predicts blocks still being computed; with
+    `use_index_matches=True` matches come from the router's prefix index instead.
+    """
+
+    name = "cache_aware"
+
+    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5, max_tree_blocks: int = 1 << 17,
+                 use_index_matches: bool = False, **kw) -> None:
+        super().__init__(**kw)
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.use_index_matches = use_index_matches
+        self.tree = ApproxPrefixIndex(ttl_s=None, max_blocks_per_worker=max_tree_blocks,
+                                      clock=lambda: 0.0)
+
+    def choose_prefill(self, req, workers, matches):
+        ws = _available(workers)
+        if not self.use_index_matches:
+            matches = self.tree.match(req.block_hashes, now=0.0)
+        loads = [w.num_requests for w in ws]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
+            w = ws[loads.index(lo)]
+            reason = "balance"
+        else:
+            w = max(ws, key=lambda w: matches.get(w.worker_id, 0))
+            best = matches.get(w.worker_id, 0)
+            if req.num_blocks and best / req.num_blocks > self.cache_threshold:
+                reason = "cache_hit"
+            else:
+                w = min(ws, key=lambda w: (self.tree.num_blocks(w.worker_id), w.num_requests))
+                reason = "smallest_tree"
+        self.tree.record(w.worker_id, req.block_hashes, now=0.0)
+        return RoutingDecision(w.worker_id, reason, None, matches.get(w.worker_id, 0))
+
+
+class KVCost(BasePolicy):
+    """Dynamo's KV router cost: logit = overlap_score_weight x potential prefill blocks
+    + potential active blocks, where potential prefill blocks = (the worker's queued + running
+    prefill tokens + this request's uncached tokens) / block_size and potential active blocks =
+    the worker's active blocks + the request's new blocks. Temperature 0: argmin, ties broken at
+    random as Dynamo does (seeded); > 0: softmax sampling of -logit / temperature over logits
+    normalised by their max."""
+
+    name = "kv_cost"
+
+    def __init__(self, overlap_score_weight: float = 1.0, temperature: float = 0.0,
+                 seed: int = 0, **kw) -> None:
+        super().__init__(**kw)
+        self.overlap_score_weight = overlap_score_weight
+        self.temperature = temperature
+        self._rng = random.Random(seed)
+
+    def logits(self, req: RoutingRequest, ws: Sequence[WorkerState],
+               matches: Mapping[str, int]) -> list[float]:
+        bs = req.block_size
+        out = []
+        for w in ws:
+            hit = matches.get(w.worker_id, 0)
+            prefill_tokens = w.load_tokens + req.num_tokens - cached_tokens(req, hit)
+            decode_blocks = w.active_blocks + req.num_blocks - hit
+            out.append(self.overlap_score_weight * prefill_tokens / bs + decode_blocks)
+        return out
+
+    def choose_prefill(self, req, workers, matches):
+        ws = _available(workers)
+        logits = self.logits(req, ws, matches)
+        if self.temperature <= 0:
+            lo = min(logits)
+            i = self._rng.choice([i for i, x in enumerate(logits) if x <= lo + 1e-9])
+        else:
+            top = max(logits) or 1.0
+            weights = [math.exp(-(x / top) / self.temperature) for x in logits]
+            i = self._rng.choices(range(len(ws)), weights=weights)[0]
+        w = ws[i]
+        return RoutingDecision(w.worker_id, "min_cost", None, matches.get(w.worker_id, 0))
+
+
+class Locality(BasePolicy):
+    """Ours: estimated TTFT per worker, Mooncake-Conductor style, from measured rates.
+
+      ttft(w)    = wait(w)                       the worker's queued + running work, seconds
+                 + compute(w)                    overhead + prefill_seconds of the part of the
+                                                 prompt w does not hold, at w's measured rate
+                 + transfer(w)                   bytes of the KV the decode worker lacks / w's
+                                                 measured bandwidth (when kv_bytes_per_token)
+      cost(w)    = ttft(w) + beta * compute(w)
+      beta       = work_weight * max(1, shortest wait / overload_wait_s)
+
+    The worker of least cost wins; workers within `tie_s` of it count as tied and the one
+    holding the most leading blocks, then the fewest cached blocks (most room), then the
+    least recently chosen wins.
+
+    Why the extra `beta * compute`: recomputing a prefix that another worker holds is work that
+    every request queued behind it waits for; pure earliest-TTFT routing spreads a popular
+    prefix over every worker that is momentarily free, duplicating it in every cache and
+    evicting others' prefixes. Charging the compute twice (beta = 1) keeps a prefix on its
+    holder unless the holder's queue is longer than the recompute (a hot prefix then spills
+    to other workers, which pure cache affinity never does). When every worker has a queue
+    (overload), each recomputed second delays all of them, so beta grows with the shortest
+    wait.
+
+    The prefix index only knows blocks whose KV events have arrived, i.e. prefills that have
+    finished. Locality also remembers its own decisions until `inflight_margin_s` after their
+    estimated TTFT, so a request sharing a prefix that is still being computed can queue
+    behind it on the same worker instead of recomputing it elsewhere.
+
+    If even the best estimated TTFT exceeds `ttft_slo_s`, raises SLOUnmeetable (429 upstream).
+    """
+
+    name = "locality"
+
+    def __init__(self, ttft_slo_s: float | None = None, kv_bytes_per_token: int = 0, work_weight: float = 1.0,
+                 overload_wait_s: float = 5.0, tie_s: float = 0.05,
+                 inflight_margin_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic, **kw) -> None:
+        super().__init__(**kw)
+        self.ttft_slo_s = ttft_slo_s
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.work_weight = work_weight
+        self.overload_wait_s = overload_wait_s
+        self.tie_s = tie_s
+        self.inflight_margin_s = inflight_margin_s
+        self.clock = clock
+        self.inflight = ApproxPrefixIndex(ttl_s=inflight_margin_s, clock=clock)
+        self._decisions = 0
+        self._last_chosen: dict[str, int] = {}
+
+    def estimate(self, req: RoutingRequest, w: WorkerState, matched_blocks: int
+                 ) -> tuple[float, float]:
+        """(estimated TTFT on w, of which prefill compute seconds)."""
+        hit_tokens = cached_tokens(req, matched_blocks)
+        if hit_tokens >= req.num_tokens:  # one token is always computed (its logits)
+            hit_tokens = req.num_tokens - 1
+        compute = w.overhead_s + prefill_seconds(
+            req.num_tokens, hit_tokens, w.prefill_tok_s, w.prefill_ctx_tokens)
+        t = w.wait_s() + compute
+        if self.kv_bytes_per_token:
+            lacking = max(req.num_tokens - req.decode_cached_blocks * req.block_size, 0)
+            t += lacking * self.kv_bytes_per_token / (w.transfer_gbps * 1e9)
+        return t, compute
+
+    def choose_prefill(self, req, workers, matches):
+        ws = _available(workers)
+        now = self.clock() if req.arrival_s is None else req.arrival_s
+        pending = self.inflight.match(req.block_hashes, now=now)
+        hits = [max(matches.get(w.worker_id, 0), pending.get(w.worker_id, 0)) for w in ws]
+        beta = self.work_weight
+        if self.overload_wait_s > 0:
+            beta *= max(1.0, min(w.wait_s() for w in ws) / self.overload_wait_s)
+        est, cost = [], []
+        for w, h in zip(ws, hits, strict=True):
+            t, compute = self.estimate(req, w, h)
+            est.append(t)
+            cost.append(t + beta * compute)
+        if self.ttft_slo_s is not None and min(est) > self.ttft_slo_s:
+            raise SLOUnmeetable(min(est), self.ttft_slo_s)
+        bound = min(cost) + self.tie_s
+        last = self._last_chosen
+        i = min((i for i in range(len(ws)) if cost[i] <= bound),
+                key=lambda i: (-hits[i], ws[i].cached_blocks, last.get(ws[i].worker_id, -1),
+                               cost[i]))
+        w = ws[i]
+        self._decisions += 1
+        last[w.worker_id] = self._decisions
+        self.inflight.record(w.worker_id, req.block_hashes, now=now,
+                             ttl_s=est[i] + self.inflight_margin_s)
+        return RoutingDecision(w.worker_id, "cache_hit" if hits[i] else "min_ttft", est[i],
+                               hits[i])
+
+
+POLICIES: dict[str, type[BasePolicy]] = {
+    p.name: p for p in (RoundRobin, LeastLoaded, CacheAware, KVCost, Locality)
+}
+DEFAULT_POLICY = Locality.name
+
+
+def make_policy(name: str = DEFAULT_POLICY, **cfg) -> BasePolicy:
+    """A fresh policy by name; unknown names raise ValueError listing the valid ones."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; valid: "
+                         f"{', '.join(sorted(POLICIES))}") from None
+    return cls(**cfg)

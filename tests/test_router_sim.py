@@ -1,0 +1,112 @@
+"""Routing simulator and benchmark on a slice of the shared Mooncake trace."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.bench import run_routing_bench
+from router.policies import POLICIES, make_policy
+from router.sim import SimConfig, Simulator, ceiling_hit_rate, simulate, trace_hashes
+from router.trace import default_trace_path, load_trace
+
+TRACE = default_trace_path()
+REPO = Path(__file__).resolve().parents[1]
+needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"shared trace not found: {TRACE}")
+
+
+@pytest.fixture(scope="module")
+def head():
+    return load_trace(TRACE, limit=600)
+
+
+@needs_trace
+def test_full_trace_ceiling_matches_its_readme():
+    reqs = load_trace(TRACE)
+    assert len(reqs) == 3993
+    assert ceiling_hit_rate(reqs) == pytest.approx(0.651, abs=0.002)
+
+
+@needs_trace
+@pytest.mark.parametrize("policy", ["locality", "round_robin"])
+def test_precise_index_equals_worker_pools_after_replay(head, policy):
+    sim = Simulator(policy, SimConfig(num_workers=4, capacity_blocks=300))
+    sim.run(head)
+    sim.flush()
+    for w in sim.workers:
+        w.pool.check_invariants()
+        held = {b.block_hash for b in w.pool.blocks if b.block_hash is not None}
+        assert held and sim.index.blocks_of(w.worker_id) == held
+
+
+@needs_trace
+def test_report_keys_and_determinism(head):
+    cfg = SimConfig(num_workers=4, capacity_blocks=2000)
+    a = simulate(head, "locality", cfg)
+    b = simulate(head, "locality", cfg)
+    assert a == b
+    for key in ("hit_rate", "ceiling_hit_rate", "hit_ratio_of_ceiling", "max_over_mean_load",
+                "ttft_p50_s", "ttft_p99_s"):
+        assert isinstance(a[key], float)
+    assert 0 < a["hit_rate"] <= a["ceiling_hit_rate"] + 1e-9
+    assert a["ttft_p50_s"] <= a["ttft_p99_s"]
+
+
+@needs_trace
+def test_locality_keeps_hits_and_balance_where_round_robin_loses_hits(head):
+    cfg = SimConfig(num_workers=8, capacity_blocks=4096)
+    hashes = trace_hashes(head)
+    ceil = ceiling_hit_rate(head, hashes=hashes)
+    loc = simulate(head, make_policy("locality"), cfg, hashes, ceil)
+    rr = simulate(head, make_policy("round_robin"), cfg, hashes, ceil)
+    assert loc["hit_ratio_of_ceiling"] >= 0.9 > rr["hit_ratio_of_ceiling"]
+    assert loc["max_over_mean_load"] <= 1.25
+    assert loc["ttft_p99_s"] < rr["ttft_p99_s"]
+
+
+@needs_trace
+def test_approximate_index_mode_predicts_hits(head):
+    cfg = SimConfig(num_workers=4, capacity_blocks=2000, index_mode="approx")
+    r = simulate(head, "kv_cost", cfg)
+    assert r["hit_rate"] > 0.5 * r["ceiling_hit_rate"]
+    with pytest.raises(ValueError):
+        simulate(head, "kv_cost", dataclasses.replace(cfg, index_mode="exact"))
+
+
+@needs_trace
+def test_slo_rejections_are_counted_not_served(head):
+    r = simulate(head, make_policy("locality", ttft_slo_s=0.05),
+                 SimConfig(num_workers=2, capacity_blocks=2000))
+    assert r["rejected"] > 0 and r["reasons"]["slo_reject"] == r["rejected"]
+    assert r["ttft_p99_s"] <= 0.05 + 1e-6
+
+
+@needs_trace
+def test_quick_bench_layout():
+    d = run_routing_bench(quick=True)
+    assert d["num_requests"] == 1000 and d["decision"]["blocks_indexed"] == 100_000
+    assert 0 < d["decision_us_p50"] <= d["decision_us_p99"]
+    assert set(d["policies"]) == set(POLICIES)
+    for per_size in d["policies"].values():
+        assert set(per_size) == {"4", "8", "16"}
+        for r in per_size.values():
+            for key in ("hit_ratio_of_ceiling", "max_over_mean_load", "ttft_p99_s"):
+                assert isinstance(r[key], float)
+    json.dumps(d)
+
+
+def test_router_never_imports_torch():
+    code = (
+        "import importlib, pkgutil, sys, router\n"
+        "for m in pkgutil.iter_modules(router.__path__):\n"
+        "    importlib.import_module('router.' + m.name)\n"
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "print(len(list(pkgutil.iter_modules(router.__path__))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True)
+    assert int(out.stdout) >= 6
