@@ -50,6 +50,7 @@ class EngineStats:
     requests_finished: int = 0
     requests_rejected: int = 0
     steps: int = 0
+    busy_s: float = 0.0           # seconds spent in model steps
     _util_sum: float = 0.0        # sum over steps of per-step block utilization
     _util_steps: int = 0
 
@@ -57,6 +58,10 @@ class EngineStats:
         if used_blocks:
             self._util_sum += stored_tokens / (used_blocks * self.block_size)
             self._util_steps += 1
+
+    def prefill_tok_s(self, default: float = 5_000.0) -> float:
+        """Measured compute rate (tokens computed per busy second); `default` before data."""
+        return self.computed_tokens / self.busy_s if self.busy_s > 0.5 else default
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}

@@ -65,25 +65,31 @@ def test_disagg_matches_single_engine_for_every_transport(transport, reference):
 def test_prefix_hits_on_prefill_decode_and_both(reference):
     first, second = SHARED + random_prompt(7, seed=5), SHARED + random_prompt(13, seed=6)
     expected = reference([first, second])
-    # 1 P + 2 D: the second request hits on P only (round robin puts it on the other D)
-    # 2 P + 1 D: on D only;  1 P + 1 D: on both
-    for n_p, n_d, p_hit, d_hit in [(1, 2, True, False), (2, 1, False, True), (1, 1, True, True)]:
-        cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=n_p, num_decode=n_d))
-        try:
+    cluster = PDCluster(PDConfig(engine=ENGINE))
+    p, d = cluster.prefill[0], cluster.decode[0]
+    try:
+        # forget the other side's cache between the two requests: a hit on P only, D only, both
+        for forget, p_hit, d_hit in [(d, True, False), (p, False, True), (None, True, True)]:
+            for w in (p, d):
+                ray.get(w.reset_prefix_cache.remote())
+            reused_before = ray.get(p.stats.remote())["reused_tokens"]
             a = cluster.run_request(first, GREEDY)
+            if forget is not None:
+                ray.get(forget.reset_prefix_cache.remote())
             b = cluster.run_request(second, GREEDY)
             assert [a["token_ids"], b["token_ids"]] == expected
             assert a["lifecycle"]["skipped_blocks"] == 0
-            assert (b["lifecycle"]["skipped_blocks"] == 2) == d_hit, (n_p, n_d)
-            stats = {s["worker_id"]: s for s in cluster.stats()}
-            p_reused = sum(s["reused_tokens"] for k, s in stats.items() if k.startswith("prefill"))
-            assert (p_reused == 32) == p_hit, (n_p, n_d, p_reused)
+            assert (b["lifecycle"]["skipped_blocks"] == 2) == d_hit
+            p_reused = ray.get(p.stats.remote())["reused_tokens"] - reused_before
+            assert (p_reused == 32) == p_hit, p_reused
             if d_hit:   # delta transfer: only the blocks D lacks travel
                 assert b["lifecycle"]["transferred_blocks"] == 4 - 2
                 assert b["lifecycle"]["transfer_bytes"] < a["lifecycle"]["transfer_bytes"]
+            else:
+                assert b["lifecycle"]["transferred_blocks"] == 4
             _clean(cluster)
-        finally:
-            cluster.shutdown()
+    finally:
+        cluster.shutdown()
 
 
 def test_conditional_local_prefill(reference):
@@ -193,6 +199,55 @@ def test_decode_first_admission_waits_for_capacity(reference):
         results = cluster.generate(prompts, GREEDY)
         assert [r.get("error") for r in results] == [None] * 6
         assert [r["token_ids"] for r in results] == reference(prompts)
+        _clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_streamed_deltas_add_up_to_the_final_text():
+    cluster = PDCluster(PDConfig(engine=ENGINE))
+    try:
+        free = cluster.run_request("stream me please", SamplingParams(max_tokens=16,
+                                                                      ignore_eos=True))
+        deltas: list[dict] = []
+        r = cluster.run_request("stream me please", SamplingParams(max_tokens=16,
+                                                                   ignore_eos=True),
+                                on_delta=deltas.append)
+        assert "".join(d["text"] for d in deltas) == r["text"] == free["text"]
+        assert [t for d in deltas for t in d["token_ids"]] == r["token_ids"]
+        stop = free["text"][4:7]
+        if stop.strip():
+            deltas.clear()
+            s = cluster.run_request("stream me please", SamplingParams(
+                max_tokens=16, ignore_eos=True, stop=(stop,)), on_delta=deltas.append)
+            streamed = "".join(d["text"] for d in deltas)
+            assert streamed == s["text"] and stop not in streamed
+            assert s["lifecycle"]["finish_reason"] == "stop"
+        _clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_router_sends_a_shared_prefix_to_the_prefill_worker_holding_it():
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, policy="locality"))
+    try:
+        a = cluster.run_request(SHARED + random_prompt(7, seed=8), GREEDY)
+        cluster.orchestrator.refresh()      # the KV events of a's prefill reach the index
+        b = cluster.run_request(SHARED + random_prompt(9, seed=9), GREEDY)
+        assert b["lifecycle"]["prefill_worker"] == a["lifecycle"]["prefill_worker"]
+        assert b["lifecycle"]["cached_tokens"] >= 32
+        assert any(k.startswith("locality:cache_hit") for k in cluster.orchestrator.decisions)
+        _clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_colocated_mode_without_prefill_workers(reference):
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=0, num_decode=2))
+    try:
+        results = cluster.generate(PROMPTS, GREEDY)
+        assert [r["token_ids"] for r in results] == reference(PROMPTS)
+        assert all(r["lifecycle"]["transfer_bytes"] == 0 for r in results)
         _clean(cluster)
     finally:
         cluster.shutdown()

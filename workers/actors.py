@@ -25,6 +25,7 @@ import ray
 from kvtransfer import rdt
 from kvtransfer.base import TransferError, TransferHandle
 from kvtransfer.endpoint import KVConsumer, KVProducer
+from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import EngineConfig, LLMEngine, RequestError, StepOutput
 from workers.request import RequestStatus, SamplingParams
 
@@ -118,6 +119,36 @@ class _EngineHost:
             self.engine.check_invariants()
             return self.engine.kv.pool.counts()
 
+    def prepare(self, spec: dict) -> dict:
+        """Tokenize and hash a request (router side needs its block hashes to route it)."""
+        req = self.engine.make_request(spec.get("prompt_token_ids") or spec.get("prompt"),
+                                       None, request_id="prepare-probe",
+                                       chat=spec.get("chat", False),
+                                       tenant=spec.get("tenant", ""),
+                                       lora_id=spec.get("lora_id", ""))
+        return {"prompt_token_ids": req.prompt_token_ids, "block_hashes": req.block_hashes,
+                "block_size": req.block_size}
+
+    def load_report(self) -> dict:
+        """KV events since the last report plus the load the router's policies look at."""
+        from kvcache.events import event_to_dict
+        with self._lock:
+            e = self.engine
+            events = [event_to_dict(ev) for ev in e.take_kv_events()]
+            sched = e.scheduler
+            queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+            if self.role == "decode":
+                running = sum(r.num_tokens for r in sched.running)
+            else:
+                running = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
+            pool = e.kv.pool
+            return {"worker_id": self.worker_id, "events": events, "queued_tokens": queued,
+                    "running_tokens": running,
+                    "num_requests": len(sched.waiting) + len(sched.running),
+                    "active_blocks": pool.num_used_blocks, "cached_blocks": pool.num_cached_blocks,
+                    "free_blocks": pool.num_free_blocks, "total_blocks": pool.num_blocks,
+                    "prefill_tok_s": e.stats.prefill_tok_s(), "draining": False}
+
     def take_kv_events(self) -> list[dict]:
         from kvcache.events import event_to_dict
         with self._lock:
@@ -130,6 +161,11 @@ class _EngineHost:
         if q is not None:
             q.put(_DONE)
         return done
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (blocks in use stay); publishes an AllBlocksCleared event."""
+        with self._lock:
+            self.engine.kv.pool.reset_prefix_cache()
 
     def ping(self) -> str:
         return self.worker_id
@@ -225,6 +261,7 @@ class DecodeHost(_EngineHost):
 
     def __init__(self, *args, **kw) -> None:
         self._finished: dict[str, dict] = {}  # request_id -> result, until its stream ends
+        self._stops: dict[str, tuple[str, ...]] = {}  # request_id -> stop strings (streaming)
         super().__init__(*args, **kw)
         self.consumer = KVConsumer(self.transport_name, **self._transport_cfg)
         self._reserved: dict[str, Any] = {}   # request_id -> Request awaiting its pages
@@ -249,6 +286,7 @@ class DecodeHost(_EngineHost):
             hits = self.engine.kv.match_prefix(req.namespace_root, req.block_hashes,
                                                req.all_token_ids, req.num_tokens - 1)
             uncached = req.num_tokens - len(hits) * self.engine.cfg.block_size
+            self._stops[req.request_id] = req.sampling.stop
             common = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
                       "decode_worker": self.worker_id}
             if uncached <= local_prefill_max_tokens:
@@ -339,16 +377,22 @@ class DecodeHost(_EngineHost):
         return super().abort(request_id)
 
     def stream(self, request_id: str, timeout: float = 600.0):
-        """Yield lists of new token ids as they are produced; the last item is the result."""
+        """Yield {"token_ids", "text"} deltas as tokens are produced, then the final result
+        {"done": True, "text", "token_ids", "lifecycle"} (no result: the request was aborted)."""
         q = self._queues.get(request_id)
         if q is None:
             raise RequestError(f"unknown request {request_id} on {self.worker_id}")
+        detok = IncrementalDetokenizer(self.engine.tokenizer,
+                                       self._stops.pop(request_id, ()))
         try:
             while (item := self._next(q, timeout)) is not _DONE:
-                yield item
+                yield {"token_ids": item, "text": detok.add(item)}
         finally:
             self._queues.pop(request_id, None)
-        yield {"done": True, **self._finished.pop(request_id, {})}
+        result = self._finished.pop(request_id, {})
+        if result and (rest := detok.finish(result["text"])):
+            yield {"token_ids": [], "text": rest}
+        yield {"done": True, **result}
 
     def _deliver(self, out: StepOutput) -> None:
         if out.finished:

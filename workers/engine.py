@@ -17,13 +17,9 @@ from kvcache.hashing import CacheNamespace
 from kvcache.lifecycle import EngineStats
 from kvcache.manager import KVCacheManager, cdiv
 from workers.model_runner import DTYPES, ModelRunner
-from workers.request import Request, RequestStatus, SamplingParams
+from workers.request import Request, RequestError, RequestStatus, SamplingParams
 from workers.sampler import sample
 from workers.scheduler import Scheduler, SchedulerConfig
-
-
-class RequestError(ValueError):
-    """A request the engine refuses, with a message fit for the client."""
 
 
 @dataclass
@@ -164,8 +160,10 @@ class LLMEngine:
         self.scheduler.out_of_blocks.clear()
         if not chunks:
             return outputs
+        t0 = time.perf_counter()
         logits, sampled = self.runner.execute(chunks)
         now = time.perf_counter()
+        self.stats.busy_s += now - t0
         self.stats.steps += 1
         self.stats.observe_utilization(*self.scheduler.stored_tokens())
         for ch in chunks:

@@ -2,52 +2,21 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
 
 from kvcache.hashing import BlockHash, hash_block
 from kvcache.lifecycle import RequestLifecycle
+from kvcache.sampling import RequestError, SamplingParams
+
+__all__ = ["Request", "RequestError", "RequestStatus", "SamplingParams"]
 
 
 class RequestStatus(str, Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 64
-    temperature: float = 0.0          # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0                    # 0 = off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-
-    def validate(self) -> None:
-        """Raise ValueError naming the bad field."""
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"invalid sampling parameter {name}: {why}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be non-empty strings")
 
 
 @dataclass(eq=False)
