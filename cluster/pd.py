@@ -7,6 +7,8 @@ colocated mode: every decode worker prefills its own requests.
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -34,6 +36,8 @@ class PDConfig:
     num_gpus_per_worker: float = 0.0
     admit_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
+    max_restarts: int = 3                 # Ray restarts a dead worker actor this many times
+    max_retries: int = 2                  # re-runs of a request whose worker died
 
     def flow(self) -> FlowConfig:
         return FlowConfig(policy=self.policy, policy_cfg=self.policy_cfg,
@@ -42,7 +46,8 @@ class PDConfig:
                           failure_policy=self.failure_policy, transport=self.transport,
                           rdt_backend="nccl" if self.num_gpus_per_worker else "gloo",
                           admit_timeout_s=self.admit_timeout_s,
-                          request_timeout_s=self.request_timeout_s)
+                          request_timeout_s=self.request_timeout_s,
+                          max_retries=self.max_retries)
 
     def validate(self) -> None:
         if self.transport not in TRANSPORT_NAMES:
@@ -63,23 +68,94 @@ class PDCluster:
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
         engine = {**cfg.engine, "num_threads": cfg.threads_per_actor}
-        common = dict(num_cpus=0, max_concurrency=256, num_gpus=cfg.num_gpus_per_worker)
-        args = dict(engine_cfg=engine, transport=cfg.transport,
-                    transport_cfg=cfg.transport_cfg, lease_s=cfg.lease_s)
-        P = prefill_actor_class(**common, resources=cfg.prefill_resources or None)
-        D = decode_actor_class(**common, resources=cfg.decode_resources or None)
-        self.prefill = [P.remote(f"prefill-{i}", **args) for i in range(cfg.num_prefill)]
-        self.decode = [D.remote(f"decode-{i}", **args) for i in range(cfg.num_decode)]
+        common = dict(num_cpus=0, max_concurrency=256, num_gpus=cfg.num_gpus_per_worker,
+                      max_restarts=cfg.max_restarts, max_task_retries=0)
+        self._args = dict(engine_cfg=engine, transport=cfg.transport,
+                          transport_cfg=cfg.transport_cfg, lease_s=cfg.lease_s)
+        self._classes = {
+            "prefill": prefill_actor_class(**common, resources=cfg.prefill_resources or None),
+            "decode": decode_actor_class(**common, resources=cfg.decode_resources or None)}
+        self._next_index = {"prefill": 0, "decode": 0}
+        self._lock = threading.Lock()
+        self._reapers: list[threading.Thread] = []
+        self.prefill = [self._launch("prefill") for _ in range(cfg.num_prefill)]
+        self.decode = [self._launch("decode") for _ in range(cfg.num_decode)]
         self.workers = self.prefill + self.decode
         self.info = ray.get([w.info.remote() for w in self.workers])
-        if cfg.transport == "rdt" and self.prefill:
-            from kvtransfer import rdt
-            rdt.ensure_group(self.workers, backend=cfg.flow().rdt_backend)
+        self._ensure_rdt_group()
         ids = {w: i["worker_id"] for w, i in zip(self.workers, self.info, strict=True)}
         self.orchestrator = Orchestrator(self.prefill, self.decode, cfg.flow(), ids)
         self.run_request = self.orchestrator.run_request
         self.generate = self.orchestrator.generate
         self.abort = self.orchestrator.abort
+
+    def _launch(self, role: str):
+        i = self._next_index[role]
+        self._next_index[role] += 1
+        return self._classes[role].remote(f"{role}-{i}", **self._args)
+
+    def _ensure_rdt_group(self) -> None:
+        if self.cfg.transport == "rdt" and self.prefill:
+            from kvtransfer import rdt
+            rdt.ensure_group(self.workers, backend=self.cfg.flow().rdt_backend)
+
+    # ---- live scaling --------------------------------------------------------------------------
+    def scale(self, prefill: int | None = None, decode: int | None = None,
+              wait: bool = False, timeout_s: float = 600.0) -> dict:
+        """Add workers, or drain the newest ones: a draining worker gets no new requests and
+        is removed (killed) once its requests in flight have finished."""
+        with self._lock:
+            for role, want in (("prefill", prefill), ("decode", decode)):
+                group = self.prefill if role == "prefill" else self.decode
+                if want is None:
+                    continue
+                if want < (0 if role == "prefill" else 1):
+                    raise ValueError(f"cannot scale {role} workers to {want}")
+                live = [w for w in group if self.orchestrator._id[w] not in
+                        self.orchestrator.draining]
+                for _ in range(want - len(live)):
+                    w = self._launch(role)
+                    info = ray.get(w.info.remote())
+                    self.info.append(info)
+                    group.append(w)
+                    self.workers.append(w)
+                    self.orchestrator.add_worker(role, w, info["worker_id"])
+                victims = [self.orchestrator._id[w] for w in live[max(want, 0):]][::-1]
+                for wid in victims:
+                    self.orchestrator.drain(wid)
+                    t = threading.Thread(target=self._reap, args=(wid, timeout_s), daemon=True)
+                    self._reapers.append(t)
+                    t.start()
+            self._ensure_rdt_group()
+        if wait:
+            for t in list(self._reapers):
+                t.join(timeout_s)
+        return {"prefill": len(self.orchestrator.live("prefill")),
+                "decode": len(self.orchestrator.live("decode"))}
+
+    def _reap(self, worker_id: str, timeout_s: float) -> None:
+        """Wait until a draining worker has nothing in flight, then remove and kill it."""
+        deadline = time.monotonic() + timeout_s
+        w = self.orchestrator._by_id[worker_id]
+        while time.monotonic() < deadline:
+            try:
+                idle = not self.orchestrator.busy(worker_id) and \
+                    ray.get(w.load_report.remote(), timeout=30)["num_requests"] == 0
+            except Exception:
+                idle = True                  # dead already
+            if idle:
+                break
+            time.sleep(0.1)
+        self.orchestrator.remove_worker(worker_id)
+        with self._lock:
+            for group in (self.prefill, self.decode, self.workers):
+                if w in group:
+                    group.remove(w)
+            self.info = [i for i in self.info if i["worker_id"] != worker_id]
+        try:
+            ray.kill(w, no_restart=True)
+        except Exception:
+            pass
 
     @property
     def _flights(self) -> dict:
@@ -99,7 +175,7 @@ class PDCluster:
         self.orchestrator.close()
         for w in self.workers:
             try:
-                ray.kill(w)
+                ray.kill(w, no_restart=True)
             except Exception:
                 pass
         self.workers, self.prefill, self.decode = [], [], []

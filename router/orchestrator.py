@@ -44,11 +44,15 @@ class FlowConfig:
     admit_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
     report_interval_s: float = 0.1
+    health_timeout_s: float = 10.0         # a worker silent this long is unhealthy (hung/dead)
+    max_retries: int = 2                   # re-runs of a request whose worker died
 
     def validate(self) -> None:
         if self.failure_policy not in FAILURE_POLICIES:
             raise ValueError(f"failure_policy must be one of {FAILURE_POLICIES}, "
                              f"got {self.failure_policy!r}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.index_mode not in ("precise", "approx"):
             raise ValueError(f"index_mode must be precise or approx, got {self.index_mode!r}")
         make_policy(self.policy, **(self.policy_cfg or {}))   # unknown name -> ValueError
@@ -59,6 +63,7 @@ class _Flight:
     """Where one request is, so an abort can release it everywhere."""
 
     request_id: str
+    attempt_id: str = ""       # the id workers know this attempt by
     decode: Any = None
     prefill: Any = None
     transfer_id: str | None = None
@@ -78,6 +83,9 @@ class Orchestrator:
         self.index = PrefixIndex() if cfg.index_mode == "precise" else ApproxPrefixIndex()
         self.state: dict[str, WorkerState] = {wid: WorkerState(wid) for wid in self._by_id}
         self.decisions: dict[str, int] = {}     # "policy:reason" -> count
+        self.draining: set[str] = set()          # worker ids: no new requests (scale-in)
+        self.unhealthy: set[str] = set()         # worker ids that failed their last report
+        self.retries = 0                         # request re-runs after a worker failure
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
         self._rr = itertools.count()
@@ -89,21 +97,39 @@ class Orchestrator:
 
     # ---- worker view -------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Pull every worker's KV events and load once."""
-        workers = list(self._id)
-        try:
-            reports = ray.get([w.load_report.remote() for w in workers], timeout=30)
-        except Exception:   # a dead worker: keep the last view (fault handling is upstream)
-            return
+        """Pull every worker's KV events and load once; mark silent or dead workers unhealthy.
+
+        An unhealthy worker gets no new requests and its prefix-index entries are dropped
+        (a restarted actor comes back with an empty cache); it is healthy again once it
+        answers."""
         with self._lock:
+            workers = list(self._id)
+        refs = {w.load_report.remote(): w for w in workers}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.cfg.health_timeout_s)
+        reports, failed = [], [w for r, w in refs.items() if r not in ready]
+        for r in ready:
+            try:
+                reports.append(ray.get(r))
+            except Exception:
+                failed.append(refs[r])
+        with self._lock:
+            for w in failed:
+                wid = self._id.get(w)
+                if wid is not None and wid not in self.unhealthy:
+                    self.unhealthy.add(wid)
+                    self.index.remove_worker(wid)
             for rep in reports:
                 wid = rep.pop("worker_id")
                 events = rep.pop("events")
+                if wid not in self.state:       # removed meanwhile
+                    continue
+                self.unhealthy.discard(wid)
                 if isinstance(self.index, PrefixIndex):
                     self.index.apply(wid, events)
                 st = self.state[wid]
                 for k, v in rep.items():
                     setattr(st, k, v)
+                st.draining = wid in self.draining or wid in self.unhealthy
 
     def _report_loop(self) -> None:
         while not self._stop.wait(self.cfg.report_interval_s):
@@ -113,8 +139,14 @@ class Orchestrator:
         with self._lock:
             return self.index.match(hashes)
 
-    def _decide(self, role: str, req: RoutingRequest, workers: list[Any]) -> Any:
-        states = [self.state[self._id[w]] for w in workers]
+    def _decide(self, role: str, req: RoutingRequest) -> Any:
+        with self._lock:
+            workers = self.decode if role == "decode" else self.prefill
+            states = []
+            for w in workers:
+                st = self.state[self._id[w]]
+                st.draining = st.worker_id in self.draining or st.worker_id in self.unhealthy
+                states.append(st)
         matches = self._matches(list(req.block_hashes))
         with self._lock:
             if role == "decode":
@@ -127,7 +159,47 @@ class Orchestrator:
                     self.index.record(d.worker_id, list(req.block_hashes))
             key = f"{self.policy.name}:{d.reason}"
             self.decisions[key] = self.decisions.get(key, 0) + 1
-        return self._by_id[d.worker_id]
+            return self._by_id[d.worker_id]
+
+    def live(self, role: str) -> list[Any]:
+        """Workers of a role that take new requests (not draining, not unhealthy)."""
+        with self._lock:
+            workers = self.decode if role == "decode" else self.prefill
+            return [w for w in workers if self._id[w] not in self.draining
+                    and self._id[w] not in self.unhealthy]
+
+    # ---- membership (live scaling) -------------------------------------------------------------
+    def add_worker(self, role: str, worker: Any, worker_id: str) -> None:
+        with self._lock:
+            (self.decode if role == "decode" else self.prefill).append(worker)
+            self._id[worker], self._by_id[worker_id] = worker_id, worker
+            self.state[worker_id] = WorkerState(worker_id)
+
+    def drain(self, worker_id: str) -> None:
+        """Stop routing new requests to a worker; its requests in flight finish."""
+        with self._lock:
+            self.draining.add(worker_id)
+            if worker_id in self.state:
+                self.state[worker_id].draining = True
+
+    def busy(self, worker_id: str) -> bool:
+        """Whether any request in flight uses the worker."""
+        with self._lock:
+            w = self._by_id.get(worker_id)
+            return any(w is f.decode or w is f.prefill for f in self._flights.values())
+
+    def remove_worker(self, worker_id: str) -> Any:
+        with self._lock:
+            w = self._by_id.pop(worker_id)
+            del self._id[w]
+            for group in (self.prefill, self.decode):
+                if w in group:
+                    group.remove(w)
+            self.state.pop(worker_id, None)
+            self.draining.discard(worker_id)
+            self.unhealthy.discard(worker_id)
+            self.index.remove_worker(worker_id)
+            return w
 
     # ---- one request -------------------------------------------------------------------------
     def run_request(self, prompt: Any, sampling: SamplingParams | None = None, *,
@@ -146,20 +218,51 @@ class Orchestrator:
                 raise RequestError(f"request id {rid!r} is already in flight")
             self._flights[rid] = flight
         try:
-            return self._run(flight, prompt, sampling, chat, tenant, lora_id, on_delta)
+            return self._run_with_retries(flight, prompt, sampling, chat, tenant, lora_id,
+                                          on_delta)
         finally:
             with self._lock:
                 self._flights.pop(rid, None)
 
-    def _run(self, flight, prompt, sampling, chat, tenant, lora_id, on_delta) -> dict:
-        rid = flight.request_id
-        spec = {"request_id": rid, "sampling": asdict(sampling), "chat": chat,
-                "tenant": tenant, "lora_id": lora_id}
+    def _run_with_retries(self, flight, prompt, sampling, chat, tenant, lora_id, on_delta):
+        """A worker that dies (or is restarting) fails only the attempt: what the other side
+        holds is released and the request runs again elsewhere (prefill and decode again).
+        Tokens the client already got are not sent twice (the re-run yields the same ones
+        for greedy or seeded sampling). After max_retries the request ends with an error."""
+        spec = {"sampling": asdict(sampling), "chat": chat, "tenant": tenant,
+                "lora_id": lora_id}
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             spec["prompt_token_ids"] = prompt
         else:
             spec["prompt"] = prompt
-        probe = self.decode[next(self._rr) % len(self.decode)]
+        sent = _Delivered(on_delta)
+        for attempt in range(self.cfg.max_retries + 1):
+            # each attempt has its own worker-side id: a surviving worker may still be
+            # releasing the previous attempt's state
+            flight.attempt_id = flight.request_id if attempt == 0 else \
+                f"{flight.request_id}~{attempt}"
+            try:
+                result = self._run(flight, dict(spec, request_id=flight.attempt_id),
+                                   sampling, tenant, sent.new_attempt())
+                result["lifecycle"]["retries"] = attempt
+                return result
+            except ray.exceptions.RayActorError as e:
+                self._release(flight)
+                if flight.aborted:
+                    raise RequestError(f"request {flight.request_id} was aborted") from None
+                with self._lock:
+                    self.retries += 1
+                if attempt == self.cfg.max_retries:
+                    raise WorkerFailed(f"request {flight.request_id} failed: its workers died "
+                                       f"{attempt + 1} times (last: {type(e).__name__})") from e
+                flight.decode = flight.prefill = flight.transfer_id = None
+                self.refresh()     # see who is gone before routing again
+        raise AssertionError("unreachable")
+
+    def _run(self, flight, spec, sampling, tenant, on_delta) -> dict:
+        rid = spec["request_id"]
+        probe = self.live("decode") or self.decode
+        probe = probe[next(self._rr) % len(probe)]
         prepared = _unwrap(lambda: ray.get(probe.prepare.remote(spec)))
         spec["prompt_token_ids"] = prepared["prompt_token_ids"]
         req = RoutingRequest(rid, prepared["block_hashes"], len(prepared["prompt_token_ids"]),
@@ -176,23 +279,27 @@ class Orchestrator:
             item = ray.get(ref)
             if item.get("done"):
                 result = item
-            elif on_delta is not None:
+            else:
                 on_delta(item)
         if flight.aborted or len(result) <= 1:
-            raise RequestError(f"request {rid} was aborted")
+            raise RequestError(f"request {flight.request_id} was aborted")
         return result
 
     def _admit(self, flight: _Flight, spec: dict, req: RoutingRequest) -> dict:
-        local_max = self.cfg.local_prefill_max_tokens if self.prefill else 1 << 62
+        local_max = self.cfg.local_prefill_max_tokens if self.live("prefill") else 1 << 62
         deadline = time.monotonic() + self.cfg.admit_timeout_s
         while True:
+            live = self.live("decode")
             try:
-                first = self._decide("decode", req, self.decode)
-                order = [first] + [d for d in self.decode if d is not first]
+                first = self._decide("decode", req)
+                order = [first] + [d for d in live if d is not first]
             except RoutingRejected:
-                order = list(self.decode)   # the view may be stale: ask them all
+                order = live                 # the view may be stale: ask them all
             for d in order:
-                res = _unwrap(lambda d=d: ray.get(d.admit.remote(spec, local_max)))
+                try:
+                    res = _unwrap(lambda d=d: ray.get(d.admit.remote(spec, local_max)))
+                except ray.exceptions.RayActorError:
+                    continue                 # died or restarting: the reporter will notice
                 if res["admitted"]:
                     flight.decode = d
                     return res
@@ -206,9 +313,15 @@ class Orchestrator:
 
     def _prefill_and_transfer(self, flight: _Flight, spec: dict, admitted: dict,
                               req: RoutingRequest) -> None:
-        rid = flight.request_id
+        rid = spec["request_id"]
         try:
-            flight.prefill = p = self._decide("prefill", req, self.prefill)
+            flight.prefill = p = self._decide("prefill", req)
+        except RoutingRejected as e:
+            if e.reason == "no_workers" and ray.get(flight.decode.fallback_local.remote(rid)):
+                return                       # no live prefill worker: D prefills it itself
+            flight.decode.abort.remote(rid)
+            raise
+        try:
             pre = ray.get(p.prefill.remote({**spec, "skip_blocks": admitted["skip_blocks"]}))
         except BaseException:
             flight.decode.abort.remote(rid)
@@ -241,12 +354,14 @@ class Orchestrator:
             ray.get(p.ack.remote(handle.transfer_id))
 
     def _release(self, flight: _Flight) -> None:
+        """Release the attempt's state on both sides (calls to a dead worker just fail)."""
+        rid = flight.attempt_id or flight.request_id
         if flight.prefill is not None:
-            flight.prefill.abort.remote(flight.request_id)
+            flight.prefill.abort.remote(rid)
             if flight.transfer_id:
                 flight.prefill.abort_transfer.remote(flight.transfer_id)
         if flight.decode is not None:
-            flight.decode.abort.remote(flight.request_id)
+            flight.decode.abort.remote(rid)
 
     def abort(self, request_id: str) -> bool:
         """Client abort at any stage: every block on both sides is released."""
@@ -269,7 +384,8 @@ class Orchestrator:
         def one(p):
             try:
                 return self.run_request(p, sampling, **kw)
-            except (RequestError, RoutingRejected, TransferFailed, ray.exceptions.RayError) as e:
+            except (RequestError, RoutingRejected, TransferFailed, WorkerFailed,
+                    ray.exceptions.RayError) as e:
                 return {"error": str(e)}
         with ThreadPoolExecutor(max_workers=min(64, max(1, len(prompts)))) as pool:
             return list(pool.map(one, prompts))
@@ -280,6 +396,37 @@ class Orchestrator:
 
 class TransferFailed(RuntimeError):
     """A KV transfer failed and the failure policy is `fail`."""
+
+
+class WorkerFailed(RuntimeError):
+    """The request's workers kept dying; it ends with this explicit error (never lost)."""
+
+
+class _Delivered:
+    """Forwards streamed deltas to the client once: a re-run after a worker failure replays
+    the tokens the client already has, and only what lies beyond them is forwarded."""
+
+    def __init__(self, on_delta: Callable[[dict], None] | None) -> None:
+        self.on_delta = on_delta
+        self.tokens = 0   # token ids the client has
+        self.chars = 0    # characters of text the client has
+
+    def new_attempt(self) -> Callable[[dict], None]:
+        cum_tokens, cum_text = [0], [""]
+
+        def forward(delta: dict) -> None:
+            start_tok, start_chr = cum_tokens[0], len(cum_text[0])
+            cum_tokens[0] += len(delta["token_ids"])
+            cum_text[0] += delta["text"]
+            if self.on_delta is None:
+                return
+            toks = delta["token_ids"][max(0, self.tokens - start_tok):]
+            text = delta["text"][max(0, self.chars - start_chr):]
+            self.tokens = max(self.tokens, cum_tokens[0])
+            self.chars = max(self.chars, len(cum_text[0]))
+            if toks or text:
+                self.on_delta({"token_ids": toks, "text": text})
+        return forward
 
 
 def _unwrap(call: Callable[[], Any]) -> Any:

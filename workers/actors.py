@@ -147,7 +147,7 @@ class _EngineHost:
                     "num_requests": len(sched.waiting) + len(sched.running),
                     "active_blocks": pool.num_used_blocks, "cached_blocks": pool.num_cached_blocks,
                     "free_blocks": pool.num_free_blocks, "total_blocks": pool.num_blocks,
-                    "prefill_tok_s": e.stats.prefill_tok_s(), "draining": False}
+                    "prefill_tok_s": e.stats.prefill_tok_s()}
 
     def take_kv_events(self) -> list[dict]:
         from kvcache.events import event_to_dict
