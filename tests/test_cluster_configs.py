@@ -4,6 +4,7 @@ dedicate nodes to roles through custom resources."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import jsonschema
@@ -61,7 +62,7 @@ def test_every_node_installs_raypd_and_the_head_starts_the_router(path):
     assert "scripts/setup.sh" in commands(cfg, "setup_commands")
     head = commands(cfg, "head_start_ray_commands")
     assert "ray start --head" in head and "--metrics-export-port=8080" in head
-    assert "raypd serve --address auto" in head
+    assert "raypd serve --address auto" in head and "--config configs/cluster-serve" in head
     assert "--metrics-export-port=8080" in commands(cfg, "worker_start_ray_commands")
     for key in ("setup_commands", "head_start_ray_commands", "worker_start_ray_commands"):
         subprocess.run(["bash", "-n"], input=commands(load(path, fill=True), key), text=True,
@@ -105,3 +106,17 @@ def test_placeholders_are_the_documented_ones():
     cfg = load(LOCAL, fill=True)
     assert all(k in text for k in PLACEHOLDERS)
     assert "<" not in json.dumps(cfg["provider"]) and "<" not in json.dumps(cfg["auth"])
+
+
+@pytest.mark.parametrize("path", [LOCAL, AWS], ids=["local", "aws-gpu"])
+def test_the_routers_serve_config_places_roles_on_their_resources(path):
+    """The head's `raypd serve --config X`: X puts prefill on `prefill` and decode on `decode`
+    nodes, and moves pages with a transport that crosses nodes."""
+    serve = re.search(r"--config (\S+)", commands(load(path), "head_start_ray_commands"))[1]
+    if not (ROOT / serve).exists():
+        pytest.skip(f"{serve} is not in the repository yet")
+    from cluster.config import load_config
+    pd = load_config(ROOT / serve, {"ray.address": "auto"}).to_pd_config()
+    assert pd.prefill_resources == {"prefill": 1} and pd.decode_resources == {"decode": 1}
+    assert pd.transport != "shm"
+    assert (pd.num_gpus_per_worker > 0) == (path == AWS)
