@@ -1,0 +1,326 @@
+"""The one typed raypd config: loaded from YAML, validated once at the edge (every error names
+its key path; unknown keys are errors), then turned into the PDConfig the cluster runs.
+
+    cfg = load_config("configs/local.yaml", overrides={"model.name": "tiny"})
+    cluster = PDCluster(cfg.to_pd_config())
+
+A missing file section, or a missing key, takes the dataclass default below; those defaults are
+`configs/local.yaml` (one laptop: smollm2, 1 prefill + 1 decode over shm, 127.0.0.1:8000).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BUILTIN_MODELS = ("smollm2", "tiny")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message starts with `source: key.path:`."""
+
+
+def _opt(default: Any = MISSING, **rules: Any) -> Any:
+    """A field with validation rules: min / max (inclusive), gt (exclusive), choices, pow2."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=rules)
+    return field(default=default, metadata=rules)
+
+
+@dataclass
+class ModelSection:
+    name: str = "smollm2"                       # smollm2, tiny, or a local HF folder
+    dtype: str = _opt("auto", choices=DTYPES)
+    kv_dtype: str = _opt("auto", choices=DTYPES)
+    served_model_name: str | None = None        # the name clients send (default: `name`)
+    max_model_len: int | None = _opt(None, min=1)   # default: the model's context
+
+
+@dataclass
+class EngineSection:
+    block_size: int = _opt(16, min=1, pow2=True)
+    kv_cache_gb: float = _opt(1.0, gt=0)       # KV pool budget per worker
+    num_blocks: int | None = _opt(None, min=1)  # overrides kv_cache_gb
+    max_num_batched_tokens: int = _opt(2048, min=1)
+    max_num_seqs: int = _opt(64, min=1)
+    enable_prefix_caching: bool = True
+    threads_per_worker: int = _opt(1, min=1)   # torch threads in each worker actor
+
+
+@dataclass
+class RoleSection:
+    count: int = _opt(1, min=0)
+    resources: dict[str, float] = _opt({})      # Ray custom resources, e.g. {prefill: 1}
+
+
+@dataclass
+class WorkersSection:
+    prefill: RoleSection = field(default_factory=RoleSection)
+    decode: RoleSection = field(default_factory=RoleSection)
+    num_gpus: float = _opt(0.0, min=0)          # per worker, both roles
+
+
+@dataclass
+class TransferSection:
+    transport: str = "shm"                      # one of kvtransfer.base.TRANSPORT_NAMES
+    options: dict[str, Any] = _opt({})          # transport keyword arguments
+    lease_s: float = _opt(30.0, gt=0)
+    failure_policy: str = _opt("recompute", choices=("recompute", "fail"))
+    local_prefill_max_tokens: int = _opt(0, min=0)   # D prefills itself when it lacks <= this
+
+
+@dataclass
+class SLOSection:
+    ttft_s: float | None = _opt(None, gt=0)     # locality policy: 429 when no worker meets it
+
+
+@dataclass
+class RouterSection:
+    policy: str = "locality"                    # one of router.policies.POLICIES
+    policy_options: dict[str, Any] = _opt({})   # keyword arguments of the policy
+    index_mode: str = _opt("precise", choices=("precise", "approx"))
+    slo: SLOSection = field(default_factory=SLOSection)
+    max_inflight: int = _opt(256, min=1)        # ingress: more in flight -> 429 + Retry-After
+    admit_timeout_s: float = _opt(120.0, gt=0)  # wait for decode capacity, then 429
+    request_timeout_s: float = _opt(600.0, gt=0)
+
+
+@dataclass
+class ServerSection:
+    host: str = "127.0.0.1"
+    port: int = _opt(8000, min=0, max=65535)    # 0: any free port
+    grpc_port: int | None = _opt(None, min=0, max=65535)
+    api_key: str | None = None                  # bearer token required on /v1/* when set
+
+
+@dataclass
+class RaySection:
+    address: str | None = None                  # null: start a local Ray; auto / host:port: join
+    num_cpus: int | None = _opt(None, min=1)    # local Ray only
+    include_dashboard: bool = False             # local Ray only
+
+
+@dataclass
+class RaypdConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    workers: WorkersSection = field(default_factory=WorkersSection)
+    transfer: TransferSection = field(default_factory=TransferSection)
+    router: RouterSection = field(default_factory=RouterSection)
+    server: ServerSection = field(default_factory=ServerSection)
+    ray: RaySection = field(default_factory=RaySection)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name or self.model.name
+
+    def engine_config(self) -> dict:
+        """EngineConfig fields (workers/engine.py) shared by every worker."""
+        m, e = self.model, self.engine
+        return dict(model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, block_size=e.block_size,
+                    num_blocks=e.num_blocks, kv_cache_gb=e.kv_cache_gb,
+                    max_num_batched_tokens=e.max_num_batched_tokens,
+                    max_num_seqs=e.max_num_seqs, max_model_len=m.max_model_len,
+                    enable_prefix_caching=e.enable_prefix_caching)
+
+    def to_pd_config(self):
+        from cluster.pd import PDConfig
+        r, t, w = self.router, self.transfer, self.workers
+        policy_cfg = dict(r.policy_options)
+        if r.slo.ttft_s is not None:
+            policy_cfg["ttft_slo_s"] = r.slo.ttft_s
+        return PDConfig(engine=self.engine_config(), num_prefill=w.prefill.count,
+                        num_decode=w.decode.count, transport=t.transport,
+                        transport_cfg=dict(t.options), lease_s=t.lease_s, policy=r.policy,
+                        policy_cfg=policy_cfg, index_mode=r.index_mode,
+                        local_prefill_max_tokens=t.local_prefill_max_tokens,
+                        failure_policy=t.failure_policy,
+                        threads_per_actor=self.engine.threads_per_worker,
+                        prefill_resources=dict(w.prefill.resources),
+                        decode_resources=dict(w.decode.resources), num_gpus_per_worker=w.num_gpus,
+                        admit_timeout_s=r.admit_timeout_s, request_timeout_s=r.request_timeout_s)
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+        return asdict(self)
+
+
+# ---- loading -----------------------------------------------------------------------------------
+def load_config(path: str | Path | None = None,
+                overrides: dict[str, Any] | None = None) -> RaypdConfig:
+    """Read `path` (None: the defaults), apply `overrides` ({"workers.prefill.count": 2, ...};
+    None values are skipped), validate, and return the typed config. Raises ConfigError."""
+    source = str(path) if path is not None else "defaults"
+    raw: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"{source}: cannot read the config file: {e.strerror}") from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections, "
+                              f"got {type(raw).__name__}")
+    cli = set()
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        _set_path(raw, key, value, source)
+        cli.add(key)
+    v = _Validator(source, cli)
+    cfg = v.build(RaypdConfig, raw, "")
+    v.cross_checks(cfg)
+    return cfg
+
+
+def _set_path(raw: dict, key: str, value: Any, source: str) -> None:
+    *parents, last = key.split(".")
+    node = raw
+    for i, p in enumerate(parents):
+        nxt = node.setdefault(p, {})
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{source}: {'.'.join(parents[:i + 1])}: must be a mapping, "
+                              f"got {nxt!r}")
+        node = nxt
+    node[last] = value
+
+
+class _Validator:
+    def __init__(self, source: str, cli_keys: set[str]) -> None:
+        self.source = source
+        self.cli_keys = cli_keys
+
+    def fail(self, key: str, message: str) -> typing.NoReturn:
+        cli = any(key == k or key.startswith(k + ".") for k in self.cli_keys)
+        where = "command line" if cli else self.source
+        raise ConfigError(f"{where}: {key}: {message}")
+
+    def build(self, cls: type, raw: Any, path: str) -> Any:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            self.fail(path or "(top level)", f"must be a mapping, got {raw!r}")
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in fields(cls)]
+        for key in raw:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                self.fail(_join(path, key), f"unknown key (valid: {', '.join(names)}){hint}")
+        kwargs = {}
+        for f in fields(cls):
+            if f.name not in raw:
+                continue
+            key, value, hint = _join(path, f.name), raw[f.name], hints[f.name]
+            if is_dataclass(hint):
+                kwargs[f.name] = self.build(hint, value, key)
+            else:
+                kwargs[f.name] = self.value(key, value, hint, dict(f.metadata))
+        return cls(**kwargs)
+
+    def value(self, key: str, value: Any, hint: Any, rules: dict) -> Any:
+        args = typing.get_args(hint)
+        optional = _is_union(hint) and type(None) in args
+        if optional:
+            (hint,) = [a for a in args if a is not type(None)]
+            if value is None:
+                return None
+        want = _describe(hint, rules) + (" or null" if optional else "")
+        origin = typing.get_origin(hint)
+        if origin is dict:
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                self.fail(key, f"must be {want}, got {value!r}")
+            if typing.get_args(hint)[1] is float:
+                for k, v in value.items():
+                    if not _is_number(v) or v < 0:
+                        self.fail(f"{key}.{k}", f"must be a number >= 0, got {v!r}")
+                return {k: float(v) for k, v in value.items()}
+            return dict(value)
+        ok = {int: lambda x: isinstance(x, int) and not isinstance(x, bool),
+              float: _is_number,
+              bool: lambda x: isinstance(x, bool),
+              str: lambda x: isinstance(x, str) and x != ""}[hint]
+        if not ok(value):
+            self.fail(key, f"must be {want}, got {value!r}")
+        if "choices" in rules and value not in rules["choices"]:
+            self.fail(key, f"must be {want}, got {value!r}")
+        if ("min" in rules and value < rules["min"]) or ("max" in rules and value > rules["max"]) \
+                or ("gt" in rules and value <= rules["gt"]):
+            self.fail(key, f"must be {want}, got {value!r}")
+        if rules.get("pow2") and value & (value - 1):
+            self.fail(key, f"must be {want}, got {value!r}")
+        return float(value) if hint is float else value
+
+    def cross_checks(self, cfg: RaypdConfig) -> None:
+        """Checks that need another module's names or more than one key."""
+        from kvtransfer.base import TRANSPORT_NAMES
+        from router.policies import POLICIES, make_policy
+        w, r = cfg.workers, cfg.router
+        if w.decode.count < 1:
+            self.fail("workers.decode.count", f"must be an integer >= 1 (0 prefill workers is "
+                      f"the colocated mode; decode workers are required), got {w.decode.count}")
+        if cfg.transfer.transport not in TRANSPORT_NAMES:
+            self.fail("transfer.transport", f"must be one of {', '.join(TRANSPORT_NAMES)}, "
+                      f"got {cfg.transfer.transport!r}")
+        if r.policy not in POLICIES:
+            self.fail("router.policy", f"must be one of {', '.join(sorted(POLICIES))}, "
+                      f"got {r.policy!r}")
+        if r.slo.ttft_s is not None and r.policy != "locality":
+            self.fail("router.slo.ttft_s", f"only the locality policy enforces a TTFT SLO "
+                      f"(router.policy is {r.policy!r})")
+        try:
+            make_policy(r.policy, **r.policy_options)
+        except TypeError as e:
+            self.fail("router.policy_options", f"not accepted by policy {r.policy!r}: {e}")
+        m = cfg.model.name
+        if m not in BUILTIN_MODELS and cfg.ray.address is None and not Path(m).is_dir():
+            self.fail("model.name", f"must be {' or '.join(BUILTIN_MODELS)} or a local model "
+                      f"folder; {m!r} is neither")
+        if cfg.server.grpc_port is not None and cfg.server.grpc_port == cfg.server.port != 0:
+            self.fail("server.grpc_port", f"must differ from server.port ({cfg.server.port})")
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _describe(hint: Any, rules: dict) -> str:
+    if "choices" in rules:
+        return "one of " + ", ".join(rules["choices"])
+    if typing.get_origin(hint) is dict:
+        return "a mapping"
+    base = {int: "an integer", float: "a number", bool: "true or false",
+            str: "a non-empty string"}[hint]
+    if rules.get("pow2"):
+        base = "a power of two"
+    bounds = []
+    if "min" in rules:
+        bounds.append(f">= {rules['min']}")
+    if "gt" in rules:
+        bounds.append(f"> {rules['gt']}")
+    if "max" in rules:
+        bounds.append(f"<= {rules['max']}")
+    return f"{base} {' and '.join(bounds)}".strip()

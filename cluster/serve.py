@@ -1,0 +1,239 @@
+"""`raypd serve`: start (or join) Ray, launch the prefill/decode workers from a YAML config and
+serve them over OpenAI-compatible HTTP (and gRPC when `server.grpc_port` is set).
+
+    raypd serve --config configs/local.yaml --model tiny --port 8000
+
+`start_server(cfg)` does the same in-process, uvicorn in a background thread, for tests and
+`raypd run`: it returns a handle with `.url` and `.stop()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import uvicorn
+
+from cluster.config import RaypdConfig, RaySection, load_config
+from router.http_ingress import build_app
+
+API_KEY_ENV = "RAYPD_API_KEY"
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve a model over OpenAI-compatible HTTP",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML config (default: built-in defaults = configs/local.yaml)")
+    p.add_argument("--model", help="model.name: smollm2, tiny or a local HF folder")
+    p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    p.add_argument("--address", help="ray.address: auto or host:port joins a running cluster "
+                   "(default: start a local Ray)")
+    p.add_argument("--host", help="server.host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="server.port (default 8000)")
+    p.add_argument("--grpc-port", type=int, help="server.grpc_port: also serve gRPC")
+    p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* "
+                   f"(default: server.api_key, else ${API_KEY_ENV})")
+    p.add_argument("--prefill", type=int, metavar="N", help="workers.prefill.count")
+    p.add_argument("--decode", type=int, metavar="M", help="workers.decode.count")
+    p.add_argument("--transport", help="transfer.transport")
+    p.add_argument("--policy", help="router.policy")
+    p.add_argument("--max-inflight", type=int, help="router.max_inflight (then 429)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Command-line flags as dotted config keys (None: not given)."""
+    g = lambda name: getattr(args, name, None)  # noqa: E731
+    return {"model.name": g("model"), "model.served_model_name": g("served_model_name"),
+            "ray.address": g("address"), "server.host": g("host"), "server.port": g("port"),
+            "server.grpc_port": g("grpc_port"), "server.api_key": g("api_key"),
+            "workers.prefill.count": g("prefill"), "workers.decode.count": g("decode"),
+            "transfer.transport": g("transport"), "router.policy": g("policy"),
+            "router.max_inflight": g("max_inflight")}
+
+
+def connect_ray(rc: RaySection) -> bool:
+    """Start a local Ray (address null) or join one; True when this call started it."""
+    if ray.is_initialized():
+        return False
+    if rc.address is None:
+        ray.init(num_cpus=rc.num_cpus, include_dashboard=rc.include_dashboard,
+                 log_to_driver=False)
+    else:
+        ray.init(address=rc.address, log_to_driver=False)
+    return True
+
+
+@dataclass
+class ServerHandle:
+    """A running in-process server: `.url`, `.stop()`; `.backend` is the PDCluster."""
+
+    url: str
+    host: str
+    port: int
+    app: Any
+    backend: Any
+    server: uvicorn.Server
+    thread: threading.Thread
+    grpc: Any = None
+    _owns_backend: bool = True
+    _started_ray: bool = False
+    _stopped: bool = field(default=False, repr=False)
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        if self.grpc is not None:
+            self.grpc.stop()
+        self.app.state.ingress.close()
+        if self._owns_backend:
+            self.backend.shutdown()
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_server(cfg: RaypdConfig, host: str | None = None, port: int | None = None, *,
+                 api_key: str | None = None, backend: Any = None,
+                 max_inflight: int | None = None, log_level: str = "warning") -> ServerHandle:
+    """Launch the workers (unless `backend` is given: then serve it and leave it running on
+    stop) and serve them on host:port (defaults from cfg.server; port 0 = any free port) in a
+    background thread. Returns once the server accepts connections."""
+    host = host or cfg.server.host
+    port = cfg.server.port if port is None else port
+    started_ray = False
+    owns = backend is None
+    if owns:
+        started_ray = connect_ray(cfg.ray)
+        try:
+            from cluster.pd import PDCluster
+            backend = PDCluster(cfg.to_pd_config())
+        except BaseException:
+            if started_ray:
+                ray.shutdown()
+            raise
+    try:
+        app = build_app(backend, cfg.served_model_name,
+                        api_key=api_key if api_key is not None else cfg.server.api_key,
+                        max_inflight=max_inflight or cfg.router.max_inflight,
+                        max_model_len=_max_model_len(cfg, backend))
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                               lifespan="off", timeout_graceful_shutdown=5))
+        thread = threading.Thread(target=server.run, name="raypd-http", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                server.should_exit = True
+                raise OSError(f"the HTTP server did not start on {host}:{port}")
+            time.sleep(0.02)
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        grpc = _start_grpc(cfg, backend, host)
+    except BaseException:
+        if owns:
+            backend.shutdown()
+        if started_ray:
+            ray.shutdown()
+        raise
+    shown = f"[{host}]" if ":" in host else host
+    return ServerHandle(f"http://{shown}:{bound}", host, bound, app, backend, server, thread,
+                        grpc, owns, started_ray)
+
+
+def _max_model_len(cfg: RaypdConfig, backend: Any) -> int | None:
+    """The context length, when the config or the workers' info says it."""
+    if cfg.model.max_model_len:
+        return cfg.model.max_model_len
+    lens = [i.get("max_model_len") for i in getattr(backend, "info", None) or []
+            if isinstance(i, dict) and i.get("max_model_len")]
+    return min(lens) if lens else None
+
+
+def _start_grpc(cfg: RaypdConfig, backend: Any, host: str) -> Any:
+    if cfg.server.grpc_port is None:
+        return None
+    from router.grpc_ingress import start_grpc_server
+    return start_grpc_server(backend, host, cfg.server.grpc_port,
+                             model_name=cfg.served_model_name,
+                             max_in_flight=cfg.router.max_inflight)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, overrides_from_args(args))
+    api_key = cfg.server.api_key or os.environ.get(API_KEY_ENV) or None
+    # SIGTERM: uvicorn handles it while serving (graceful stop); before or after, it unwinds
+    # through the `finally` below like Ctrl-C does.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    started_ray = backend = grpc = app = None
+    try:
+        started_ray = connect_ray(cfg.ray)
+        from cluster.pd import PDCluster
+        w = cfg.workers
+        print(f"raypd: launching {w.prefill.count} prefill + {w.decode.count} decode workers "
+              f"({cfg.model.name}, transport {cfg.transfer.transport}, policy "
+              f"{cfg.router.policy})", file=sys.stderr, flush=True)
+        backend = PDCluster(cfg.to_pd_config())
+        app = build_app(backend, cfg.served_model_name, api_key=api_key,
+                        max_inflight=cfg.router.max_inflight,
+                        max_model_len=_max_model_len(cfg, backend))
+        grpc = _start_grpc(cfg, backend, cfg.server.host)
+        if grpc is not None:
+            print(f"raypd: gRPC ingress on {grpc.address}", file=sys.stderr, flush=True)
+        print(f"raypd: serving {cfg.served_model_name!r} on "
+              f"http://{cfg.server.host}:{cfg.server.port}", file=sys.stderr, flush=True)
+        uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
+                                      log_level=args.log_level, lifespan="off",
+                                      timeout_graceful_shutdown=5)).run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        print("raypd: shutting down", file=sys.stderr, flush=True)
+        if grpc is not None:
+            grpc.stop()
+        if app is not None:
+            app.state.ingress.close()
+        if backend is not None:
+            backend.shutdown()
+        if started_ray:
+            ray.shutdown()
+    return 0
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="raypd")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ValueError as e:       # ConfigError, bad PDConfig
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":     # python -m cluster.serve [serve flags]
+    sys.exit(main())

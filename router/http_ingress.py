@@ -1,0 +1,770 @@
+"""OpenAI-compatible HTTP ingress (FastAPI) over any backend with PDCluster's request methods.
+
+    app = build_app(cluster, "smollm2", api_key=None, max_inflight=256)
+
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not), GET /v1/models,
+GET /health, GET /metrics (Prometheus text). Every error has OpenAI's shape
+{"error": {"message", "type", "param", "code"}}: bad request 400, bad or missing bearer token 401,
+unknown model 404, over capacity or SLO unmeetable 429 with Retry-After, KV transfer or worker
+failure 503.
+
+The backend is duck-typed (this module never imports cluster/ or workers/, so no torch):
+  run_request(prompt, sampling, *, chat, tenant, lora_id, request_id, on_delta) -> dict
+      blocking; {"text", "token_ids", "lifecycle"}; on_delta({"token_ids", "text"}) per chunk
+  abort(request_id) -> bool       releases the request's blocks on every worker
+  stats() -> list[dict]           per-worker engine + block-pool counters (health, metrics)
+Each sub-request (one prompt x one of `n`) runs `run_request` in a worker thread; its deltas
+reach the event loop through `call_soon_threadsafe` into an asyncio.Queue. A client that goes
+away (disconnect, or the stream being cancelled) aborts every unfinished sub-request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvcache.sampling import RequestError, SamplingParams
+from router.orchestrator import TransferFailed
+from router.policies import RoutingRejected
+
+COMPLETION_MAX_TOKENS = 16     # OpenAI's and vLLM's default for /v1/completions
+CHAT_MAX_TOKENS = 256          # ours for chat (OpenAI: up to the context)
+DISCONNECT_POLL_S = 0.25
+HEALTH_TIMEOUT_S = 10.0
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               404: "not_found_error", 405: "invalid_request_error",
+               429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error answer: status code plus OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message, self.param, self.code),
+                            status_code=self.status, headers=self.headers)
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"),
+                      "param": param, "code": code}}
+
+
+def error_for(exc: BaseException) -> APIError:
+    """Map a backend exception to its HTTP answer."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, Exception):
+        exc = exc.cause             # the worker's own exception, without Ray's traceback
+    if isinstance(exc, RoutingRejected):
+        retry = max(1, math.ceil(exc.retry_after_s))
+        return APIError(429, str(exc), code=exc.reason, headers={"Retry-After": str(retry)})
+    if isinstance(exc, RequestError):
+        return APIError(400, str(exc))
+    if isinstance(exc, TransferFailed):
+        return APIError(503, str(exc), code="transfer_failed")
+    if isinstance(exc, ray.exceptions.RayError):
+        return APIError(503, f"a worker failed: {type(exc).__name__}: {exc}",
+                        code="worker_failed")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+# ---- request bodies ----------------------------------------------------------------------------
+class _Body(BaseModel):
+    """Fields shared by both endpoints; null means "the default". Unknown fields are ignored
+    (as vLLM does); fields that would change the answer and are not supported are refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None             # vLLM extra; 0 or -1 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    tenant: str | None = None            # ours: cache namespace
+    lora: str | None = None              # ours: LoRA adapter id (a cache-namespace key)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatBody(_Body):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+_Body.model_rebuild()
+CompletionBody.model_rebuild()
+ChatBody.model_rebuild()
+
+FIELD_HELP = {
+    "prompt": "must be a string, a list of token ids, or a list of strings or token-id lists",
+    "messages": "must be a list of {role, content} messages (role: system, developer, user, "
+                "assistant or tool; content: a string or a list of text parts)",
+    "stop": "must be a string or a list of strings",
+    "stream_options": "must be an object like {\"include_usage\": true}",
+}
+
+
+def _parse(model: type[BaseModel], body: dict) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        top = str(err["loc"][0]) if err["loc"] else ""
+        if top in FIELD_HELP:
+            where, why = top, FIELD_HELP[top]
+        else:
+            where = ".".join(str(x) for x in err["loc"])
+            why = err["msg"][0].lower() + err["msg"][1:]
+            if "input" in err and err["type"] != "missing":
+                why += f", got {json.dumps(err['input'])[:80]}"
+        if err["type"] == "missing":
+            why = "is required"
+        raise APIError(400, f"{where}: {why}", param=top or None) from None
+
+
+def _unsupported(body: _Body, checks: dict[str, bool]) -> None:
+    for name, bad in checks.items():
+        if bad:
+            raise APIError(400, f"{name}: not supported by this server", param=name)
+
+
+def _sampling(body: _Body, max_tokens: int) -> SamplingParams:
+    stop = body.stop if body.stop is not None else ()
+    sp = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k in (None, -1) else body.top_k,
+        seed=body.seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=bool(body.ignore_eos),
+        min_tokens=body.min_tokens or 0)
+    try:
+        sp.validate()
+    except RequestError as e:
+        raise APIError(400, str(e).replace("invalid sampling parameter ", "")) from None
+    return sp
+
+
+def _message_dict(m: Message, i: int) -> dict:
+    if m.content is None or isinstance(m.content, str):
+        text = m.content or ""
+    else:
+        parts = []
+        for p in m.content:
+            if p.type != "text" or p.text is None:
+                raise APIError(400, f"messages.{i}.content: only text parts are supported, "
+                               f"got type {p.type!r}", param="messages")
+            parts.append(p.text)
+        text = "\n".join(parts)
+    return {"role": "system" if m.role == "developer" else m.role, "content": text}
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+class IngressMetrics:
+    """Prometheus metrics of one ingress, in their own registry: request counts by status,
+    client-side latency histograms, and (at scrape time) every worker's KV gauges."""
+
+    def __init__(self, backend: Any = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("raypd_http_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        buckets = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.ttft = Histogram("raypd_ttft_seconds", "time to first token seen by the ingress",
+                              registry=r, buckets=buckets)
+        self.tpot = Histogram("raypd_tpot_seconds", "time per output token after the first",
+                              registry=r, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25,
+                                                   .5, 1))
+        self.e2e = Histogram("raypd_e2e_seconds", "request latency, arrival to last token",
+                             registry=r, buckets=buckets)
+        self.prompt_tokens = Counter("raypd_prompt_tokens", "prompt tokens", registry=r)
+        self.cached_tokens = Counter("raypd_cached_prompt_tokens",
+                                     "prompt tokens served from a prefix cache", registry=r)
+        self.output_tokens = Counter("raypd_generation_tokens", "generated tokens", registry=r)
+        self.inflight = Gauge("raypd_requests_in_flight", "sub-requests running", registry=r)
+        if backend is not None:
+            r.register(_WorkerCollector(backend))
+
+    def observe(self, lc: dict, ttft_s: float | None, e2e_s: float, n_out: int) -> None:
+        self.prompt_tokens.inc(lc.get("prompt_tokens") or 0)
+        self.cached_tokens.inc(lc.get("cached_tokens") or 0)
+        self.output_tokens.inc(n_out)
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            if n_out > 1:
+                self.tpot.observe((e2e_s - ttft_s) / (n_out - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _WorkerCollector:
+    """Per-worker gauges from `backend.stats()`, labelled by worker id and role."""
+
+    GAUGES = [("raypd_kv_blocks_used", "blocks_used", "KV blocks referenced by requests"),
+              ("raypd_kv_blocks_cached", "blocks_cached", "KV blocks cached, unreferenced"),
+              ("raypd_kv_blocks_total", "num_blocks", "KV blocks in the pool"),
+              ("raypd_prefix_cache_hit_rate", "hit_rate", "prompt tokens reused / queried"),
+              ("raypd_worker_requests_running", "running", "requests running in the engine"),
+              ("raypd_worker_requests_waiting", "waiting", "requests waiting in the engine")]
+    COUNTERS = [("raypd_prefix_reused_tokens", "reused_tokens", "prompt tokens reused"),
+                ("raypd_kv_evictions", "evictions", "cached KV blocks evicted"),
+                ("raypd_preemptions", "preemptions", "requests preempted (recomputed)"),
+                ("raypd_worker_computed_tokens", "computed_tokens", "tokens computed")]
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        up = GaugeMetricFamily("raypd_backend_up", "1 when every worker answered stats()")
+        try:
+            stats = self.backend.stats()
+        except Exception:
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        labels = ["worker", "role"]
+        for name, key, doc in self.GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            for s in stats:
+                if key in s:
+                    g.add_metric([str(s.get("worker_id")), str(s.get("role"))], float(s[key]))
+            yield g
+        for name, key, doc in self.COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            for s in stats:
+                if key in s:
+                    c.add_metric([str(s.get("worker_id")), str(s.get("role"))], float(s[key]))
+            yield c
+
+
+# ---- running sub-requests ----------------------------------------------------------------------
+@dataclass
+class _Sub:
+    """One backend request: one prompt, one of the `n` choices."""
+
+    index: int                   # the choice index in the answer
+    prompt: Any
+    sampling: SamplingParams
+    request_id: str
+    first_of_prompt: bool        # counts the prompt's tokens in `usage`
+    done: bool = False
+    cancelled: bool = False      # the client went away (or another sub-request failed)
+    abort_sent: bool = False     # the backend acknowledged the abort
+    result: dict | None = None
+    ttft_s: float | None = None
+
+
+@dataclass
+class _Event:
+    index: int
+    kind: str                    # delta | done | error
+    payload: Any = None
+
+
+@dataclass
+class _Job:
+    """The sub-requests of one HTTP request, running in the ingress's threads."""
+
+    ingress: _Ingress
+    subs: list[_Sub]
+    chat: bool
+    tenant: str
+    lora: str
+    started: float = field(default_factory=time.perf_counter)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _getter: asyncio.Task | None = None
+    _checked: float = field(default_factory=time.monotonic)   # last disconnect check
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sub in self.subs:
+            self.ingress.executor.submit(self._run, sub, loop)
+
+    def _run(self, sub: _Sub, loop: asyncio.AbstractEventLoop) -> None:
+        def put(ev: _Event) -> None:
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+            except RuntimeError:        # the loop is gone (server stopped)
+                pass
+
+        def on_delta(delta: dict) -> None:
+            if sub.ttft_s is None:
+                sub.ttft_s = time.perf_counter() - self.started
+            if sub.cancelled and not sub.abort_sent:   # the abort raced its registration
+                sub.abort_sent = True
+                self.ingress.backend.abort(sub.request_id)
+            put(_Event(sub.index, "delta", delta))
+
+        try:
+            if sub.cancelled:
+                raise RequestError(f"request {sub.request_id} was aborted")
+            # A chat prompt is a list of message dicts, which the worker recognises (and
+            # templates) by itself: chat=True would also be applied again to the token ids
+            # the orchestrator passes on after tokenizing, which fails.
+            result = self.ingress.backend.run_request(
+                sub.prompt, sub.sampling, chat=False, tenant=self.tenant,
+                lora_id=self.lora, request_id=sub.request_id, on_delta=on_delta)
+            n_out = len(result.get("token_ids") or ())
+            self.ingress.metrics.observe(result.get("lifecycle") or {}, sub.ttft_s,
+                                         time.perf_counter() - self.started, n_out)
+            put(_Event(sub.index, "done", result))
+        except BaseException as e:      # noqa: BLE001 - every failure goes to the client
+            put(_Event(sub.index, "error", e))
+        finally:
+            self.ingress.release(1)
+
+    @property
+    def pending(self) -> int:
+        return sum(not s.done for s in self.subs)
+
+    async def next(self, request: Request | None = None) -> _Event | None:
+        """The next event; None if the client went away meanwhile (checked while waiting)."""
+        while True:
+            if request is not None and time.monotonic() - self._checked > DISCONNECT_POLL_S:
+                self._checked = time.monotonic()
+                if await request.is_disconnected():
+                    return None
+            if self._getter is None:
+                self._getter = asyncio.ensure_future(self.queue.get())
+            done, _ = await asyncio.wait({self._getter}, timeout=DISCONNECT_POLL_S)
+            if done:
+                ev = self._getter.result()
+                self._getter = None
+                if ev.kind != "delta":
+                    sub = self.subs_by_index[ev.index]
+                    sub.done = True
+                    if ev.kind == "done":
+                        sub.result = ev.payload
+                return ev
+
+    @property
+    def subs_by_index(self) -> dict[int, _Sub]:
+        return {s.index: s for s in self.subs}
+
+    def abort(self) -> None:
+        """Abort every unfinished sub-request (client gone, or another one failed)."""
+        if self._getter is not None:
+            self._getter.cancel()
+            self._getter = None
+        for s in self.subs:
+            if not s.done and not s.cancelled:
+                s.cancelled = True
+                try:
+                    s.abort_sent = bool(self.ingress.backend.abort(s.request_id))
+                except Exception:
+                    pass
+
+    def usage(self) -> dict:
+        prompt = cached = completion = 0
+        for s in self.subs:
+            lc = (s.result or {}).get("lifecycle") or {}
+            completion += len((s.result or {}).get("token_ids") or ())
+            if s.first_of_prompt:
+                prompt += lc.get("prompt_tokens") or 0
+                cached += lc.get("cached_tokens") or 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish_reason(result: dict) -> str:
+    return (result.get("lifecycle") or {}).get("finish_reason") or "stop"
+
+
+# ---- the app -----------------------------------------------------------------------------------
+class _Ingress:
+    def __init__(self, backend: Any, model_name: str, api_key: str | None, max_inflight: int,
+                 metrics: IngressMetrics | None, max_model_len: int | None) -> None:
+        self.backend = backend
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_inflight = max_inflight
+        self.max_model_len = max_model_len
+        self.metrics = metrics or IngressMetrics(backend)
+        self.executor = ThreadPoolExecutor(max_workers=max_inflight,
+                                           thread_name_prefix="raypd-http-req")
+        self.aux = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raypd-http-aux")
+        self._inflight = 0
+        self._lock = threading.Lock()
+        self.created = int(time.time())
+
+    # ---- capacity ----
+    def acquire(self, n: int) -> None:
+        if n > self.max_inflight:
+            raise APIError(400, f"this request needs {n} concurrent sequences (prompts x n); "
+                           f"the server runs at most {self.max_inflight}", param="n")
+        with self._lock:
+            if self._inflight + n > self.max_inflight:
+                raise APIError(429, f"server over capacity: {self._inflight} requests in "
+                               f"flight (max {self.max_inflight}); retry later",
+                               code="over_capacity", headers={"Retry-After": "1"})
+            self._inflight += n
+            self.metrics.inflight.set(self._inflight)
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self._inflight -= n
+            self.metrics.inflight.set(self._inflight)
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    # ---- checks ----
+    def check_auth(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing bearer token: send 'Authorization: Bearer <api key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "incorrect API key", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+
+    async def read_json(self, request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, f"the request body must be a JSON object, got "
+                           f"{type(body).__name__}")
+        return body
+
+    def cap(self, max_tokens: int) -> int:
+        return min(max_tokens, self.max_model_len) if self.max_model_len else max_tokens
+
+    # ---- endpoints ----
+    async def completions(self, request: Request) -> Response:
+        self.check_auth(request)
+        raw = await self.read_json(request)
+        body: CompletionBody = _parse(CompletionBody, raw)
+        self.check_model(body.model)
+        _unsupported(body, {"echo": bool(body.echo), "logprobs": body.logprobs is not None,
+                            "best_of": (body.best_of or 1) > 1, "suffix": bool(body.suffix),
+                            **_penalties(body)})
+        p = body.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise APIError(400, "prompt: is empty", param="prompt")
+        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        sampling = _sampling(body, self.cap(max_tokens) if max_tokens > 0 else max_tokens)
+        return await self._serve(request, body, prompts, sampling, chat=False,
+                                 rid_prefix="cmpl")
+
+    async def chat(self, request: Request) -> Response:
+        self.check_auth(request)
+        raw = await self.read_json(request)
+        body: ChatBody = _parse(ChatBody, raw)
+        self.check_model(body.model)
+        rf = (body.response_format or {}).get("type", "text")
+        _unsupported(body, {"logprobs": bool(body.logprobs) or body.top_logprobs is not None,
+                            "tools": bool(body.tools), "response_format": rf != "text",
+                            **_penalties(body)})
+        if not body.messages:
+            raise APIError(400, "messages: must hold at least one message", param="messages")
+        messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+            else body.max_tokens
+        max_tokens = self.cap(CHAT_MAX_TOKENS) if max_tokens is None else max_tokens
+        sampling = _sampling(body, self.cap(max_tokens) if max_tokens > 0 else max_tokens)
+        return await self._serve(request, body, [messages], sampling, chat=True,
+                                 rid_prefix="chatcmpl")
+
+    async def _serve(self, request: Request, body: _Body, prompts: list, sampling: SamplingParams,
+                     *, chat: bool, rid_prefix: str) -> Response:
+        n = 1 if body.n is None else body.n
+        if n < 1:
+            raise APIError(400, f"n: must be an integer >= 1, got {n}", param="n")
+        base = f"{rid_prefix}-{uuid.uuid4().hex[:24]}"
+        subs = []
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                sp = sampling
+                if sp.seed is not None and j:
+                    sp = SamplingParams(**{**sp.__dict__, "seed": sp.seed + j})
+                k = i * n + j
+                rid = base if len(prompts) * n == 1 else f"{base}-{k}"
+                subs.append(_Sub(k, prompt, sp, rid, first_of_prompt=(j == 0)))
+        self.acquire(len(subs))
+        job = _Job(self, subs, chat, body.tenant or "", body.lora or "")
+        try:
+            job.start()
+        except BaseException:
+            self.release(len(subs))
+            raise
+        meta = {"id": base, "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await self._stream(request, job, meta, chat, include_usage)
+        return await self._collect(request, job, meta, chat)
+
+    async def _collect(self, request: Request, job: _Job, meta: dict, chat: bool) -> Response:
+        try:
+            while job.pending:
+                ev = await job.next(request)
+                if ev is None:                       # client gone: nobody to answer
+                    job.abort()
+                    return Response(status_code=499)
+                if ev.kind == "error":
+                    raise error_for(ev.payload)
+        except BaseException:
+            job.abort()
+            raise
+        choices = []
+        for s in sorted(job.subs, key=lambda s: s.index):
+            text, reason = s.result.get("text", ""), _finish_reason(s.result)
+            if chat:
+                choices.append({"index": s.index, "logprobs": None, "finish_reason": reason,
+                                "message": {"role": "assistant", "content": text}})
+            else:
+                choices.append({"index": s.index, "text": text, "logprobs": None,
+                                "finish_reason": reason})
+        obj = "chat.completion" if chat else "text_completion"
+        return JSONResponse({**meta, "object": obj, "choices": choices, "usage": job.usage()},
+                            headers={"X-Request-Id": meta["id"]})
+
+    async def _stream(self, request: Request, job: _Job, meta: dict, chat: bool,
+                      include_usage: bool) -> Response:
+        # Wait for the first event before answering, so that a request refused before any
+        # token (bad prompt, over context, no capacity) gets its real status code.
+        try:
+            first = await job.next(request)
+            if first is None:
+                job.abort()
+                return Response(status_code=499)
+            if first.kind == "error":
+                raise error_for(first.payload)
+        except BaseException:
+            job.abort()
+            raise
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(choices: list) -> str:
+            return "data: " + json.dumps({**meta, "object": obj, "choices": choices,
+                                          **extra}) + "\n\n"
+
+        def choice(index: int, text: str | None, reason: str | None, role: bool = False) -> dict:
+            if chat:
+                delta: dict = {"role": "assistant"} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                return {"index": index, "delta": delta, "logprobs": None,
+                        "finish_reason": reason}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if chat:
+                    for s in job.subs:
+                        yield chunk([choice(s.index, "", None, role=True)])
+                ev: _Event | None = first
+                while ev is not None:
+                    if ev.kind == "delta":
+                        if ev.payload.get("text"):
+                            yield chunk([choice(ev.index, ev.payload["text"], None)])
+                    elif ev.kind == "done":
+                        yield chunk([choice(ev.index, None if chat else "",
+                                            _finish_reason(ev.payload))])
+                    else:
+                        err = error_for(ev.payload)
+                        job.abort()
+                        yield "data: " + json.dumps(error_body(err.status, err.message,
+                                                               err.param, err.code)) + "\n\n"
+                        break
+                    ev = await job.next() if job.pending else None
+                else:
+                    if include_usage:
+                        yield "data: " + json.dumps({**meta, "object": obj, "choices": [],
+                                                     "usage": job.usage()}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                job.abort()          # no-op when everything finished
+
+        return _SSEResponse(events(), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                     "X-Request-Id": meta["id"]})
+
+    async def models(self, request: Request) -> Response:
+        self.check_auth(request)
+        card = {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "raypd", "root": self.model_name, "parent": None}
+        if self.max_model_len:
+            card["max_model_len"] = self.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self) -> Response:
+        loop = asyncio.get_running_loop()
+        try:
+            stats = await asyncio.wait_for(loop.run_in_executor(self.aux, self.backend.stats),
+                                           HEALTH_TIMEOUT_S)
+        except Exception as e:
+            return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"},
+                                status_code=503)
+        broken = [s.get("worker_id") for s in stats if s.get("loop_error")]
+        if broken:
+            return JSONResponse({"status": "unhealthy", "failed_workers": broken},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "workers": len(stats),
+                             "in_flight": self.inflight})
+
+    async def render_metrics(self) -> Response:
+        loop = asyncio.get_running_loop()
+        data = await loop.run_in_executor(self.aux, self.metrics.render)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.aux.shutdown(wait=False, cancel_futures=True)
+
+
+def _penalties(body: _Body) -> dict[str, bool]:
+    return {"presence_penalty": bool(body.presence_penalty),
+            "frequency_penalty": bool(body.frequency_penalty),
+            "repetition_penalty": body.repetition_penalty not in (None, 1, 1.0),
+            "logit_bias": bool(body.logit_bias)}
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream whose generator is always closed (its `finally` aborts the request), also when
+    the send fails because the client went away."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def build_app(backend: Any, model_name: str, *, api_key: str | None = None,
+              max_inflight: int = 256, metrics: IngressMetrics | None = None,
+              max_model_len: int | None = None) -> FastAPI:
+    """The FastAPI app serving `backend` under `model_name`. `app.state.ingress` holds the
+    ingress (its `inflight` count, `metrics`, `close()`)."""
+    ing = _Ingress(backend, model_name, api_key, max_inflight, metrics, max_model_len)
+    app = FastAPI(title="raypd", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ingress = ing
+
+    def route(endpoint: str, handler: Callable) -> Callable:
+        async def wrapped(request: Request) -> Response:
+            try:
+                resp = await handler(request)
+            except APIError as e:
+                resp = e.response()
+            except Exception as e:   # noqa: BLE001 - answer in OpenAI's shape, never a bare 500
+                resp = error_for(e).response()
+            ing.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+            return resp
+        return wrapped
+
+    app.add_api_route("/v1/completions", route("completions", ing.completions),
+                      methods=["POST"])
+    app.add_api_route("/v1/chat/completions", route("chat", ing.chat), methods=["POST"])
+    app.add_api_route("/v1/models", route("models", ing.models), methods=["GET"])
+    app.add_api_route("/health", route("health", lambda request: ing.health()),
+                      methods=["GET"])
+    app.add_api_route("/metrics", ing.render_metrics, methods=["GET"])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return APIError(400, f"invalid request: {exc.errors()}").response()
+
+    return app
