@@ -1,0 +1,147 @@
+"""`raypd bench transfer`: KV transport GB/s next to memcpy, and what a transfer costs a real
+P/D request (its share of TTFT, and the bytes a decode-side prefix hit saves).
+
+Three parts, one run:
+  bandwidth  `kvtransfer.bench.run_transfer_bench`: single-thread memcpy and every transport
+             between two actors on this node, per payload size (its keys are kept as they are).
+  ttft share a 1 prefill + 1 decode PDCluster per transport runs one warm-up prompt, then a
+             fresh prompt of `ttft_prompt_tokens` random token ids (max_tokens=1); share =
+             lifecycle transfer_s / ttft_s, both measured on the decode worker (ttft_s runs from
+             its admission to the first token, so it holds P's prefill, the transfer and the
+             actor calls between them).
+  delta      on the best transport's cluster: prompt X[:half] first (half block aligned), then
+             P's prefix cache is dropped and X itself is sent: P computes all of X, but D already
+             holds the first half, so only the rest travels. Saved = 1 - bytes sent / bytes of
+             X's whole KV (blocks x block_size x kv_bytes_per_token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+from typing import Any
+
+import ray
+
+from cluster.pd import PDCluster, PDConfig
+from kvtransfer.bench import run_transfer_bench
+from workers.request import SamplingParams
+
+TTFT_TRANSPORTS = ("shm", "object_store", "grpc", "rdt")   # the first that works is the fallback
+FULL_SIZES_MIB = (1, 4, 16, 64, 256)
+QUICK_SIZES_MIB = (1, 16, 64)
+ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    """Random token ids in [3, 256): valid in every supported vocabulary (tiny has 259);
+    compute and KV size do not depend on which ids they are."""
+    return [rng.randrange(3, 256) for _ in range(n)]
+
+
+def _ttft_share(cluster: PDCluster, prompt: list[int], warmup: list[int]) -> dict[str, Any]:
+    """One warm-up request (first-touch costs: staging files, allocator), then the measured one."""
+    cluster.run_request(warmup, ONE_TOKEN)
+    lc = cluster.run_request(prompt, ONE_TOKEN)["lifecycle"]
+    return {"transfer_s": lc["transfer_s"], "ttft_s": lc["ttft_s"],
+            "share": lc["transfer_s"] / lc["ttft_s"], "transfer_bytes": lc["transfer_bytes"],
+            "transfer_gbps": lc["transfer_bytes"] / max(lc["transfer_s"], 1e-12) / 1e9}
+
+
+def _delta_saving(cluster: PDCluster, prompt: list[int]) -> dict[str, Any]:
+    """D holds the prompt's first half (block aligned); P holds nothing; send the whole prompt."""
+    info = cluster.info[-1]                       # the decode worker
+    bs, per_token = info["block_size"], info["kv_bytes_per_token"]
+    half = len(prompt) // 2 // bs * bs
+    cluster.run_request(prompt[:half], ONE_TOKEN)
+    ray.get([p.reset_prefix_cache.remote() for p in cluster.prefill])
+    lc = cluster.run_request(prompt, ONE_TOKEN)["lifecycle"]
+    blocks = -(-len(prompt) // bs)
+    full_bytes = blocks * bs * per_token
+    return {"delta_bytes_saved_ratio": 1 - lc["transfer_bytes"] / full_bytes,
+            "delta_prompt_tokens": len(prompt), "delta_held_tokens": half,
+            "delta_skipped_blocks": lc["skipped_blocks"],
+            "delta_transferred_blocks": lc["transferred_blocks"],
+            "delta_transfer_bytes": lc["transfer_bytes"], "delta_full_bytes": full_bytes,
+            "delta_prefill_computed_tokens": lc["computed_tokens"]}
+
+
+def run_bench_transfer(quick: bool = False, model: str = "smollm2",
+                       sizes_mib: tuple[int, ...] | None = None,
+                       ttft_prompt_tokens: int = 2048,
+                       ttft_transports: tuple[str, ...] | None = None,
+                       engine: dict | None = None, seed: int = 0,
+                       transports: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """See the module doc. quick: sizes (1, 16, 64) MiB, TTFT on shm only (same prompt length).
+    `engine` overrides EngineConfig fields of the TTFT clusters; `transports` limits the
+    bandwidth part (default: all)."""
+    sizes = tuple(sizes_mib or (QUICK_SIZES_MIB if quick else FULL_SIZES_MIB))
+    ttft_transports = tuple(ttft_transports or (("shm",) if quick else TTFT_TRANSPORTS))
+    load_before = os.getloadavg()[0]
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        # its quick=True fixes the sizes (1, 16, 64) and 3 repeats; explicit sizes get 5
+        kw = {"transports": transports} if transports else {}
+        out: dict[str, Any] = run_transfer_bench(quick=True, **kw) \
+            if quick and sizes_mib is None else run_transfer_bench(sizes, **kw)
+        out["quick"], out["model"] = quick, model
+        best = out.get("best_transport") or "shm"
+        order = sorted(ttft_transports, key=lambda t: t != best)   # best first
+        rng = random.Random(seed)
+        per_transport: dict[str, dict] = {}
+        errors: dict[str, str] = {}
+        for i, transport in enumerate(order):
+            cluster = PDCluster(PDConfig(engine={"model": model, **(engine or {})},
+                                         num_prefill=1, num_decode=1, transport=transport,
+                                         policy="round_robin"))
+            try:
+                warmup, prompt = (random_prompt(rng, ttft_prompt_tokens) for _ in range(2))
+                per_transport[transport] = _ttft_share(cluster, prompt, warmup)
+                if i == 0:
+                    out.update(_delta_saving(cluster, random_prompt(rng, ttft_prompt_tokens)))
+                    out["delta_transport"] = transport
+                cluster.check_invariants()
+            except Exception as exc:   # one broken transport must not hide the others
+                errors[transport] = f"{type(exc).__name__}: {exc}"
+            finally:
+                cluster.shutdown()
+        measured = best if best in per_transport else next(iter(per_transport), None)
+        share = per_transport[measured]["share"] if measured else math.nan
+        out.update({
+            "transfer_share_of_ttft_2048": share,
+            "ttft_transport": measured,
+            "ttft_prompt_tokens": ttft_prompt_tokens,
+            "ttft_2048": per_transport.get(measured, {}),
+            "ttft_share_by_transport": {t: r["share"] for t, r in per_transport.items()},
+            "ttft_by_transport": per_transport,
+            "ttft_errors": errors,
+            "ttft_timing": "lifecycle on the decode worker: transfer_s = pull into its kv_cache; "
+                           "ttft_s = its admission -> first token (prefill + transfer + calls)",
+        })
+        out.setdefault("delta_bytes_saved_ratio", math.nan)
+        out["loadavg_1m"] = [load_before, os.getloadavg()[0]]   # others share this machine
+    finally:
+        if started:
+            ray.shutdown()
+    return out
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from cluster.cli import _emit
+    return _emit(run_bench_transfer(quick=args.quick, model=args.model), args)
+
+
+def add_bench_transfer_parser(bsub) -> argparse.ArgumentParser:
+    """Register `bench transfer` on the `bench` subparsers."""
+    p = bsub.add_parser("transfer", help="KV transport GB/s vs memcpy; transfer share of TTFT; "
+                                         "bytes a decode-side prefix hit saves")
+    p.add_argument("--model", default="smollm2", help="model of the TTFT / delta clusters")
+    p.add_argument("--quick", action="store_true",
+                   help="sizes 1, 16, 64 MiB; TTFT on shm only")
+    p.add_argument("--json", metavar="PATH", help="also write the JSON here")
+    p.set_defaults(func=_cmd)
+    return p
