@@ -67,6 +67,16 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return _emit(run_engine_bench(model=args.model, quick=args.quick, threads=args.threads), args)
 
 
+def cmd_bench_chaos(args: argparse.Namespace) -> int:
+    from cluster.bench_chaos import run_chaos_bench
+    result = run_chaos_bench(kills=args.kills, model=args.model, requests=args.requests,
+                             max_tokens=args.max_tokens, transport=args.transport,
+                             seed=args.seed)
+    _emit(result, args)
+    return 0 if result["requests_lost"] == 0 and result["leaked_blocks"] == 0 \
+        and result["greedy_mismatches"] == 0 else 1
+
+
 def _emit(result: dict, args: argparse.Namespace) -> int:
     text = json.dumps(result, indent=2)
     print(text)
@@ -106,26 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", metavar="PATH")
     be.set_defaults(func=cmd_bench_engine)
 
-    for hook in _optional_hooks():
-        hook(sub, bsub)
+    bc = bsub.add_parser("chaos", help="kill random workers during a replay; count losses")
+    bc.add_argument("--kills", type=int, default=5)
+    bc.add_argument("--model", default="tiny")
+    bc.add_argument("--requests", type=int, default=100)
+    bc.add_argument("--max-tokens", type=int, default=64)
+    bc.add_argument("--transport", default="object_store")
+    bc.add_argument("--seed", type=int, default=0)
+    bc.add_argument("--json", metavar="PATH")
+    bc.set_defaults(func=cmd_bench_chaos)
+
+    from cluster.serve import add_serve_parser
+    from router.cli_commands import add_bench_routing_parser, add_route_sim_parser
+    add_serve_parser(sub)
+    add_route_sim_parser(sub)
+    add_bench_routing_parser(bsub)
     return parser
-
-
-def _optional_hooks():
-    """Subcommands contributed by other layers (router, transfer, serving)."""
-    hooks = []
-    try:
-        from router import cli_commands as rc
-        hooks.append(lambda sub, bsub: (rc.add_route_sim_parser(sub),
-                                        rc.add_bench_routing_parser(bsub)))
-    except ImportError:
-        pass
-    try:
-        from cluster import cli_more
-        hooks.append(cli_more.register)
-    except ImportError:
-        pass
-    return hooks
 
 
 def main(argv: list[str] | None = None) -> int:

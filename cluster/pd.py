@@ -84,7 +84,9 @@ class PDCluster:
         self.info = ray.get([w.info.remote() for w in self.workers])
         self._ensure_rdt_group()
         ids = {w: i["worker_id"] for w, i in zip(self.workers, self.info, strict=True)}
-        self.orchestrator = Orchestrator(self.prefill, self.decode, cfg.flow(), ids)
+        from workers.metrics import RouterMetrics
+        self.orchestrator = Orchestrator(self.prefill, self.decode, cfg.flow(), ids,
+                                         metrics=RouterMetrics())
         self.run_request = self.orchestrator.run_request
         self.generate = self.orchestrator.generate
         self.abort = self.orchestrator.abort

@@ -72,7 +72,9 @@ class _Flight:
 
 class Orchestrator:
     def __init__(self, prefill: Sequence[Any], decode: Sequence[Any], cfg: FlowConfig,
-                 worker_ids: dict[Any, str] | None = None) -> None:
+                 worker_ids: dict[Any, str] | None = None, metrics: Any = None) -> None:
+        """`metrics`: an object with record_request / record_decision / set_in_flight (the
+        cluster layer passes Ray-exported RouterMetrics); None records nothing."""
         cfg.validate()
         self.cfg = cfg
         self.prefill, self.decode = list(prefill), list(decode)
@@ -86,6 +88,7 @@ class Orchestrator:
         self.draining: set[str] = set()          # worker ids: no new requests (scale-in)
         self.unhealthy: set[str] = set()         # worker ids that failed their last report
         self.retries = 0                         # request re-runs after a worker failure
+        self.metrics = metrics or _NoMetrics()
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
         self._rr = itertools.count()
@@ -159,6 +162,7 @@ class Orchestrator:
                     self.index.record(d.worker_id, list(req.block_hashes))
             key = f"{self.policy.name}:{d.reason}"
             self.decisions[key] = self.decisions.get(key, 0) + 1
+            self.metrics.record_decision(self.policy.name, d.reason, role)
             return self._by_id[d.worker_id]
 
     def live(self, role: str) -> list[Any]:
@@ -217,12 +221,27 @@ class Orchestrator:
             if rid in self._flights:
                 raise RequestError(f"request id {rid!r} is already in flight")
             self._flights[rid] = flight
+            self.metrics.set_in_flight(len(self._flights))
+        t0, status = time.monotonic(), 500
         try:
-            return self._run_with_retries(flight, prompt, sampling, chat, tenant, lora_id,
-                                          on_delta)
+            result = self._run_with_retries(flight, prompt, sampling, chat, tenant, lora_id,
+                                            on_delta)
+            status = 200
+            return result
+        except RequestError:
+            status = 499 if flight.aborted else 400
+            raise
+        except RoutingRejected:
+            status = 429
+            raise
+        except TransferFailed:
+            status = 502
+            raise
         finally:
             with self._lock:
                 self._flights.pop(rid, None)
+                self.metrics.set_in_flight(len(self._flights))
+            self.metrics.record_request(status, time.monotonic() - t0)
 
     def _run_with_retries(self, flight, prompt, sampling, chat, tenant, lora_id, on_delta):
         """A worker that dies (or is restarting) fails only the attempt: what the other side
@@ -265,6 +284,7 @@ class Orchestrator:
         probe = probe[next(self._rr) % len(probe)]
         prepared = _unwrap(lambda: ray.get(probe.prepare.remote(spec)))
         spec["prompt_token_ids"] = prepared["prompt_token_ids"]
+        spec["chat"] = False                 # tokenized now (chat template applied)
         req = RoutingRequest(rid, prepared["block_hashes"], len(prepared["prompt_token_ids"]),
                              prepared["block_size"], tenant=tenant,
                              output_tokens=sampling.max_tokens)
@@ -302,6 +322,9 @@ class Orchestrator:
                     continue                 # died or restarting: the reporter will notice
                 if res["admitted"]:
                     flight.decode = d
+                    if flight.aborted:       # aborted while being admitted
+                        d.abort.remote(spec["request_id"])
+                        raise RequestError(f"request {flight.request_id} was aborted")
                     return res
             if flight.aborted:
                 raise RequestError(f"request {flight.request_id} was aborted")
@@ -396,6 +419,12 @@ class Orchestrator:
 
 class TransferFailed(RuntimeError):
     """A KV transfer failed and the failure policy is `fail`."""
+
+
+class _NoMetrics:
+    def record_request(self, status: int, seconds: float | None = None) -> None: ...
+    def record_decision(self, policy: str, reason: str, target: str = "") -> None: ...
+    def set_in_flight(self, n: int) -> None: ...
 
 
 class WorkerFailed(RuntimeError):

@@ -12,6 +12,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 torch.set_num_threads(int(os.environ.get("RAYPD_TEST_THREADS", "2")))
+# a bare ray.init() in a test starts a fresh local instance, never joins a stale or foreign one
+os.environ.setdefault("RAY_ADDRESS", "local")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray instance shared by every module that needs it (shut down at session end;
+    a module that needs its own cluster shuts this one down first)."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def shared_dir() -> Path:

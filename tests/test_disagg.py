@@ -21,14 +21,7 @@ PROMPTS = [random_prompt(5, seed=1),          # shorter than one block
            SHARED + random_prompt(9, seed=4)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 @pytest.fixture(scope="module")

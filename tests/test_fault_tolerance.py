@@ -17,14 +17,7 @@ ENGINE = dict(model="tiny", num_blocks=256, block_size=16)
 LONG = SamplingParams(max_tokens=300, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 def _reference(tiny_loaded, prompts, sampling):

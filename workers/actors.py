@@ -27,6 +27,7 @@ from kvtransfer.base import TransferError, TransferHandle
 from kvtransfer.endpoint import KVConsumer, KVProducer
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import EngineConfig, LLMEngine, RequestError, StepOutput
+from workers.metrics import WorkerMetrics
 from workers.request import RequestStatus, SamplingParams
 
 _DONE = object()
@@ -49,7 +50,13 @@ class _EngineHost:
         self._queues: dict[str, queue.Queue] = {}
         self._stop = False
         self._loop_error: str | None = None
-        self._thread = threading.Thread(target=self._loop, name=f"{worker_id}-loop", daemon=True)
+        self.metrics = WorkerMetrics(self.role, worker_id)
+        self._transfer_failures = 0
+
+    def _start_loop(self) -> None:
+        """Called last by each subclass constructor, once every field the loop reads exists."""
+        self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-loop",
+                                        daemon=True)
         self._thread.start()
 
     # ---- loop --------------------------------------------------------------------------------
@@ -59,6 +66,7 @@ class _EngineHost:
             try:
                 with self._lock:
                     self._housekeeping()
+                    self.metrics.maybe_update(self.stats)
                     if not self.engine.has_unfinished():
                         self._work.clear()
                         continue
@@ -75,6 +83,8 @@ class _EngineHost:
         """Periodic work under the lock (lease expiry on prefill workers)."""
 
     def _deliver(self, out: StepOutput) -> None:
+        if out.finished:
+            self.metrics.observe_finished(out.request.lifecycle)
         q = self._queues.get(out.request.request_id)
         if q is None:
             return
@@ -183,6 +193,7 @@ class PrefillHost(_EngineHost):
         self.producer = KVProducer(self.transport_name, kw.get("lease_s", 30.0),
                                    **self._transport_cfg)
         self._held: dict[str, str] = {}   # transfer_id -> request_id whose blocks are pinned
+        self._start_loop()
 
     def _housekeeping(self) -> None:
         self.producer.expire()
@@ -190,7 +201,9 @@ class PrefillHost(_EngineHost):
     def prefill(self, spec: dict, timeout: float = 600.0) -> dict:
         """Compute the prompt's KV (reusing this worker's prefix cache), sample the first token,
         and stage blocks [skip_blocks:] for the decode worker under a lease."""
-        sampling = SamplingParams(**{**spec.get("sampling", {}), "max_tokens": 1})
+        asked = spec.get("sampling", {})
+        sampling = SamplingParams(**{**asked, "max_tokens": 1,
+                                     "min_tokens": min(asked.get("min_tokens", 0), 1)})
         with self._lock:
             req = self.engine.make_request(spec["prompt_token_ids"], sampling,
                                            request_id=spec["request_id"],
@@ -266,10 +279,17 @@ class DecodeHost(_EngineHost):
         self.consumer = KVConsumer(self.transport_name, **self._transport_cfg)
         self._reserved: dict[str, Any] = {}   # request_id -> Request awaiting its pages
         self._faults_left = 0                  # injected transfer failures (chaos tests)
+        self._start_loop()
 
     def inject_transfer_faults(self, n: int) -> None:
         """Make the next `n` transfers into this worker fail (for failure-policy tests)."""
         self._faults_left = n
+
+    def stats(self) -> dict:
+        d = super().stats()
+        d.update({f"transfer_{k}": v for k, v in asdict(self.consumer.stats()).items()})
+        d["transfer_failures"] = self._transfer_failures
+        return d
 
     def admit(self, spec: dict, local_prefill_max_tokens: int = 0) -> dict:
         """Decode-first admission: reserve blocks for the whole prompt, or say it can't now.
@@ -325,17 +345,21 @@ class DecodeHost(_EngineHost):
             skip = req.lifecycle.cached_tokens // bs
             dest = blocks[skip:-(-len(req.prompt_token_ids) // bs)]
         result = None
-        if self._faults_left > 0:
-            self._faults_left -= 1
-            raise TransferError(f"injected transfer fault on {self.worker_id}")
-        if handle is not None:
-            assert len(dest) == handle.num_blocks, (len(dest), handle.num_blocks)
-            kv_cache = self.engine.runner.kv_cache
-            if pages is None:
-                result = self.consumer.pull_into(handle, kv_cache, dest)
-            else:
-                result = rdt.receive_pages(self.consumer, handle, pages, kv_cache, dest,
-                                           sent_at=sent_at)
+        try:
+            if self._faults_left > 0:
+                self._faults_left -= 1
+                raise TransferError(f"injected transfer fault on {self.worker_id}")
+            if handle is not None:
+                assert len(dest) == handle.num_blocks, (len(dest), handle.num_blocks)
+                kv_cache = self.engine.runner.kv_cache
+                if pages is None:
+                    result = self.consumer.pull_into(handle, kv_cache, dest)
+                else:
+                    result = rdt.receive_pages(self.consumer, handle, pages, kv_cache, dest,
+                                               sent_at=sent_at)
+        except Exception:
+            self._transfer_failures += 1
+            raise
         with self._lock:
             if self._reserved.pop(request_id, None) is None:
                 raise TransferError(f"request {request_id} was aborted during its transfer")

@@ -90,6 +90,8 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             chat = True
+        elif isinstance(prompt, list):
+            chat = False   # token ids: already tokenized (chat template applied, if any)
         if chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
