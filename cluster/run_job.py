@@ -19,7 +19,7 @@ from router.trace import TraceError
 from router.workload import SynthConfig, load_workload, synth_trace, write_jsonl
 
 DEFAULT_REQUESTS = 100
-DEFAULT_RATE = 3.0              # arrivals / s of the built-in trace
+DEFAULT_RATE = 1.0              # arrivals / s of the built-in trace
 DEFAULT_OUT_DIR = Path("raypd-report")
 
 
@@ -32,10 +32,6 @@ class RecordingBackend:
         self.results: dict[str, dict] = {}
 
     def run_request(self, prompt: Any, sampling: Any = None, **kw: Any) -> dict:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            # the workers recognise chat messages themselves; chat=True would make the
-            # orchestrator template the already-templated token ids again after `prepare`
-            kw["chat"] = False
         result = self._backend.run_request(prompt, sampling, **kw)
         if kw.get("request_id"):
             self.results[kw["request_id"]] = result
@@ -88,7 +84,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.limit is not None and args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         items = load_workload(trace_path, limit=args.limit, block_tokens=args.block_tokens,
-                              vocab_size=args.vocab_size)
+                              vocab_size=args.vocab_size,
+                              max_output_tokens=args.max_output_tokens)
         opts = SubmitOptions("", rate=args.rate, timestamps=args.timestamps and not args.rate,
                              concurrency=args.concurrency, seed=args.seed,
                              progress=not args.no_progress)
@@ -146,6 +143,7 @@ def _run(cfg, items, opts: SubmitOptions, trace_path: Path, args) -> tuple[dict,
                   "arrivals": "timestamps" if opts.timestamps else
                   ("poisson" if opts.rate else "closed-loop"), "rate": opts.rate,
                   "concurrency": opts.concurrency, "block_tokens": args.block_tokens,
+                  "max_output_tokens": args.max_output_tokens,
                   "routing_decisions": dict(cluster.orchestrator.decisions)}
         report = build_report(result.records, params=params, wall_s=result.wall_s,
                               stats_before=before, stats_after=after,

@@ -40,6 +40,7 @@ class Rejected(Exception):
 class Parsed(NamedTuple):
     prompt: Any                  # str | list[int] | list[dict] (chat messages)
     sampling: SamplingParams
+    chat: bool
     tenant: str
     lora_id: str
     request_id: str
@@ -56,6 +57,7 @@ def parse_request(req: pb.GenerateRequest, model_name: str) -> Parsed:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                        "give exactly one of prompt, prompt_token_ids, messages"
                        + (f" (got {', '.join(given)})" if given else ""))
+    chat = bool(req.messages)
     if req.prompt:
         prompt: Any = req.prompt
     elif req.prompt_token_ids:
@@ -80,7 +82,7 @@ def parse_request(req: pb.GenerateRequest, model_name: str) -> Parsed:
         sampling.validate()
     except ValueError as e:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-    return Parsed(prompt, sampling, req.tenant, req.lora_id,
+    return Parsed(prompt, sampling, chat, req.tenant, req.lora_id,
                   req.request_id or f"grpc-{uuid.uuid4().hex[:12]}")
 
 
@@ -117,9 +119,7 @@ class RaypdServicer(pb_grpc.RaypdServicer):
                                                 thread_name_prefix="raypd-grpc-req")
 
     def _run(self, p: Parsed, on_delta=None) -> dict:
-        # chat=False even for messages: the worker recognises a list of messages and applies
-        # the chat template once; chat=True would template the token ids again after `prepare`
-        return self.backend.run_request(p.prompt, p.sampling, chat=False, tenant=p.tenant,
+        return self.backend.run_request(p.prompt, p.sampling, chat=p.chat, tenant=p.tenant,
                                         lora_id=p.lora_id, request_id=p.request_id,
                                         on_delta=on_delta)
 

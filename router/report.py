@@ -297,10 +297,12 @@ def _num(x: Any, fmt: str = "{:,}") -> str:
 def summary_lines(report: dict) -> list[str]:
     r = report
     p = r.get("params", {})
+    setup = [f"model {p.get('model', '?')}"]
+    if p.get("prefill") is not None and p.get("decode") is not None:
+        setup.append(f"{p['prefill']} prefill + {p['decode']} decode")
+    setup += [f"{k} {p[k]}" for k in ("policy", "transport") if p.get(k)]
     lines = [
-        f"raypd report ({r['evidence_level']}): model {p.get('model', '?')}, "
-        f"{p.get('prefill', '?')} prefill + {p.get('decode', '?')} decode, "
-        f"policy {p.get('policy', '?')}, transport {p.get('transport', '?')}",
+        f"raypd report ({r['evidence_level']}): " + ", ".join(setup),
         f"trace {p.get('trace', '?')} ({p.get('arrivals', '?')}"
         + (f", rate {p['rate']}/s" if p.get("rate") else "") + ")",
         f"requests: {r['requests_ok']} ok, {r['requests_failed']} failed of "

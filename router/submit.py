@@ -309,7 +309,9 @@ METRIC_KEYS = {"raypd_kv_blocks_used": "blocks_used", "raypd_kv_blocks_cached": 
                "raypd_worker_computed_tokens": "computed_tokens",
                "raypd_kv_peak_blocks_used": "peak_blocks_used",
                "raypd_kv_block_utilization": "block_utilization",
-               "raypd_prefix_prompt_tokens": "prompt_tokens"}
+               "raypd_prefix_prompt_tokens": "prompt_tokens",
+               "raypd_worker_busy_seconds": "busy_s",
+               "raypd_kv_transfer_bytes_staged": "transfer_bytes_staged"}
 
 
 def parse_metrics(text: str) -> list[dict]:
@@ -400,6 +402,8 @@ def add_replay_options(p: argparse.ArgumentParser, timestamps_default: bool = Fa
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                    help="Mooncake traces: expanded token ids are < this (default "
                         "%(default)s, SmolLM2)")
+    p.add_argument("--max-output-tokens", type=int, default=None, metavar="N",
+                   help="cap every request's output length at N tokens (default: the trace's)")
     p.add_argument("--slo-ttft", type=float, default=DEFAULT_SLO_TTFT_S, metavar="S",
                    help="TTFT SLO for goodput, seconds (default %(default)s)")
     p.add_argument("--slo-tpot", type=float, default=DEFAULT_SLO_TPOT_S, metavar="S",
@@ -432,7 +436,7 @@ def load_items(args: argparse.Namespace) -> list[WorkItem]:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     return load_workload(args.trace, limit=args.limit, block_tokens=args.block_tokens,
-                         vocab_size=args.vocab_size)
+                         vocab_size=args.vocab_size, max_output_tokens=args.max_output_tokens)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -456,6 +460,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
               "arrivals": "timestamps" if opts.timestamps else
               ("poisson" if opts.rate else "closed-loop"),
               "concurrency": opts.concurrency, "block_tokens": args.block_tokens,
+              "max_output_tokens": args.max_output_tokens,
               **((after or {}).get("config") or {})}
     report = build_report(result.records, params=params, wall_s=result.wall_s,
                           stats_before=(before or {}).get("workers"),
@@ -466,3 +471,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     write_reports(report, result.records, args.out, args.html, args.outputs)
     print_summary(report, files=[f for f in (args.out, args.html, args.outputs) if f])
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="raypd")
+    add_submit_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["submit", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":     # python -m router.submit TRACE --url URL --out FILE [...]
+    sys.exit(main())

@@ -19,7 +19,7 @@ import os
 import random
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -171,14 +171,22 @@ def detect_format(path: str | os.PathLike) -> str:
 
 
 def load_workload(path: str | os.PathLike, *, limit: int | None = None, block_tokens: int = 16,
-                  vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[WorkItem]:
-    """Any supported trace, validated in full (the first `limit` requests), sorted by arrival."""
+                  vocab_size: int = DEFAULT_VOCAB_SIZE,
+                  max_output_tokens: int | None = None) -> list[WorkItem]:
+    """Any supported trace, validated in full (the first `limit` requests), sorted by arrival;
+    `max_output_tokens` caps each request's output length (to fit a small machine)."""
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
+    if max_output_tokens is not None and max_output_tokens < 1:
+        raise ValueError(f"--max-output-tokens must be >= 1, got {max_output_tokens}")
     if detect_format(path) == "mooncake":
-        return load_mooncake(path, limit=limit, block_tokens=block_tokens,
-                             vocab_size=vocab_size)
-    return load_raypd(path, limit=limit)
+        items = load_mooncake(path, limit=limit, block_tokens=block_tokens,
+                              vocab_size=vocab_size)
+    else:
+        items = load_raypd(path, limit=limit)
+    if max_output_tokens is not None:
+        items = [replace(it, max_tokens=min(it.max_tokens, max_output_tokens)) for it in items]
+    return items
 
 
 # ---- repeated prefixes (what reuse the trace offers) ---------------------------------------

@@ -7,7 +7,6 @@ import time
 
 import grpc
 import pytest
-import ray
 from conftest import random_prompt
 
 from cluster.pd import PDCluster, PDConfig
@@ -21,15 +20,10 @@ PROMPTS = [random_prompt(21, seed=1), random_prompt(40, seed=2), random_prompt(7
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+def cluster(ray_session):
     c = PDCluster(PDConfig(engine=ENGINE))
     yield c
     c.shutdown()
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ def test_run_replays_the_builtin_trace_and_writes_the_report(tmp_path, capsys):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(CONFIG)
     out = tmp_path / "report"
+    had_ray = ray.is_initialized()     # the job joins a running Ray, else starts its own
     code = _run(["--config", str(cfg), "--requests", "12", "--synth-rate", "30",
                  "--out-dir", str(out), "--no-progress"])
     assert code == 0
@@ -44,13 +45,14 @@ def test_run_replays_the_builtin_trace_and_writes_the_report(tmp_path, capsys):
     assert (out / "trace.jsonl").exists()
     printed = capsys.readouterr().out
     assert "requests: 12 ok, 0 failed of 12 sent" in printed and "diagnosis:" in printed
-    assert not ray.is_initialized()          # the job shut down the Ray it started
+    assert ray.is_initialized() == had_ray   # ... and shuts down only the one it started
 
 
 def test_run_with_a_bad_trace_starts_nothing(tmp_path, capsys):
     trace = tmp_path / "bad.jsonl"
     trace.write_text('{"prompt": "a"}\n{"prompt": "b", "session": 3}\n')
+    had_ray = ray.is_initialized()
     code = _run(["--trace", str(trace), "--out-dir", str(tmp_path / "r")])
     assert code == 2
     assert capsys.readouterr().err.startswith(f"error: {trace}:2: 'session' must be a string")
-    assert not ray.is_initialized() and not (tmp_path / "r").exists()
+    assert ray.is_initialized() == had_ray and not (tmp_path / "r").exists()

@@ -7,7 +7,6 @@ import json
 import re
 
 import pytest
-import ray
 
 from router.report import build_report, diagnose, percentiles
 from router.submit import RequestRecord, add_submit_parser, parse_metrics, request_body
@@ -164,14 +163,11 @@ def test_parse_metrics_reads_per_worker_gauges():
 
 # ---- end to end through the HTTP server ----------------------------------------------------
 @pytest.fixture(scope="module")
-def server():
+def server(ray_session):
     from cluster.config import load_config
     from cluster.pd import PDCluster
     from cluster.run_job import RecordingBackend
     from cluster.serve import start_server
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     cfg = load_config(None, {"model.name": "tiny", "engine.num_blocks": 256})
     cluster = PDCluster(cfg.to_pd_config())
     backend = RecordingBackend(cluster)
@@ -179,8 +175,6 @@ def server():
     yield handle, backend
     handle.stop()
     cluster.shutdown()
-    if started:
-        ray.shutdown()
 
 
 def _submit(argv: list[str]) -> int:
