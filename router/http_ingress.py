@@ -3,7 +3,10 @@
     app = build_app(cluster, "smollm2", api_key=None, max_inflight=256)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). Every error has OpenAI's shape
+GET /health, GET /metrics (Prometheus text); operations: GET /api/stats (per-actor state, router
+counters, the last finished requests' timelines), GET /dashboard (a self-contained page charting
+/api/stats), GET /admin/status and POST /admin/scale (bearer token when set). Every error has
+OpenAI's shape
 {"error": {"message", "type", "param", "code"}}: bad request 400, bad or missing bearer token 401,
 unknown model 404, over capacity or SLO unmeetable 429 with Retry-After, KV transfer or worker
 failure 503.
@@ -13,6 +16,9 @@ The backend is duck-typed (this module never imports cluster/ or workers/, so no
       blocking; {"text", "token_ids", "lifecycle"}; on_delta({"token_ids", "text"}) per chunk
   abort(request_id) -> bool       releases the request's blocks on every worker
   stats() -> list[dict]           per-worker engine + block-pool counters (health, metrics)
+and, used by the operations routes when present (PDCluster has them): `workers` (actor handles,
+asked one by one so a dead or removed worker costs only its own row), `info`, `orchestrator`
+(policy, decisions, draining, unhealthy, retries, in_flight()), `scale(prefill, decode, wait)`.
 Each sub-request (one prompt x one of `n`) runs `run_request` in a worker thread; its deltas
 reach the event loop through `call_soon_threadsafe` into an asyncio.Queue. A client that goes
 away (disconnect, or the stream being cancelled) aborts every unfinished sub-request.
@@ -27,15 +33,17 @@ import math
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -56,10 +64,14 @@ COMPLETION_MAX_TOKENS = 16     # OpenAI's and vLLM's default for /v1/completions
 CHAT_MAX_TOKENS = 256          # ours for chat (OpenAI: up to the context)
 DISCONNECT_POLL_S = 0.25
 HEALTH_TIMEOUT_S = 10.0
+STATS_TIMEOUT_S = 5.0          # a worker that does not answer stats() by then shows unhealthy
+RECENT_REQUESTS = 200          # finished requests kept for /api/stats and the dashboard timeline
+DASHBOARD_HTML = Path(__file__).with_name("dashboard.html")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                404: "not_found_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+               429: "rate_limit_error", 500: "internal_error", 501: "not_implemented_error",
+               503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -353,6 +365,7 @@ class _Job:
     tenant: str
     lora: str
     started: float = field(default_factory=time.perf_counter)
+    arrival: float = field(default_factory=time.time)          # wall clock, for the timeline
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _getter: asyncio.Task | None = None
     _checked: float = field(default_factory=time.monotonic)   # last disconnect check
@@ -377,6 +390,7 @@ class _Job:
                 self.ingress.backend.abort(sub.request_id)
             put(_Event(sub.index, "delta", delta))
 
+        status, result, error = 500, None, None
         try:
             if sub.cancelled:
                 raise RequestError(f"request {sub.request_id} was aborted")
@@ -389,11 +403,17 @@ class _Job:
             n_out = len(result.get("token_ids") or ())
             self.ingress.metrics.observe(result.get("lifecycle") or {}, sub.ttft_s,
                                          time.perf_counter() - self.started, n_out)
+            status = 200
             put(_Event(sub.index, "done", result))
         except BaseException as e:      # noqa: BLE001 - every failure goes to the client
+            status = 499 if sub.cancelled else error_for(e).status
+            error = f"{type(e).__name__}: {e}"
             put(_Event(sub.index, "error", e))
         finally:
-            self.ingress.release(1)
+            try:
+                self.ingress.record(self, sub, status, result, error)
+            finally:
+                self.ingress.release(1)
 
     @property
     def pending(self) -> int:
@@ -467,8 +487,11 @@ class _Ingress:
                                            thread_name_prefix="raypd-http-req")
         self.aux = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raypd-http-aux")
         self._inflight = 0
+        self.peak_inflight = 0          # the most sub-requests ever in flight at once
         self._lock = threading.Lock()
         self.created = int(time.time())
+        self.recent: deque[dict] = deque(maxlen=RECENT_REQUESTS)   # finished sub-requests
+        self.http_counts: dict[str, dict[str, int]] = {}           # endpoint -> status -> n
 
     # ---- capacity ----
     def acquire(self, n: int) -> None:
@@ -481,6 +504,7 @@ class _Ingress:
                                f"flight (max {self.max_inflight}); retry later",
                                code="over_capacity", headers={"Retry-After": "1"})
             self._inflight += n
+            self.peak_inflight = max(self.peak_inflight, self._inflight)
             self.metrics.inflight.set(self._inflight)
 
     def release(self, n: int) -> None:
@@ -707,9 +731,213 @@ class _Ingress:
         data = await loop.run_in_executor(self.aux, self.metrics.render)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
+    # ---- operations: request timelines, /api/stats, /admin/scale ----
+    def record(self, job: _Job, sub: _Sub, status: int, result: dict | None,
+               error: str | None) -> None:
+        """Keep one finished sub-request's lifecycle timeline (the last RECENT_REQUESTS)."""
+        finish = time.time()
+        lc = (result or {}).get("lifecycle") or {}
+        n_out = len((result or {}).get("token_ids") or ())
+        first = job.arrival + sub.ttft_s if sub.ttft_s is not None else None
+        reason = lc.get("finish_reason") or ("abort" if status == 499 else
+                                             "error" if status != 200 else "stop")
+        rec = {"request_id": sub.request_id, "status": status, "finish_reason": reason,
+               "arrival": job.arrival, "first_token": first, "finish": finish,
+               "ttft_s": sub.ttft_s, "e2e_s": finish - job.arrival,
+               "tpot_s": (finish - first) / (n_out - 1) if first is not None and n_out > 1
+               else None,
+               "prompt_tokens": lc.get("prompt_tokens") or 0,
+               "cached_tokens": lc.get("cached_tokens") or 0, "output_tokens": n_out,
+               "transfer_bytes": lc.get("transfer_bytes") or 0,
+               "transfer_s": lc.get("transfer_s") or 0.0,
+               "prefill_worker": lc.get("prefill_worker"),
+               "decode_worker": lc.get("decode_worker"), "retries": lc.get("retries") or 0,
+               "error": error[:300] if error else None}
+        with self._lock:
+            self.recent.append(rec)
+
+    def count(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            by = self.http_counts.setdefault(endpoint, {})
+            by[str(status)] = by.get(str(status), 0) + 1
+
+    def snapshot(self, max_requests: int = RECENT_REQUESTS) -> dict:
+        """The /api/stats document (blocking: asks every worker; run it off the event loop)."""
+        b = self.backend
+        orch = getattr(b, "orchestrator", None)
+        info = {i["worker_id"]: i for i in list(getattr(b, "info", None) or [])}
+        stats, stats_error = _worker_stats(b)
+        with self._lock:
+            recent = list(self.recent)
+            http = {k: dict(v) for k, v in self.http_counts.items()}
+            in_flight, peak = self._inflight, self.peak_inflight
+        draining = set(getattr(orch, "draining", ()) or ())
+        unhealthy = set(getattr(orch, "unhealthy", ()) or ())
+        rows = {s["worker_id"]: _actor_row(s, info.get(s["worker_id"], {}))
+                for s in stats if "worker_id" in s}
+        info_now = {i["worker_id"] for i in list(getattr(b, "info", None) or [])}
+        for wid in (info.keys() & info_now) - rows.keys():     # no answer: hung, dead, restarting
+            rows[wid] = _actor_row({"worker_id": wid, "role": info[wid].get("role")}, info[wid])
+            unhealthy.add(wid)
+        for wid, row in rows.items():
+            row["state"] = "unhealthy" if wid in unhealthy or row.get("loop_error") else \
+                "draining" if wid in draining else "active"
+            served = [r for r in recent if wid in (r["prefill_worker"], r["decode_worker"])]
+            row["requests_served"] = len(served)
+            row["ttft"] = _summary([r["ttft_s"] for r in served])
+            row["tpot"] = _summary([r["tpot_s"] for r in served])
+        actors = sorted(rows.values(), key=_actor_order)
+        api = {}
+        for ep in ("completions", "chat"):
+            for code, n in http.get(ep, {}).items():
+                api[code] = api.get(code, 0) + n
+        ok = [r for r in recent if r["status"] == 200]
+        router = {"policy": getattr(getattr(orch, "policy", None), "name", None),
+                  "decisions": dict(getattr(orch, "decisions", {}) or {}),
+                  "in_flight": in_flight, "max_inflight": self.max_inflight,
+                  "peak_in_flight": peak,
+                  "backend_in_flight": len(orch.in_flight()) if orch is not None else None,
+                  "retries": getattr(orch, "retries", 0),
+                  "live": {role: sum(a["role"] == role and a["state"] == "active"
+                                     for a in actors) for role in ("prefill", "decode")},
+                  "draining": sorted(draining & rows.keys()),
+                  "unhealthy": sorted(unhealthy & rows.keys()),
+                  "requests": api, "http": http,
+                  "ttft": _summary([r["ttft_s"] for r in ok]),
+                  "tpot": _summary([r["tpot_s"] for r in ok]),
+                  "e2e": _summary([r["e2e_s"] for r in ok])}
+        return {"now": time.time(), "model": self.model_name, "actors": actors,
+                "router": router, "requests": recent[-max_requests:] if max_requests else [],
+                "stats_error": stats_error}
+
+    async def api_stats(self, request: Request) -> Response:
+        try:
+            n = int(request.query_params.get("requests", RECENT_REQUESTS))
+        except ValueError:
+            raise APIError(400, "requests: must be an integer", param="requests") from None
+        loop = asyncio.get_running_loop()
+        doc = await asyncio.wait_for(
+            loop.run_in_executor(self.aux, self.snapshot, max(0, min(n, RECENT_REQUESTS))),
+            STATS_TIMEOUT_S + HEALTH_TIMEOUT_S)
+        return JSONResponse(doc, headers={"Cache-Control": "no-store"})
+
+    async def admin_status(self, request: Request) -> Response:
+        self.check_auth(request)
+        return await self.api_stats(request)
+
+    async def admin_scale(self, request: Request) -> Response:
+        """{"prefill": N, "decode": M, "wait": false} -> the backend's scale(); answers the
+        live counts and the workers draining (removed once their requests finish)."""
+        self.check_auth(request)
+        body = await self.read_json(request)
+        scale = getattr(self.backend, "scale", None)
+        if scale is None:
+            raise APIError(501, "this backend cannot scale", code="not_supported")
+        unknown = sorted(set(body) - {"prefill", "decode", "wait"})
+        if unknown:
+            raise APIError(400, f"{unknown[0]}: unknown field (expected prefill, decode, wait)",
+                           param=unknown[0])
+        want = {}
+        for role in ("prefill", "decode"):
+            v = body.get(role)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise APIError(400, f"{role}: must be an integer >= 0, got {json.dumps(v)}",
+                               param=role)
+            want[role] = v
+        if not want:
+            raise APIError(400, "give prefill and/or decode: the wanted worker counts")
+        wait = body.get("wait", False)
+        if not isinstance(wait, bool):
+            raise APIError(400, "wait: must be true or false", param="wait")
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        try:    # launching workers blocks (model load), and so does waiting for drains
+            live = await loop.run_in_executor(None, lambda: scale(**want, wait=wait))
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        orch = getattr(self.backend, "orchestrator", None)
+        return JSONResponse({"live": dict(live), "requested": want,
+                             "draining": sorted(getattr(orch, "draining", ()) or ()),
+                             "seconds": round(time.monotonic() - t0, 3)})
+
+    async def dashboard(self, request: Request) -> Response:
+        return HTMLResponse(DASHBOARD_HTML.read_text(encoding="utf-8"),
+                            headers={"Cache-Control": "no-store"})
+
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.aux.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- operations helpers ------------------------------------------------------------------------
+_ACTOR_FIELDS = ("waiting", "running", "blocks_used", "blocks_cached", "free", "num_blocks",
+                 "block_size", "hit_rate", "prompt_tokens", "reused_tokens", "computed_tokens",
+                 "recomputed_tokens", "evictions", "preemptions", "peak_blocks_used",
+                 "requests_finished", "requests_rejected", "steps", "busy_s",
+                 "block_utilization", "loop_error")
+
+
+def _worker_stats(backend: Any) -> tuple[list[dict], str | None]:
+    """Every worker's stats(); each actor asked on its own, so that one that is dead, hung or
+    just removed by a scale-in only loses its own row. Falls back to `backend.stats()`."""
+    workers = list(getattr(backend, "workers", None) or [])
+    if not workers or not all(hasattr(getattr(w, "stats", None), "remote") for w in workers):
+        try:
+            return list(backend.stats()), None
+        except Exception as e:      # noqa: BLE001 - the page shows it
+            return [], f"{type(e).__name__}: {e}"
+    refs = [w.stats.remote() for w in workers]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STATS_TIMEOUT_S)
+    out, errors = [], []
+    for r in ready:
+        try:
+            out.append(ray.get(r))
+        except Exception as e:      # noqa: BLE001
+            errors.append(type(e).__name__)
+    missing = len(refs) - len(out)
+    return out, (f"{missing} worker(s) did not answer ({', '.join(errors) or 'timeout'})"
+                 if missing else None)
+
+
+def _actor_row(s: dict, info: dict) -> dict:
+    """One /api/stats actor row from a worker's stats() and info()."""
+    row = {"worker_id": s["worker_id"], "role": s.get("role") or info.get("role"),
+           "node_id": info.get("node_id"), "pid": info.get("pid")}
+    row.update({k: s.get(k) for k in _ACTOR_FIELDS})
+    row["num_blocks"] = s.get("num_blocks") or info.get("num_blocks")
+    row["queue"] = (s.get("waiting") or 0) + (s.get("running") or 0) if "waiting" in s else None
+    used, total = s.get("blocks_used"), row["num_blocks"]
+    row["kv_usage"] = used / total if used is not None and total else None
+    if row["role"] == "prefill":     # pages staged for decode workers
+        row.update(transfer_count=s.get("transfer_offered"),
+                   transfer_bytes=s.get("transfer_bytes_staged"), transfer_seconds=None,
+                   transfer_active=s.get("transfer_active"),
+                   transfer_failures=(s.get("transfer_aborted") or 0)
+                   + (s.get("transfer_expired") or 0) if "transfer_offered" in s else None)
+    else:                            # pages pulled from prefill workers
+        row.update(transfer_count=s.get("transfer_transfers"),
+                   transfer_bytes=s.get("transfer_bytes_received"),
+                   transfer_seconds=s.get("transfer_seconds"), transfer_active=None,
+                   transfer_failures=s.get("transfer_failures"))
+    return row
+
+
+def _actor_order(row: dict) -> tuple:
+    name, _, idx = str(row["worker_id"]).rpartition("-")
+    return ({"prefill": 0, "decode": 1}.get(row["role"], 2), name,
+            int(idx) if idx.isdigit() else 0, str(row["worker_id"]))
+
+
+def _summary(values: list) -> dict | None:
+    """count, mean, p50, p95, max of the values that are not None (None when there are none)."""
+    v = sorted(x for x in values if x is not None)
+    if not v:
+        return None
+    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
+    return {"count": len(v), "mean": sum(v) / len(v), "p50": pick(0.5), "p95": pick(0.95),
+            "max": v[-1]}
 
 
 def _penalties(body: _Body) -> dict[str, bool]:
@@ -748,6 +976,7 @@ def build_app(backend: Any, model_name: str, *, api_key: str | None = None,
             except Exception as e:   # noqa: BLE001 - answer in OpenAI's shape, never a bare 500
                 resp = error_for(e).response()
             ing.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+            ing.count(endpoint, resp.status_code)
             return resp
         return wrapped
 
@@ -758,6 +987,10 @@ def build_app(backend: Any, model_name: str, *, api_key: str | None = None,
     app.add_api_route("/health", route("health", lambda request: ing.health()),
                       methods=["GET"])
     app.add_api_route("/metrics", ing.render_metrics, methods=["GET"])
+    app.add_api_route("/api/stats", route("stats", ing.api_stats), methods=["GET"])
+    app.add_api_route("/dashboard", ing.dashboard, methods=["GET"])
+    app.add_api_route("/admin/status", route("admin_status", ing.admin_status), methods=["GET"])
+    app.add_api_route("/admin/scale", route("admin_scale", ing.admin_scale), methods=["POST"])
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
