@@ -126,11 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--json", metavar="PATH")
     bc.set_defaults(func=cmd_bench_chaos)
 
+    from cluster.bench_disagg import add_bench_disagg_parser
+    from cluster.bench_transfer import add_bench_transfer_parser
+    from cluster.ops import add_ops_parsers
+    from cluster.run_job import add_run_parser
     from cluster.serve import add_serve_parser
     from router.cli_commands import add_bench_routing_parser, add_route_sim_parser
+    from router.submit import add_submit_parser
+    from router.workload import add_trace_parser
+    add_run_parser(sub)
     add_serve_parser(sub)
+    add_submit_parser(sub)
+    add_trace_parser(sub)
+    add_ops_parsers(sub)
     add_route_sim_parser(sub)
     add_bench_routing_parser(bsub)
+    add_bench_transfer_parser(bsub)
+    add_bench_disagg_parser(bsub)
     return parser
 
 

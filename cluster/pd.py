@@ -106,13 +106,15 @@ class PDCluster:
               wait: bool = False, timeout_s: float = 600.0) -> dict:
         """Add workers, or drain the newest ones: a draining worker gets no new requests and
         is removed (killed) once its requests in flight have finished."""
+        for role, want, least in (("prefill", prefill, 0), ("decode", decode, 1)):
+            if want is not None and want < least:
+                raise ValueError(f"cannot scale {role} workers to {want} (at least {least})")
+        self._reapers = [t for t in self._reapers if t.is_alive()]
         with self._lock:
             for role, want in (("prefill", prefill), ("decode", decode)):
                 group = self.prefill if role == "prefill" else self.decode
                 if want is None:
                     continue
-                if want < (0 if role == "prefill" else 1):
-                    raise ValueError(f"cannot scale {role} workers to {want}")
                 live = [w for w in group if self.orchestrator._id[w] not in
                         self.orchestrator.draining]
                 for _ in range(want - len(live)):
@@ -163,8 +165,22 @@ class PDCluster:
     def _flights(self) -> dict:
         return self.orchestrator._flights
 
-    def stats(self) -> list[dict]:
-        return ray.get([w.stats.remote() for w in self.workers])
+    def stats(self, timeout_s: float = 10.0) -> list[dict]:
+        """Every worker's stats; a dead or silent worker gives a row with its `error`."""
+        with self._lock:
+            workers = list(self.workers)
+        refs = [w.stats.remote() for w in workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for w, ref in zip(workers, refs, strict=True):
+            wid = self.orchestrator._id.get(w, "?")
+            try:
+                if ref not in ready:
+                    raise TimeoutError(f"no answer in {timeout_s:.0f} s")
+                out.append(ray.get(ref))
+            except Exception as e:
+                out.append({"worker_id": wid, "error": f"{type(e).__name__}: {e}"[:300]})
+        return out
 
     def check_invariants(self) -> list[dict]:
         """Ledger counts of every worker (each asserts free + cached + referenced == total)."""

@@ -154,7 +154,8 @@ class _EngineHost:
             pool = e.kv.pool
             return {"worker_id": self.worker_id, "events": events, "queued_tokens": queued,
                     "running_tokens": running,
-                    "num_requests": len(sched.waiting) + len(sched.running),
+                    "num_requests": len(sched.waiting) + len(sched.running)
+                    + len(getattr(self, "_reserved", ())),
                     "active_blocks": pool.num_used_blocks, "cached_blocks": pool.num_cached_blocks,
                     "free_blocks": pool.num_free_blocks, "total_blocks": pool.num_blocks,
                     "prefill_tok_s": e.stats.prefill_tok_s()}
