@@ -48,10 +48,17 @@ def run_chaos_bench(kills: int = 5, model: str = "tiny", requests: int = 60,
     rng = random.Random(seed + 1)
     killed: list[str] = []
     done = threading.Event()
+    finished = [0]
+    progress = threading.Condition()
 
     def killer() -> None:
-        for _ in range(kills):
-            if done.wait(rng.uniform(0.2, 0.8)):
+        """Kill a random worker each time another 1/(kills+1) of the requests has finished,
+        so every kill lands while requests are in flight, however fast the machine is."""
+        for k in range(1, kills + 1):
+            with progress:
+                progress.wait_for(lambda k=k: done.is_set()
+                                  or finished[0] >= k * len(prompts) // (kills + 1))
+            if done.is_set():
                 return
             victim = rng.choice(cluster.workers)
             killed.append(cluster.orchestrator._id.get(victim, "?"))
@@ -64,6 +71,9 @@ def run_chaos_bench(kills: int = 5, model: str = "tiny", requests: int = 60,
             results[i] = cluster.run_request(prompts[i], sampling)
         except Exception as e:   # an explicit error is an outcome, not a loss
             results[i] = {"error": f"{type(e).__name__}: {e}"}
+        with progress:
+            finished[0] += 1
+            progress.notify_all()
 
     t0 = time.perf_counter()
     k = threading.Thread(target=killer, daemon=True)
@@ -71,7 +81,9 @@ def run_chaos_bench(kills: int = 5, model: str = "tiny", requests: int = 60,
     with ThreadPoolExecutor(max_workers=16) as pool:
         futures = [pool.submit(one, i) for i in range(len(prompts))]
         wait(futures, timeout=timeout_s)
-        done.set()
+        with progress:
+            done.set()
+            progress.notify_all()
         for i in range(len(prompts)):   # still running past the deadline: lost
             if results[i] is None:
                 cluster.abort(str(i))

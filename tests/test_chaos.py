@@ -16,4 +16,4 @@ def test_chaos_kills_lose_nothing_and_leak_nothing():
     assert r["requests_ok"] + r["requests_failed_explicit"] == 40
     assert r["leaked_blocks"] == 0
     assert r["greedy_mismatches"] == 0
-    assert len(r["killed"]) == 3 or r["wall_s"] < 1.0   # every kill happened unless the run ended
+    assert len(r["killed"]) == 3          # each kill lands while requests are in flight
