@@ -139,6 +139,7 @@ class _Body(BaseModel):
     user: str | None = None
     tenant: str | None = None            # ours: cache namespace
     lora: str | None = None              # ours: LoRA adapter id (a cache-namespace key)
+    return_token_ids: bool | None = None  # vLLM's: token ids per choice (+ ours: raypd_lifecycle)
 
 
 class StreamOptions(BaseModel):
@@ -364,6 +365,7 @@ class _Job:
     chat: bool
     tenant: str
     lora: str
+    return_token_ids: bool = False   # add token ids and the lifecycle record to each choice
     started: float = field(default_factory=time.perf_counter)
     arrival: float = field(default_factory=time.time)          # wall clock, for the timeline
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -604,7 +606,8 @@ class _Ingress:
                 rid = base if len(prompts) * n == 1 else f"{base}-{k}"
                 subs.append(_Sub(k, prompt, sp, rid, first_of_prompt=(j == 0)))
         self.acquire(len(subs))
-        job = _Job(self, subs, chat, body.tenant or "", body.lora or "")
+        job = _Job(self, subs, chat, body.tenant or "", body.lora or "",
+                   return_token_ids=bool(body.return_token_ids))
         try:
             job.start()
         except BaseException:
@@ -632,11 +635,14 @@ class _Ingress:
         for s in sorted(job.subs, key=lambda s: s.index):
             text, reason = s.result.get("text", ""), _finish_reason(s.result)
             if chat:
-                choices.append({"index": s.index, "logprobs": None, "finish_reason": reason,
-                                "message": {"role": "assistant", "content": text}})
+                c = {"index": s.index, "logprobs": None, "finish_reason": reason,
+                     "message": {"role": "assistant", "content": text}}
             else:
-                choices.append({"index": s.index, "text": text, "logprobs": None,
-                                "finish_reason": reason})
+                c = {"index": s.index, "text": text, "logprobs": None, "finish_reason": reason}
+            if job.return_token_ids:
+                c["token_ids"] = list(s.result.get("token_ids", []))
+                c["raypd_lifecycle"] = s.result.get("lifecycle")
+            choices.append(c)
         obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({**meta, "object": obj, "choices": choices, "usage": job.usage()},
                             headers={"X-Request-Id": meta["id"]})
@@ -679,11 +685,18 @@ class _Ingress:
                 ev: _Event | None = first
                 while ev is not None:
                     if ev.kind == "delta":
-                        if ev.payload.get("text"):
-                            yield chunk([choice(ev.index, ev.payload["text"], None)])
+                        ids = ev.payload.get("token_ids") or []
+                        if ev.payload.get("text") or (job.return_token_ids and ids):
+                            c = choice(ev.index, ev.payload.get("text", ""), None)
+                            if job.return_token_ids:
+                                c["token_ids"] = list(ids)
+                            yield chunk([c])
                     elif ev.kind == "done":
-                        yield chunk([choice(ev.index, None if chat else "",
-                                            _finish_reason(ev.payload))])
+                        c = choice(ev.index, None if chat else "", _finish_reason(ev.payload))
+                        if job.return_token_ids:
+                            c["token_ids"] = []
+                            c["raypd_lifecycle"] = ev.payload.get("lifecycle")
+                        yield chunk([c])
                     else:
                         err = error_for(ev.payload)
                         job.abort()
@@ -806,7 +819,8 @@ class _Ingress:
                   "ttft": _summary([r["ttft_s"] for r in ok]),
                   "tpot": _summary([r["tpot_s"] for r in ok]),
                   "e2e": _summary([r["e2e_s"] for r in ok])}
-        return {"now": time.time(), "model": self.model_name, "actors": actors,
+        return {"now": time.time(), "model": self.model_name, "config": _config_of(b),
+                "actors": actors,
                 "router": router, "requests": recent[-max_requests:] if max_requests else [],
                 "stats_error": stats_error}
 
@@ -899,6 +913,20 @@ def _worker_stats(backend: Any) -> tuple[list[dict], str | None]:
     missing = len(refs) - len(out)
     return out, (f"{missing} worker(s) did not answer ({', '.join(errors) or 'timeout'})"
                  if missing else None)
+
+
+def _config_of(backend: Any) -> dict:
+    """The fixed parameters a report records (from a PDCluster-like backend's `cfg`)."""
+    cfg = getattr(backend, "cfg", None)
+    if cfg is None:
+        return {}
+    engine = getattr(cfg, "engine", {}) or {}
+    return {"model": engine.get("model"), "dtype": engine.get("dtype", "auto"),
+            "kv_dtype": engine.get("kv_dtype", "auto"), "block_size": engine.get("block_size", 16),
+            "num_blocks": engine.get("num_blocks"), "kv_cache_gb": engine.get("kv_cache_gb"),
+            "prefill": getattr(cfg, "num_prefill", None), "decode": getattr(cfg, "num_decode", None),
+            "transport": getattr(cfg, "transport", None), "policy": getattr(cfg, "policy", None),
+            "num_gpus_per_worker": getattr(cfg, "num_gpus_per_worker", None)}
 
 
 def _actor_row(s: dict, info: dict) -> dict:

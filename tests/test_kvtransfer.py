@@ -90,13 +90,8 @@ class Decode:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False)
+def ray_cluster(ray_session):
     yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import uuid
 
 import openai
 import pytest
-import ray
 import requests
 from conftest import make_engine
 
@@ -43,16 +42,6 @@ class Recorder:
 
     def __getattr__(self, name: str):
         return getattr(self.cluster, name)
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -382,3 +371,22 @@ def test_concurrent_requests_all_complete(client, backend):
         t.join()
     assert [r.usage.completion_tokens for r in results] == [4] * 6
     clean(backend)
+
+
+def test_return_token_ids_adds_ids_and_lifecycle(server, backend):
+    body = {"model": "tiny", "prompt": "token ids please", "max_tokens": 8, "ignore_eos": True,
+            "temperature": 0,
+            "return_token_ids": True}
+    full = post(server, "/v1/completions", body).json()["choices"][0]
+    assert len(full["token_ids"]) == 8
+    assert full["raypd_lifecycle"]["output_tokens"] == 8
+    r = post(server, "/v1/completions", {**body, "stream": True}, stream=True)
+    ids, lifecycle = [], None
+    for line in r.iter_lines():
+        if line.startswith(b"data: {"):
+            c = json.loads(line[6:])["choices"][0]
+            ids += c.get("token_ids", [])
+            lifecycle = c.get("raypd_lifecycle") or lifecycle
+    assert ids == full["token_ids"] and lifecycle["finish_reason"] == "length"
+    stats = requests.get(server.url + "/api/stats", timeout=30).json()
+    assert stats["config"]["model"] == "tiny" and stats["config"]["decode"] == 1
