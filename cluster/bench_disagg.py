@@ -62,8 +62,8 @@ class Workload:
 
 
 FULL = Workload()
-QUICK = Workload(window_s=20.0, num_short=10, short_at_start=4, short_output=(32, 64),
-                 num_long=3, first_long_s=2.0, long_prompt=(512, 1024), long_output=(4, 8))
+QUICK = Workload(window_s=20.0, num_short=10, short_at_start=4, short_output=(64, 128),
+                 num_long=3, first_long_s=2.0)
 
 
 @dataclass(frozen=True)
