@@ -4,8 +4,8 @@
 The load (`Workload`): decode-heavy requests (short prompt, long output), some started first
 (a few tenths of a second apart, see `start_gap_s`) and the rest arriving as a Poisson process
 over the window, plus long prompts (short output) arriving at a fixed interval while they
-decode. Each request is submitted from its own
-thread at its scheduled time (`run_request`), its streamed deltas time-stamped on arrival here.
+decode. Each request is submitted from its own thread at its scheduled time (`run_request`),
+its streamed deltas time-stamped on arrival here.
 
 Definitions (client side, all in seconds):
   TPOT of a request  (last token time - first token time) / (output tokens - 1)  (vLLM's
