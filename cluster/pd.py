@@ -38,6 +38,8 @@ class PDConfig:
     request_timeout_s: float = 600.0
     max_restarts: int = 3                 # Ray restarts a dead worker actor this many times
     max_retries: int = 2                  # re-runs of a request whose worker died
+    health_timeout_s: float = 10.0        # a worker whose load report takes longer: unhealthy
+    hang_timeout_s: float = 300.0         # a worker whose engine step runs longer: unhealthy
 
     def flow(self) -> FlowConfig:
         return FlowConfig(policy=self.policy, policy_cfg=self.policy_cfg,
@@ -47,7 +49,9 @@ class PDConfig:
                           rdt_backend="nccl" if self.num_gpus_per_worker else "gloo",
                           admit_timeout_s=self.admit_timeout_s,
                           request_timeout_s=self.request_timeout_s,
-                          max_retries=self.max_retries)
+                          max_retries=self.max_retries,
+                          health_timeout_s=self.health_timeout_s,
+                          hang_timeout_s=self.hang_timeout_s)
 
     def validate(self) -> None:
         if self.transport not in TRANSPORT_NAMES:

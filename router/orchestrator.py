@@ -44,7 +44,8 @@ class FlowConfig:
     admit_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
     report_interval_s: float = 0.1
-    health_timeout_s: float = 10.0         # a worker silent this long is unhealthy (hung/dead)
+    health_timeout_s: float = 10.0         # a worker whose report takes this long is unhealthy
+    hang_timeout_s: float = 300.0          # one engine step running this long: the worker hangs
     max_retries: int = 2                   # re-runs of a request whose worker died
 
     def validate(self) -> None:
@@ -124,11 +125,16 @@ class Orchestrator:
             for rep in reports:
                 wid = rep.pop("worker_id")
                 events = rep.pop("events")
+                busy_for = rep.pop("busy_for_s", 0.0)
                 if wid not in self.state:       # removed meanwhile
                     continue
-                self.unhealthy.discard(wid)
                 if isinstance(self.index, PrefixIndex):
                     self.index.apply(wid, events)
+                if busy_for > self.cfg.hang_timeout_s:   # alive, but its engine is stuck
+                    self.unhealthy.add(wid)
+                    self.state[wid].draining = True
+                    continue
+                self.unhealthy.discard(wid)
                 st = self.state[wid]
                 for k, v in rep.items():
                     setattr(st, k, v)
@@ -154,6 +160,9 @@ class Orchestrator:
         with self._lock:
             if role == "decode":
                 d = self.policy.choose_decode(req, states, matches)
+                st = self.state[d.worker_id]       # count it until the next report
+                st.running_tokens += req.num_tokens
+                st.free_blocks -= max(0, req.num_blocks - d.matched_blocks)
             else:
                 d = self.policy.choose_prefill(req, states, matches)
                 st = self.state[d.worker_id]       # count it until the next report

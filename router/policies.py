@@ -161,7 +161,7 @@ class BasePolicy:
     def choose_decode(self, req: RoutingRequest, decode_workers: Sequence[WorkerState],
                       matches: Mapping[str, int]) -> RoutingDecision:
         """Among decode workers with room for the request, the lowest cost
-        transfer_weight x blocks to pull (those it lacks) + running tokens / block_size:
+        transfer_weight x blocks to pull (those it lacks) + (running + queued) tokens / block_size:
         a worker that already holds the prefix pulls less; ties go to the most free blocks."""
         out_blocks = -(-(req.num_tokens + req.output_tokens) // req.block_size)
         best: tuple[float, int] | None = None
@@ -172,7 +172,7 @@ class BasePolicy:
             if need > w.free_blocks:
                 continue
             cost = self.decode_transfer_weight * (req.num_blocks - hit) \
-                + w.running_tokens / req.block_size
+                + (w.running_tokens + w.queued_tokens) / req.block_size
             key = (cost, -w.free_blocks)
             if best is None or key < best:
                 best, choice = key, RoutingDecision(w.worker_id, "decode_fit", None, hit)

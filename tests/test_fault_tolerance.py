@@ -137,3 +137,26 @@ def test_live_scaling_under_load_loses_nothing(tiny_loaded):
         assert cluster.generate(prompts[:2], sampling)[0]["token_ids"] == expected[0]
     finally:
         cluster.shutdown()
+
+
+def test_hung_prefill_worker_is_routed_around(tiny_loaded):
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [random_prompt(30, seed=90 + i) for i in range(3)]
+    expected = _reference(tiny_loaded, prompts, sampling)
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, hang_timeout_s=1.0,
+                                 policy="round_robin"))
+    try:
+        stuck = cluster.prefill[0]
+        ray.get(stuck.stall_next_step.remote(6.0))
+        t, out = _start(cluster, prompts[:1], sampling)    # round robin: lands on prefill-0
+        _wait_until(lambda: "prefill-0" in cluster.orchestrator.unhealthy, 20)
+        assert cluster.orchestrator.state["prefill-0"].draining
+        results = cluster.generate(prompts[1:], sampling)  # served by prefill-1 meanwhile
+        assert [r["token_ids"] for r in results] == expected[1:]
+        assert {r["lifecycle"]["prefill_worker"] for r in results} == {"prefill-1"}
+        t.join(60)
+        assert out["r"][0]["token_ids"] == expected[0]     # the stalled request finished too
+        _wait_until(lambda: "prefill-0" not in cluster.orchestrator.unhealthy, 20)
+        _drained(cluster)
+    finally:
+        cluster.shutdown()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -52,9 +53,16 @@ class _EngineHost:
         self._loop_error: str | None = None
         self.metrics = WorkerMetrics(self.role, worker_id)
         self._transfer_failures = 0
+        self._report_lock = threading.Lock()          # guards the two fields below only
+        self._events_out: list[dict] = []             # KV events not yet reported
+        self._snapshot: dict = {"worker_id": worker_id}  # load as of the last step
+        self._step_started: float | None = None       # monotonic start of the running step
+        self._stall_s = 0.0                            # injected: stall the next step (tests)
 
     def _start_loop(self) -> None:
         """Called last by each subclass constructor, once every field the loop reads exists."""
+        with self._lock:
+            self._publish()
         self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-loop",
                                         daemon=True)
         self._thread.start()
@@ -67,10 +75,19 @@ class _EngineHost:
                 with self._lock:
                     self._housekeeping()
                     self.metrics.maybe_update(self.stats)
+                    self._publish()
                     if not self.engine.has_unfinished():
                         self._work.clear()
                         continue
-                    outputs = self.engine.step()
+                    self._step_started = time.monotonic()
+                    try:
+                        if self._stall_s:          # injected hang (fault-tolerance tests)
+                            time.sleep(self._stall_s)
+                            self._stall_s = 0.0
+                        outputs = self.engine.step()
+                    finally:
+                        self._step_started = None
+                    self._publish()
                 for out in outputs:
                     self._deliver(out)
             except Exception as e:  # a broken step must not hang every caller
@@ -139,26 +156,38 @@ class _EngineHost:
         return {"prompt_token_ids": req.prompt_token_ids, "block_hashes": req.block_hashes,
                 "block_size": req.block_size}
 
-    def load_report(self) -> dict:
-        """KV events since the last report plus the load the router's policies look at."""
+    def _publish(self) -> None:
+        """Under the engine lock: move KV events and a load snapshot to where `load_report`
+        reads them, so a report never waits for an engine step (steps can take seconds)."""
         from kvcache.events import event_to_dict
-        with self._lock:
-            e = self.engine
-            events = [event_to_dict(ev) for ev in e.take_kv_events()]
-            sched = e.scheduler
-            queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-            if self.role == "decode":
-                running = sum(r.num_tokens for r in sched.running)
-            else:
-                running = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
-            pool = e.kv.pool
-            return {"worker_id": self.worker_id, "events": events, "queued_tokens": queued,
-                    "running_tokens": running,
-                    "num_requests": len(sched.waiting) + len(sched.running)
-                    + len(getattr(self, "_reserved", ())),
-                    "active_blocks": pool.num_used_blocks, "cached_blocks": pool.num_cached_blocks,
-                    "free_blocks": pool.num_free_blocks, "total_blocks": pool.num_blocks,
-                    "prefill_tok_s": e.stats.prefill_tok_s()}
+        e = self.engine
+        events = [event_to_dict(ev) for ev in e.take_kv_events()]
+        sched, pool = e.scheduler, e.kv.pool
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        if self.role == "decode":
+            running = sum(r.num_tokens for r in sched.running)
+        else:
+            running = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
+        snap = {"worker_id": self.worker_id, "queued_tokens": queued, "running_tokens": running,
+                "num_requests": len(sched.waiting) + len(sched.running)
+                + len(getattr(self, "_reserved", ())),
+                "active_blocks": pool.num_used_blocks, "cached_blocks": pool.num_cached_blocks,
+                "free_blocks": pool.num_free_blocks, "total_blocks": pool.num_blocks,
+                "prefill_tok_s": e.stats.prefill_tok_s()}
+        with self._report_lock:
+            self._events_out.extend(events)
+            self._snapshot = snap
+
+    def load_report(self) -> dict:
+        """KV events since the last report plus the load the router's policies look at, as of
+        the last step; `busy_for_s` says how long the current step has run (a hung loop shows
+        here, since this call never waits for the engine)."""
+        with self._report_lock:
+            events, self._events_out = self._events_out, []
+            snap = dict(self._snapshot)
+        started = self._step_started
+        return {**snap, "events": events,
+                "busy_for_s": time.monotonic() - started if started is not None else 0.0}
 
     def take_kv_events(self) -> list[dict]:
         from kvcache.events import event_to_dict
@@ -172,6 +201,10 @@ class _EngineHost:
         if q is not None:
             q.put(_DONE)
         return done
+
+    def stall_next_step(self, seconds: float) -> None:
+        """Make the next engine step hang for `seconds` (to test hung-worker detection)."""
+        self._stall_s = seconds
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (blocks in use stay); publishes an AllBlocksCleared event."""

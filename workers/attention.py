@@ -4,7 +4,8 @@ It plugs into stock transformers models through their attention interface: the m
 on one flat sequence of every scheduled token (batch dim 1, no padding), and the metadata
 below, passed as a keyword argument of `model(...)`, tells each layer where each token's K/V
 goes (slot_mapping) and which blocks each sequence reads (block tables). Decodes come first
-in the flat batch and run as one batched SDPA; prefill chunks follow, one SDPA each.
+in the flat batch and run as batched SDPAs (one per group of similar context length);
+prefill chunks follow, one SDPA each.
 """
 
 from __future__ import annotations
@@ -30,12 +31,21 @@ class PrefillSegment:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode tokens [start, start + count) of the flat batch, read in one batched SDPA."""
+
+    start: int
+    count: int
+    block_tables: torch.Tensor       # [count, max_blocks] (padded with block 0)
+    mask: torch.Tensor | None        # [count, 1, 1, max_blocks * block_size]; None: no padding
+
+
+@dataclass
 class AttentionMetadata:
     kv_cache: torch.Tensor           # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor       # [num_tokens] flat slot (block_id * block_size + offset)
     num_decodes: int                 # the first num_decodes tokens are single-token decodes
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] or None
+    decode_groups: list[DecodeGroup]  # those decodes, in groups of similar context length
     prefills: list[PrefillSegment]
 
 
@@ -64,15 +74,14 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     v_cache.view(-1, n_kv, head_dim).index_copy_(0, m.slot_mapping, v.to(v_cache.dtype))
 
     out = query.new_empty(q.shape[1], q.shape[0], head_dim)  # [T, H, D]
-    B = m.num_decodes
-    if B:
-        assert m.decode_block_tables is not None
-        qd = q[:, :B].transpose(0, 1).unsqueeze(2)           # [B, H, 1, D]
-        kd = _gather(k_cache, m.decode_block_tables, None).to(q.dtype)  # [B, Hkv, S, D]
-        vd = _gather(v_cache, m.decode_block_tables, None).to(q.dtype)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m.decode_mask, scale=scaling,
+    for g in m.decode_groups:
+        rows = slice(g.start, g.start + g.count)
+        qd = q[:, rows].transpose(0, 1).unsqueeze(2)           # [B, H, 1, D]
+        kd = _gather(k_cache, g.block_tables, None).to(q.dtype)  # [B, Hkv, S, D]
+        vd = _gather(v_cache, g.block_tables, None).to(q.dtype)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scaling,
                                            enable_gqa=True)
-        out[:B] = o.squeeze(2)
+        out[rows] = o.squeeze(2)
     for seg in m.prefills:
         qs = q[:, seg.q_start:seg.q_start + seg.q_len].unsqueeze(0)   # [1, H, q, D]
         if seg.block_table is None:   # the chunk is the whole context: no gather needed

@@ -9,7 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.attention import AttentionMetadata, PrefillSegment, register_paged_attention
+from workers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSegment,
+    register_paged_attention,
+)
 from workers.request import Request
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -48,7 +53,12 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
-        for i, ch in enumerate(chunks):
+        # decodes first, shortest context first, so similar lengths share one padded SDPA
+        order = sorted(range(len(chunks)), key=lambda i: (
+            chunks[i].num_new_tokens != 1,
+            chunks[i].request.num_computed_tokens if chunks[i].num_new_tokens == 1 else 0))
+        for i in order:
+            ch = chunks[i]
             req, n = ch.request, ch.num_new_tokens
             start = req.num_computed_tokens
             toks = req.all_token_ids[start:start + n]
@@ -69,17 +79,9 @@ class ModelRunner:
                     q_start, n, start + n,
                     None if start == 0 else torch.tensor(table[:n_blocks], dtype=torch.long)))
 
-        decode_block_tables = decode_mask = None
-        if decode_tables:
-            max_blocks = max(len(t) for t in decode_tables)
-            decode_block_tables = torch.tensor([t + [0] * (max_blocks - len(t))
-                                                for t in decode_tables], dtype=torch.long)
-            span = max_blocks * bs
-            if any(n != span for n in decode_lens):
-                lens = torch.tensor(decode_lens).view(-1, 1, 1, 1)
-                decode_mask = torch.arange(span).view(1, 1, 1, -1) < lens
         meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, dtype=torch.long),
-                                 len(decode_tables), decode_block_tables, decode_mask, prefills)
+                                 len(decode_tables), self._decode_groups(decode_tables, decode_lens),
+                                 prefills)
         hidden = self.model.model(input_ids=torch.tensor([input_ids]),
                                   position_ids=torch.tensor([positions]),
                                   use_cache=False, attn_meta=meta).last_hidden_state
@@ -87,6 +89,27 @@ class ModelRunner:
             return hidden.new_empty(0, 0), []
         logits = self.model.lm_head(hidden[0, sample_rows]).float()
         return logits, sample_chunks
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Split decodes (sorted by length) where the block count doubles: each group is one
+        SDPA over its longest context, so padding stays under half of what it reads."""
+        groups: list[DecodeGroup] = []
+        bs = self.block_size
+        start = 0
+        while start < len(tables):
+            end = start + 1
+            while end < len(tables) and len(tables[end]) <= 2 * len(tables[start]):
+                end += 1
+            width = max(len(t) for t in tables[start:end])
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[start:end]],
+                                        dtype=torch.long)
+            mask = None
+            if any(n != width * bs for n in lens[start:end]):
+                mask = torch.arange(width * bs).view(1, 1, 1, -1) < \
+                    torch.tensor(lens[start:end]).view(-1, 1, 1, 1)
+            groups.append(DecodeGroup(start, end - start, block_tables, mask))
+            start = end
+        return groups
 
     # ---- page access for KV transfer ------------------------------------------------------
     def read_pages(self, block_ids: list[int]) -> torch.Tensor:
