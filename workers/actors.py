@@ -189,11 +189,6 @@ class _EngineHost:
         return {**snap, "events": events,
                 "busy_for_s": time.monotonic() - started if started is not None else 0.0}
 
-    def take_kv_events(self) -> list[dict]:
-        from kvcache.events import event_to_dict
-        with self._lock:
-            return [event_to_dict(e) for e in self.engine.take_kv_events()]
-
     def abort(self, request_id: str) -> bool:
         with self._lock:
             done = self.engine.abort(request_id)
@@ -460,9 +455,6 @@ class DecodeHost(_EngineHost):
                 "lifecycle": r.lifecycle.to_dict()}
         super()._deliver(out)
 
-    def reserved_count(self) -> int:
-        with self._lock:
-            return len(self._reserved)
 
 
 def prefill_actor_class(**options):
