@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvcache.block_pool import BlockPool, NoFreeBlocksError
+from kvcache.block_pool import NoFreeBlocksError
 from kvcache.events import (
     AllBlocksCleared,
     BlockRemoved,

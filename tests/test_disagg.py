@@ -9,7 +9,6 @@ import ray
 from conftest import make_engine, random_prompt
 
 from cluster.pd import PDCluster, PDConfig
-from kvtransfer.base import TransferError
 from workers.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
