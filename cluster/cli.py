@@ -23,15 +23,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch threads per engine")
 
 
+def engine_fields(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the engine arguments (threads are set per use)."""
+    return dict(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                block_size=args.block_size, num_blocks=args.num_blocks,
+                kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching)
+
+
 def engine_config_from_args(args: argparse.Namespace):
     from workers.engine import EngineConfig
-    return EngineConfig(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                        block_size=args.block_size, num_blocks=args.num_blocks,
-                        kv_cache_gb=args.kv_cache_gb,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_num_seqs=args.max_num_seqs,
-                        enable_prefix_caching=not args.no_prefix_caching,
-                        num_threads=args.threads)
+    return EngineConfig(**engine_fields(args), num_threads=args.threads)
 
 
 def _sampling_from_args(args: argparse.Namespace):
@@ -148,17 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from workers.engine import RequestError
-    try:
-        from workers.model_loader import ModelLoadError
-    except ImportError:  # pragma: no cover
-        ModelLoadError = RequestError  # noqa: N806
     try:
         return args.func(args)
-    except (RequestError, ModelLoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:
+    except ValueError as e:   # RequestError, ModelLoadError and config errors are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -6,15 +6,9 @@ import argparse
 
 import ray
 
+from cluster.cli import engine_fields
 from cluster.pd import PDCluster, PDConfig
 from workers.request import SamplingParams
-
-
-def engine_fields(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                block_size=args.block_size, num_blocks=args.num_blocks,
-                kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching)
 
 
 def run_disagg_generate(args: argparse.Namespace, sampling: SamplingParams) -> dict:

@@ -163,6 +163,7 @@ def test_bad_requests_are_rejected_clearly(tiny_loaded, prompt, sampling, messag
     engine = make_engine(tiny_loaded)
     with pytest.raises(RequestError, match=message):
         engine.add_request(prompt, sampling)
+    assert engine.get_stats()["requests_rejected"] == 1
     [ok] = engine.generate(["still serving"], SamplingParams(max_tokens=3))
     assert ok.lifecycle.finish_reason in ("length", "stop")
     _drained(engine)

@@ -104,12 +104,18 @@ class LLMEngine:
     def make_request(self, prompt: str | list[int] | list[dict],
                      sampling: SamplingParams | None = None, request_id: str | None = None,
                      chat: bool = False, tenant: str = "", lora_id: str = "") -> Request:
-        """Validate and build a request (not yet queued). Raises RequestError."""
-        sampling = sampling or SamplingParams()
+        """Validate and build a request (not yet queued). Raises RequestError (counted in
+        stats.requests_rejected)."""
         try:
-            sampling.validate()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
+            return self._build_request(prompt, sampling or SamplingParams(), request_id, chat,
+                                       tenant, lora_id)
+        except RequestError:
+            self.stats.requests_rejected += 1
+            raise
+
+    def _build_request(self, prompt, sampling: SamplingParams, request_id: str | None,
+                       chat: bool, tenant: str, lora_id: str) -> Request:
+        sampling.validate()
         if isinstance(prompt, str) and not prompt.strip() and not chat:
             raise RequestError("prompt is empty")
         token_ids = self.tokenize(prompt, chat)

@@ -56,4 +56,4 @@ def _blocked_tokens(req: Request) -> list[int]:
     sp = req.sampling
     if len(req.output_token_ids) >= sp.min_tokens:
         return []
-    return list(sp.stop_token_ids) + list(getattr(req, "eos_token_ids", ()))
+    return list(sp.stop_token_ids) + list(req.eos_token_ids)
