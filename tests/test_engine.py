@@ -179,6 +179,27 @@ def test_prompt_over_context_or_pool_is_rejected(tiny_loaded):
     assert not engine.has_unfinished() and not small_pool.has_unfinished()
 
 
+def test_request_waits_for_blocks_held_by_a_reservation(tiny_loaded, tiny_reference):
+    """A decode-side reservation holds blocks outside the running set: a running request that
+    cannot grow waits for them instead of being cut short (it used to end as "length")."""
+    engine = make_engine(tiny_loaded, num_blocks=6, block_size=8)
+    reserved = engine.make_request(random_prompt(23, seed=60), GREEDY)
+    assert engine.reserve(reserved) == 0          # 3 blocks held, not running
+    [runner] = [engine.add_request(random_prompt(20, seed=61), GREEDY)]   # needs 6 blocks
+    for _ in range(40):
+        engine.step()
+        if engine.scheduler.stalled:
+            break
+    assert engine.scheduler.stalled and runner.status.value == "running"
+    assert len(runner.output_token_ids) < 24 and runner.lifecycle.finish_reason is None
+    assert engine.abort(reserved.request_id)       # the reservation goes: blocks come back
+    while engine.has_unfinished():
+        engine.step()
+    assert runner.lifecycle.finish_reason == "length"
+    _assert_matches_hf(tiny_reference, [runner])
+    _drained(engine)
+
+
 def test_output_stops_at_context_limit(tiny_loaded):
     engine = make_engine(tiny_loaded, max_model_len=40)
     [req] = engine.generate([random_prompt(30, seed=14)], GREEDY)

@@ -87,6 +87,8 @@ class _EngineHost:
                         outputs = self.engine.step()
                     finally:
                         self._step_started = None
+                    if self.engine.scheduler.stalled:   # blocks held by reservations / leases:
+                        self._work.clear()              # wait for new work, or 0.1 s
                     self._publish()
                 for out in outputs:
                     self._deliver(out)

@@ -5,6 +5,10 @@ requests admitted in arrival order, all under a per-step token budget (chunked p
 A waiting request's first admission takes its prefix hit from the cache. When blocks run
 out for a running request, the youngest running request is preempted (its blocks freed,
 recomputed later); cached-but-unreferenced blocks are evicted before that by the pool.
+A request left alone that still cannot grow waits (`stalled`) while blocks are held outside
+the running set (decode-side reservations awaiting their KV, prefill-side transfer leases):
+those come back on their own. Only when nothing else holds blocks is the pool its limit,
+and the engine ends it (`out_of_blocks`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.out_of_blocks: list[Request] = []  # running alone yet cannot grow: engine ends them
+        self.stalled = False   # last step scheduled nothing: waiting for blocks held elsewhere
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -45,20 +50,24 @@ class Scheduler:
         # 1) running requests, decodes before prefill chunks (the runner wants decodes first)
         self.running.sort(key=lambda r: r.is_prefill)
         preempted = False
+        stalled = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._allocate(req, req.num_computed_tokens + n):
-                if len(self.running) == 1:   # alone and still too big: the pool is its limit
-                    self.out_of_blocks.append(req)
+                if len(self.running) == 1:   # alone and still cannot grow
+                    if self._blocks_held_elsewhere():
+                        stalled = True       # reservations / leases free them: wait
+                    else:                    # the pool is its limit
+                        self.out_of_blocks.append(req)
                     break
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-            if req.status is not RequestStatus.RUNNING or req in self.out_of_blocks:
+            if req.status is not RequestStatus.RUNNING or req in self.out_of_blocks or stalled:
                 break
             chunks.append(ScheduledChunk(req, n, self.kv.block_table(req.request_id)))
             budget -= n
@@ -66,7 +75,7 @@ class Scheduler:
         # 2) admit waiting requests while budget, sequence slots and blocks allow; not in a step
         #    that preempted (the freed blocks go to the running requests, no thrashing)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
-                and not preempted:
+                and not preempted and not stalled:
             req = self.waiting[0]
             hits = self.kv.match_prefix(req.namespace_root, req.block_hashes, req.all_token_ids,
                                         req.num_tokens - 1)
@@ -82,9 +91,15 @@ class Scheduler:
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n, self.kv.block_table(req.request_id)))
             budget -= n
+        self.stalled = stalled and not chunks
         used = self.kv.pool.num_used_blocks
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
         return chunks
+
+    def _blocks_held_elsewhere(self) -> bool:
+        """Do requests outside the running set reference blocks (reserved or leased)?"""
+        running = {r.request_id for r in self.running}
+        return any(blocks for rid, blocks in self.kv.req_blocks.items() if rid not in running)
 
     def _allocate(self, req: Request, num_tokens: int) -> bool:
         new = self.kv.allocate_slots(req.request_id, num_tokens)
