@@ -14,6 +14,7 @@ the policies' view of the workers current; between reports each decision is adde
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -30,6 +31,7 @@ from router.policies import RoutingRejected, RoutingRequest, WorkerState, make_p
 from router.prefix_index import ApproxPrefixIndex, PrefixIndex
 
 FAILURE_POLICIES = ("recompute", "fail")
+CLEANUP_WAIT_S = 10.0   # how long a request thread waits for workers to confirm a release
 
 
 @dataclass
@@ -92,6 +94,10 @@ class Orchestrator:
         self.metrics = metrics or _NoMetrics()
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
+        # RDT: one transfer at a time per actor. Ray matches sends to receives by order only
+        # (no tags) and does not promise threaded actors run tasks in submission order, so two
+        # transfers in flight at one actor could pair A's send with B's receive.
+        self._rdt_locks: dict[str, threading.Lock] = {}
         self._rr = itertools.count()
         self._stop = threading.Event()
         self.refresh()
@@ -275,7 +281,7 @@ class Orchestrator:
                 result["lifecycle"]["retries"] = attempt
                 return result
             except ray.exceptions.RayActorError as e:
-                self._release(flight)
+                self._release(flight)     # distinct attempt ids: no need to wait
                 if flight.aborted:
                     raise RequestError(f"request {flight.request_id} was aborted") from None
                 with self._lock:
@@ -365,35 +371,52 @@ class Orchestrator:
             raise RequestError(f"request {rid} was aborted")
         try:
             if handle is not None and self.cfg.transport == "rdt":
-                send = p.kv_send.options(tensor_transport=self.cfg.rdt_backend)
-                pages = send.remote(handle.transfer_id)
-                ref = flight.decode.kv_recv.remote(handle, pages, rid, pre["first_token"], pre,
-                                                   sent_at=time.time())
+                with self._rdt_exclusive(p, flight.decode):
+                    send = p.kv_send.options(tensor_transport=self.cfg.rdt_backend)
+                    pages = send.remote(handle.transfer_id)
+                    ray.get(flight.decode.kv_recv.remote(handle, pages, rid, pre["first_token"],
+                                                         pre, sent_at=time.time()))
             else:
-                ref = flight.decode.receive.remote(rid, handle, pre["first_token"], pre)
-            ray.get(ref)
+                ray.get(flight.decode.receive.remote(rid, handle, pre["first_token"], pre))
         except Exception as e:
-            if handle is not None:
-                p.abort_transfer.remote(handle.transfer_id)
+            released = [p.abort_transfer.remote(handle.transfer_id)] if handle is not None else []
             if flight.aborted:
                 raise RequestError(f"request {rid} was aborted") from None
             if self.cfg.failure_policy == "recompute" and \
                     ray.get(flight.decode.fallback_local.remote(rid)):
                 return
-            flight.decode.abort.remote(rid)
+            # the error reaches the client only once both sides have let the blocks go
+            _settle([*released, flight.decode.abort.remote(rid)], CLEANUP_WAIT_S)
             raise TransferFailed(f"KV transfer for request {rid} failed: {e}") from e
         if handle is not None:
             ray.get(p.ack.remote(handle.transfer_id))
 
-    def _release(self, flight: _Flight) -> None:
-        """Release the attempt's state on both sides (calls to a dead worker just fail)."""
+    @contextlib.contextmanager
+    def _rdt_exclusive(self, *actors: Any):
+        """Hold the RDT locks of these actors (taken in one global order: no deadlock)."""
+        with self._lock:
+            locks = [self._rdt_locks.setdefault(k, threading.Lock())
+                     for k in sorted({a._actor_id.hex() for a in actors})]
+        with contextlib.ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            yield
+
+    def _release(self, flight: _Flight, wait_s: float = 0.0) -> None:
+        """Release the attempt's state on both sides (calls to a dead worker just fail).
+
+        `wait_s` > 0 waits that long for the workers to confirm (request threads do, before
+        they retry or report; a client abort from the event loop does not block)."""
         rid = flight.attempt_id or flight.request_id
+        refs = []
         if flight.prefill is not None:
-            flight.prefill.abort.remote(rid)
+            refs.append(flight.prefill.abort.remote(rid))
             if flight.transfer_id:
-                flight.prefill.abort_transfer.remote(flight.transfer_id)
+                refs.append(flight.prefill.abort_transfer.remote(flight.transfer_id))
         if flight.decode is not None:
-            flight.decode.abort.remote(rid)
+            refs.append(flight.decode.abort.remote(rid))
+        if wait_s > 0:
+            _settle(refs, wait_s)
 
     def abort(self, request_id: str) -> bool:
         """Client abort at any stage: every block on both sides is released."""
@@ -465,6 +488,12 @@ class _Delivered:
             if toks or text:
                 self.on_delta({"token_ids": toks, "text": text})
         return forward
+
+
+def _settle(refs: list, timeout_s: float) -> None:
+    """Wait until these cleanup calls have run (or failed: a dead worker holds nothing)."""
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
 def _unwrap(call: Callable[[], Any]) -> Any:

@@ -54,6 +54,22 @@ def test_disagg_matches_single_engine_for_every_transport(transport, reference):
         cluster.shutdown()
 
 
+def test_rdt_many_concurrent_transfers_of_different_sizes(reference):
+    """Ray pairs RDT sends with receives by order only: two transfers in flight at one actor
+    could swap (a gloo size mismatch aborted the decode worker). The orchestrator runs one
+    RDT transfer per actor at a time; every page must land where it belongs."""
+    cluster = PDCluster(PDConfig(engine=ENGINE, transport="rdt", num_prefill=2, num_decode=2))
+    try:
+        prompts = [random_prompt(5 + 11 * i, seed=300 + i) for i in range(12)]
+        results = cluster.generate(prompts, GREEDY)
+        assert [r.get("error") for r in results] == [None] * len(prompts)
+        assert [r["token_ids"] for r in results] == reference(prompts)
+        assert {r["lifecycle"]["transferred_blocks"] for r in results} >= {1, 2, 3, 4, 5}
+        _clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
 def test_prefix_hits_on_prefill_decode_and_both(reference):
     first, second = SHARED + random_prompt(7, seed=5), SHARED + random_prompt(13, seed=6)
     expected = reference([first, second])
