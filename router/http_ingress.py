@@ -5,11 +5,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not), GET /v1/models,
 GET /health, GET /metrics (Prometheus text); operations: GET /api/stats (per-actor state, router
 counters, the last finished requests' timelines), GET /dashboard (a self-contained page charting
-/api/stats), GET /admin/status and POST /admin/scale (bearer token when set). Every error has
-OpenAI's shape
-{"error": {"message", "type", "param", "code"}}: bad request 400, bad or missing bearer token 401,
-unknown model 404, over capacity or SLO unmeetable 429 with Retry-After, KV transfer or worker
-failure 503.
+/api/stats), GET /admin/status and POST /admin/scale (bearer token when set). Request bodies and
+errors (OpenAI's shape) live in openai_protocol.py, metrics and /api/stats rows in
+ingress_stats.py; this module runs requests and streams their answers.
 
 The backend is duck-typed (this module never imports cluster/ or workers/, so no torch):
   run_request(prompt, sampling, *, chat, tenant, lora_id, request_id, on_delta) -> dict
@@ -29,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import math
 import threading
 import time
 import uuid
@@ -38,298 +35,43 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, ValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvcache.sampling import RequestError, SamplingParams
-from router.orchestrator import TransferFailed
-from router.policies import RoutingRejected
+from router.ingress_stats import (
+    STATS_TIMEOUT_S,
+    IngressMetrics,
+    actor_order,
+    actor_row,
+    config_of,
+    summarize,
+    worker_stats,
+)
+from router.openai_protocol import (
+    CHAT_MAX_TOKENS,
+    COMPLETION_MAX_TOKENS,
+    APIError,
+    ChatBody,
+    CompletionBody,
+    error_body,
+    error_for,
+    message_dict,
+    parse_body,
+    penalties,
+    refuse_unsupported,
+    sampling_params,
+)
 
-COMPLETION_MAX_TOKENS = 16     # OpenAI's and vLLM's default for /v1/completions
-CHAT_MAX_TOKENS = 256          # ours for chat (OpenAI: up to the context)
 DISCONNECT_POLL_S = 0.25
 HEALTH_TIMEOUT_S = 10.0
-STATS_TIMEOUT_S = 5.0          # a worker that does not answer stats() by then shows unhealthy
 RECENT_REQUESTS = 200          # finished requests kept for /api/stats and the dashboard timeline
 DASHBOARD_HTML = Path(__file__).with_name("dashboard.html")
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               404: "not_found_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 500: "internal_error", 501: "not_implemented_error",
-               503: "service_unavailable"}
-
-
-class APIError(Exception):
-    """An error answer: status code plus OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.status, self.message, self.param, self.code),
-                            status_code=self.status, headers=self.headers)
-
-
-def error_body(status: int, message: str, param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"),
-                      "param": param, "code": code}}
-
-
-def error_for(exc: BaseException) -> APIError:
-    """Map a backend exception to its HTTP answer."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, Exception):
-        exc = exc.cause             # the worker's own exception, without Ray's traceback
-    if isinstance(exc, RoutingRejected):
-        retry = max(1, math.ceil(exc.retry_after_s))
-        return APIError(429, str(exc), code=exc.reason, headers={"Retry-After": str(retry)})
-    if isinstance(exc, RequestError):
-        return APIError(400, str(exc))
-    if isinstance(exc, TransferFailed):
-        return APIError(503, str(exc), code="transfer_failed")
-    if isinstance(exc, ray.exceptions.RayError):
-        return APIError(503, f"a worker failed: {type(exc).__name__}: {exc}",
-                        code="worker_failed")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
-# ---- request bodies ----------------------------------------------------------------------------
-class _Body(BaseModel):
-    """Fields shared by both endpoints; null means "the default". Unknown fields are ignored
-    (as vLLM does); fields that would change the answer and are not supported are refused."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None             # vLLM extra; 0 or -1 = off
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    tenant: str | None = None            # ours: cache namespace
-    lora: str | None = None              # ours: LoRA adapter id (a cache-namespace key)
-    return_token_ids: bool | None = None  # vLLM's: token ids per choice (+ ours: raypd_lifecycle)
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    include_usage: bool | None = None
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool | None = None
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
-    text: str | None = None
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-
-class ChatBody(_Body):
-    messages: list[Message]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-
-_Body.model_rebuild()
-CompletionBody.model_rebuild()
-ChatBody.model_rebuild()
-
-FIELD_HELP = {
-    "prompt": "must be a string, a list of token ids, or a list of strings or token-id lists",
-    "messages": "must be a list of {role, content} messages (role: system, developer, user, "
-                "assistant or tool; content: a string or a list of text parts)",
-    "stop": "must be a string or a list of strings",
-    "stream_options": "must be an object like {\"include_usage\": true}",
-}
-
-
-def _parse(model: type[BaseModel], body: dict) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        top = str(err["loc"][0]) if err["loc"] else ""
-        if top in FIELD_HELP:
-            where, why = top, FIELD_HELP[top]
-        else:
-            where = ".".join(str(x) for x in err["loc"])
-            why = err["msg"][0].lower() + err["msg"][1:]
-            if "input" in err and err["type"] != "missing":
-                why += f", got {json.dumps(err['input'])[:80]}"
-        if err["type"] == "missing":
-            why = "is required"
-        raise APIError(400, f"{where}: {why}", param=top or None) from None
-
-
-def _unsupported(body: _Body, checks: dict[str, bool]) -> None:
-    for name, bad in checks.items():
-        if bad:
-            raise APIError(400, f"{name}: not supported by this server", param=name)
-
-
-def _sampling(body: _Body, max_tokens: int) -> SamplingParams:
-    stop = body.stop if body.stop is not None else ()
-    sp = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k in (None, -1) else body.top_k,
-        seed=body.seed,
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=bool(body.ignore_eos),
-        min_tokens=body.min_tokens or 0)
-    try:
-        sp.validate()
-    except RequestError as e:
-        raise APIError(400, str(e).replace("invalid sampling parameter ", "")) from None
-    return sp
-
-
-def _message_dict(m: Message, i: int) -> dict:
-    if m.content is None or isinstance(m.content, str):
-        text = m.content or ""
-    else:
-        parts = []
-        for p in m.content:
-            if p.type != "text" or p.text is None:
-                raise APIError(400, f"messages.{i}.content: only text parts are supported, "
-                               f"got type {p.type!r}", param="messages")
-            parts.append(p.text)
-        text = "\n".join(parts)
-    return {"role": "system" if m.role == "developer" else m.role, "content": text}
-
-
-# ---- metrics -----------------------------------------------------------------------------------
-class IngressMetrics:
-    """Prometheus metrics of one ingress, in their own registry: request counts by status,
-    client-side latency histograms, and (at scrape time) every worker's KV gauges."""
-
-    def __init__(self, backend: Any = None) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("raypd_http_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        buckets = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
-        self.ttft = Histogram("raypd_ttft_seconds", "time to first token seen by the ingress",
-                              registry=r, buckets=buckets)
-        self.tpot = Histogram("raypd_tpot_seconds", "time per output token after the first",
-                              registry=r, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25,
-                                                   .5, 1))
-        self.e2e = Histogram("raypd_e2e_seconds", "request latency, arrival to last token",
-                             registry=r, buckets=buckets)
-        self.prompt_tokens = Counter("raypd_prompt_tokens", "prompt tokens", registry=r)
-        self.cached_tokens = Counter("raypd_cached_prompt_tokens",
-                                     "prompt tokens served from a prefix cache", registry=r)
-        self.output_tokens = Counter("raypd_generation_tokens", "generated tokens", registry=r)
-        self.inflight = Gauge("raypd_requests_in_flight", "sub-requests running", registry=r)
-        if backend is not None:
-            r.register(_WorkerCollector(backend))
-
-    def observe(self, lc: dict, ttft_s: float | None, e2e_s: float, n_out: int) -> None:
-        self.prompt_tokens.inc(lc.get("prompt_tokens") or 0)
-        self.cached_tokens.inc(lc.get("cached_tokens") or 0)
-        self.output_tokens.inc(n_out)
-        self.e2e.observe(e2e_s)
-        if ttft_s is not None:
-            self.ttft.observe(ttft_s)
-            if n_out > 1:
-                self.tpot.observe((e2e_s - ttft_s) / (n_out - 1))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-class _WorkerCollector:
-    """Per-worker gauges from `backend.stats()`, labelled by worker id and role."""
-
-    GAUGES = [("raypd_kv_blocks_used", "blocks_used", "KV blocks referenced by requests"),
-              ("raypd_kv_blocks_cached", "blocks_cached", "KV blocks cached, unreferenced"),
-              ("raypd_kv_blocks_total", "num_blocks", "KV blocks in the pool"),
-              ("raypd_prefix_cache_hit_rate", "hit_rate", "prompt tokens reused / queried"),
-              ("raypd_worker_requests_running", "running", "requests running in the engine"),
-              ("raypd_worker_requests_waiting", "waiting", "requests waiting in the engine")]
-    COUNTERS = [("raypd_prefix_reused_tokens", "reused_tokens", "prompt tokens reused"),
-                ("raypd_kv_evictions", "evictions", "cached KV blocks evicted"),
-                ("raypd_preemptions", "preemptions", "requests preempted (recomputed)"),
-                ("raypd_worker_computed_tokens", "computed_tokens", "tokens computed")]
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-
-    def describe(self) -> list:
-        return []
-
-    def collect(self):
-        up = GaugeMetricFamily("raypd_backend_up", "1 when every worker answered stats()")
-        try:
-            stats = self.backend.stats()
-        except Exception:
-            up.add_metric([], 0)
-            yield up
-            return
-        up.add_metric([], 1)
-        yield up
-        labels = ["worker", "role"]
-        for name, key, doc in self.GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            for s in stats:
-                if key in s:
-                    g.add_metric([str(s.get("worker_id")), str(s.get("role"))], float(s[key]))
-            yield g
-        for name, key, doc in self.COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            for s in stats:
-                if key in s:
-                    c.add_metric([str(s.get("worker_id")), str(s.get("role"))], float(s[key]))
-            yield c
 
 
 # ---- running sub-requests ----------------------------------------------------------------------
@@ -554,11 +296,11 @@ class _Ingress:
     async def completions(self, request: Request) -> Response:
         self.check_auth(request)
         raw = await self.read_json(request)
-        body: CompletionBody = _parse(CompletionBody, raw)
+        body: CompletionBody = parse_body(CompletionBody, raw)
         self.check_model(body.model)
-        _unsupported(body, {"echo": bool(body.echo), "logprobs": body.logprobs is not None,
+        refuse_unsupported(body, {"echo": bool(body.echo), "logprobs": body.logprobs is not None,
                             "best_of": (body.best_of or 1) > 1, "suffix": bool(body.suffix),
-                            **_penalties(body)})
+                            **penalties(body)})
         p = body.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             prompts = [p]
@@ -567,30 +309,30 @@ class _Ingress:
         if not prompts:
             raise APIError(400, "prompt: is empty", param="prompt")
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        sampling = _sampling(body, self.cap(max_tokens) if max_tokens > 0 else max_tokens)
+        sampling = sampling_params(body, self.cap(max_tokens) if max_tokens > 0 else max_tokens)
         return await self._serve(request, body, prompts, sampling, chat=False,
                                  rid_prefix="cmpl")
 
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
         raw = await self.read_json(request)
-        body: ChatBody = _parse(ChatBody, raw)
+        body: ChatBody = parse_body(ChatBody, raw)
         self.check_model(body.model)
         rf = (body.response_format or {}).get("type", "text")
-        _unsupported(body, {"logprobs": bool(body.logprobs) or body.top_logprobs is not None,
+        refuse_unsupported(body, {"logprobs": bool(body.logprobs) or body.top_logprobs is not None,
                             "tools": bool(body.tools), "response_format": rf != "text",
-                            **_penalties(body)})
+                            **penalties(body)})
         if not body.messages:
             raise APIError(400, "messages: must hold at least one message", param="messages")
-        messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+        messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         max_tokens = self.cap(CHAT_MAX_TOKENS) if max_tokens is None else max_tokens
-        sampling = _sampling(body, self.cap(max_tokens) if max_tokens > 0 else max_tokens)
+        sampling = sampling_params(body, self.cap(max_tokens) if max_tokens > 0 else max_tokens)
         return await self._serve(request, body, [messages], sampling, chat=True,
                                  rid_prefix="chatcmpl")
 
-    async def _serve(self, request: Request, body: _Body, prompts: list, sampling: SamplingParams,
+    async def _serve(self, request: Request, body: CompletionBody | ChatBody, prompts: list, sampling: SamplingParams,
                      *, chat: bool, rid_prefix: str) -> Response:
         n = 1 if body.n is None else body.n
         if n < 1:
@@ -779,27 +521,27 @@ class _Ingress:
         b = self.backend
         orch = getattr(b, "orchestrator", None)
         info = {i["worker_id"]: i for i in list(getattr(b, "info", None) or [])}
-        stats, stats_error = _worker_stats(b)
+        stats, stats_error = worker_stats(b)
         with self._lock:
             recent = list(self.recent)
             http = {k: dict(v) for k, v in self.http_counts.items()}
             in_flight, peak = self._inflight, self.peak_inflight
         draining = set(getattr(orch, "draining", ()) or ())
         unhealthy = set(getattr(orch, "unhealthy", ()) or ())
-        rows = {s["worker_id"]: _actor_row(s, info.get(s["worker_id"], {}))
+        rows = {s["worker_id"]: actor_row(s, info.get(s["worker_id"], {}))
                 for s in stats if "worker_id" in s}
         info_now = {i["worker_id"] for i in list(getattr(b, "info", None) or [])}
         for wid in (info.keys() & info_now) - rows.keys():     # no answer: hung, dead, restarting
-            rows[wid] = _actor_row({"worker_id": wid, "role": info[wid].get("role")}, info[wid])
+            rows[wid] = actor_row({"worker_id": wid, "role": info[wid].get("role")}, info[wid])
             unhealthy.add(wid)
         for wid, row in rows.items():
             row["state"] = "unhealthy" if wid in unhealthy or row.get("loop_error") else \
                 "draining" if wid in draining else "active"
             served = [r for r in recent if wid in (r["prefill_worker"], r["decode_worker"])]
             row["requests_served"] = len(served)
-            row["ttft"] = _summary([r["ttft_s"] for r in served])
-            row["tpot"] = _summary([r["tpot_s"] for r in served])
-        actors = sorted(rows.values(), key=_actor_order)
+            row["ttft"] = summarize([r["ttft_s"] for r in served])
+            row["tpot"] = summarize([r["tpot_s"] for r in served])
+        actors = sorted(rows.values(), key=actor_order)
         api = {}
         for ep in ("completions", "chat"):
             for code, n in http.get(ep, {}).items():
@@ -816,10 +558,10 @@ class _Ingress:
                   "draining": sorted(draining & rows.keys()),
                   "unhealthy": sorted(unhealthy & rows.keys()),
                   "requests": api, "http": http,
-                  "ttft": _summary([r["ttft_s"] for r in ok]),
-                  "tpot": _summary([r["tpot_s"] for r in ok]),
-                  "e2e": _summary([r["e2e_s"] for r in ok])}
-        return {"now": time.time(), "model": self.model_name, "config": _config_of(b),
+                  "ttft": summarize([r["ttft_s"] for r in ok]),
+                  "tpot": summarize([r["tpot_s"] for r in ok]),
+                  "e2e": summarize([r["e2e_s"] for r in ok])}
+        return {"now": time.time(), "model": self.model_name, "config": config_of(b),
                 "actors": actors,
                 "router": router, "requests": recent[-max_requests:] if max_requests else [],
                 "stats_error": stats_error}
@@ -883,96 +625,6 @@ class _Ingress:
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.aux.shutdown(wait=False, cancel_futures=True)
-
-
-# ---- operations helpers ------------------------------------------------------------------------
-_ACTOR_FIELDS = ("waiting", "running", "blocks_used", "blocks_cached", "free", "num_blocks",
-                 "block_size", "hit_rate", "prompt_tokens", "reused_tokens", "computed_tokens",
-                 "recomputed_tokens", "evictions", "preemptions", "peak_blocks_used",
-                 "requests_finished", "requests_rejected", "steps", "busy_s",
-                 "block_utilization", "loop_error")
-
-
-def _worker_stats(backend: Any) -> tuple[list[dict], str | None]:
-    """Every worker's stats(); each actor asked on its own, so that one that is dead, hung or
-    just removed by a scale-in only loses its own row. Falls back to `backend.stats()`."""
-    workers = list(getattr(backend, "workers", None) or [])
-    if not workers or not all(hasattr(getattr(w, "stats", None), "remote") for w in workers):
-        try:
-            return list(backend.stats()), None
-        except Exception as e:      # noqa: BLE001 - the page shows it
-            return [], f"{type(e).__name__}: {e}"
-    refs = [w.stats.remote() for w in workers]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STATS_TIMEOUT_S)
-    out, errors = [], []
-    for r in ready:
-        try:
-            out.append(ray.get(r))
-        except Exception as e:      # noqa: BLE001
-            errors.append(type(e).__name__)
-    missing = len(refs) - len(out)
-    return out, (f"{missing} worker(s) did not answer ({', '.join(errors) or 'timeout'})"
-                 if missing else None)
-
-
-def _config_of(backend: Any) -> dict:
-    """The fixed parameters a report records (from a PDCluster-like backend's `cfg`)."""
-    cfg = getattr(backend, "cfg", None)
-    if cfg is None:
-        return {}
-    engine = getattr(cfg, "engine", {}) or {}
-    return {"model": engine.get("model"), "dtype": engine.get("dtype", "auto"),
-            "kv_dtype": engine.get("kv_dtype", "auto"), "block_size": engine.get("block_size", 16),
-            "num_blocks": engine.get("num_blocks"), "kv_cache_gb": engine.get("kv_cache_gb"),
-            "prefill": getattr(cfg, "num_prefill", None), "decode": getattr(cfg, "num_decode", None),
-            "transport": getattr(cfg, "transport", None), "policy": getattr(cfg, "policy", None),
-            "num_gpus_per_worker": getattr(cfg, "num_gpus_per_worker", None)}
-
-
-def _actor_row(s: dict, info: dict) -> dict:
-    """One /api/stats actor row from a worker's stats() and info()."""
-    row = {"worker_id": s["worker_id"], "role": s.get("role") or info.get("role"),
-           "node_id": info.get("node_id"), "pid": info.get("pid")}
-    row.update({k: s.get(k) for k in _ACTOR_FIELDS})
-    row["num_blocks"] = s.get("num_blocks") or info.get("num_blocks")
-    row["queue"] = (s.get("waiting") or 0) + (s.get("running") or 0) if "waiting" in s else None
-    used, total = s.get("blocks_used"), row["num_blocks"]
-    row["kv_usage"] = used / total if used is not None and total else None
-    if row["role"] == "prefill":     # pages staged for decode workers
-        row.update(transfer_count=s.get("transfer_offered"),
-                   transfer_bytes=s.get("transfer_bytes_staged"), transfer_seconds=None,
-                   transfer_active=s.get("transfer_active"),
-                   transfer_failures=(s.get("transfer_aborted") or 0)
-                   + (s.get("transfer_expired") or 0) if "transfer_offered" in s else None)
-    else:                            # pages pulled from prefill workers
-        row.update(transfer_count=s.get("transfer_transfers"),
-                   transfer_bytes=s.get("transfer_bytes_received"),
-                   transfer_seconds=s.get("transfer_seconds"), transfer_active=None,
-                   transfer_failures=s.get("transfer_failures"))
-    return row
-
-
-def _actor_order(row: dict) -> tuple:
-    name, _, idx = str(row["worker_id"]).rpartition("-")
-    return ({"prefill": 0, "decode": 1}.get(row["role"], 2), name,
-            int(idx) if idx.isdigit() else 0, str(row["worker_id"]))
-
-
-def _summary(values: list) -> dict | None:
-    """count, mean, p50, p95, max of the values that are not None (None when there are none)."""
-    v = sorted(x for x in values if x is not None)
-    if not v:
-        return None
-    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
-    return {"count": len(v), "mean": sum(v) / len(v), "p50": pick(0.5), "p95": pick(0.95),
-            "max": v[-1]}
-
-
-def _penalties(body: _Body) -> dict[str, bool]:
-    return {"presence_penalty": bool(body.presence_penalty),
-            "frequency_penalty": bool(body.frequency_penalty),
-            "repetition_penalty": body.repetition_penalty not in (None, 1, 1.0),
-            "logit_bias": bool(body.logit_bias)}
 
 
 class _SSEResponse(StreamingResponse):
