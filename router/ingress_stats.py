@@ -82,18 +82,15 @@ class _WorkerCollector:
         up.add_metric([], 1)
         yield up
         labels = ["worker", "role"]
-        for name, key, doc in self.GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            for s in stats:
-                if key in s:
-                    g.add_metric([str(s.get("worker_id")), str(s.get("role"))], float(s[key]))
-            yield g
-        for name, key, doc in self.COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            for s in stats:
-                if key in s:
-                    c.add_metric([str(s.get("worker_id")), str(s.get("role"))], float(s[key]))
-            yield c
+        for family, table in ((GaugeMetricFamily, self.GAUGES),
+                              (CounterMetricFamily, self.COUNTERS)):
+            for name, key, doc in table:
+                m = family(name, doc, labels=labels)
+                for s in stats:
+                    if key in s:
+                        m.add_metric([str(s.get("worker_id")), str(s.get("role"))],
+                                     float(s[key]))
+                yield m
 
 
 _ACTOR_FIELDS = ("waiting", "running", "blocks_used", "blocks_cached", "free", "num_blocks",
