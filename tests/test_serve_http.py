@@ -307,6 +307,8 @@ def test_client_disconnect_while_waiting_aborts_and_frees_blocks(server, backend
 
 
 def test_health_and_metrics(server):
+    assert_serves(server)                                          # one 200 and one 400 of its own
+    assert post(server, "/v1/completions", {"model": "tiny", "prompt": 7}).status_code == 400
     h = requests.get(server.url + "/health", timeout=10)
     assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["workers"] == 2
     text = requests.get(server.url + "/metrics", timeout=10).text
