@@ -80,7 +80,8 @@ class PDCluster:
             "prefill": prefill_actor_class(**common, resources=cfg.prefill_resources or None),
             "decode": decode_actor_class(**common, resources=cfg.decode_resources or None)}
         self._next_index = {"prefill": 0, "decode": 0}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()         # the worker lists (short holds only)
+        self._scale_lock = threading.Lock()   # one scale() at a time
         self._reapers: list[threading.Thread] = []
         self.prefill = [self._launch("prefill") for _ in range(cfg.num_prefill)]
         self.decode = [self._launch("decode") for _ in range(cfg.num_decode)]
@@ -113,28 +114,32 @@ class PDCluster:
         for role, want, least in (("prefill", prefill, 0), ("decode", decode, 1)):
             if want is not None and want < least:
                 raise ValueError(f"cannot scale {role} workers to {want} (at least {least})")
-        self._reapers = [t for t in self._reapers if t.is_alive()]
-        with self._lock:
+        with self._scale_lock:
+            self._reapers = [t for t in self._reapers if t.is_alive()]
             for role, want in (("prefill", prefill), ("decode", decode)):
-                group = self.prefill if role == "prefill" else self.decode
                 if want is None:
                     continue
-                live = [w for w in group if self.orchestrator._id[w] not in
-                        self.orchestrator.draining]
-                for _ in range(want - len(live)):
-                    w = self._launch(role)
-                    info = ray.get(w.info.remote())
-                    self.info.append(info)
-                    group.append(w)
-                    self.workers.append(w)
-                    self.orchestrator.add_worker(role, w, info["worker_id"])
-                victims = [self.orchestrator._id[w] for w in live[max(want, 0):]][::-1]
-                for wid in victims:
+                group = self.prefill if role == "prefill" else self.decode
+                with self._lock:
+                    live = [w for w in group if self.orchestrator._id[w] not in
+                            self.orchestrator.draining]
+                # new workers load their model in parallel, with no lock held: stats(),
+                # routing and reaping go on meanwhile
+                new = [self._launch(role) for _ in range(want - len(live))]
+                infos = ray.get([w.info.remote() for w in new])
+                with self._lock:
+                    for w, info in zip(new, infos, strict=True):
+                        self.info.append(info)
+                        group.append(w)
+                        self.workers.append(w)
+                        self.orchestrator.add_worker(role, w, info["worker_id"])
+                for wid in [self.orchestrator._id[w] for w in live[max(want, 0):]][::-1]:
                     self.orchestrator.drain(wid)
                     t = threading.Thread(target=self._reap, args=(wid, timeout_s), daemon=True)
                     self._reapers.append(t)
                     t.start()
-            self._ensure_rdt_group()
+            with self._lock:
+                self._ensure_rdt_group()
         if wait:
             for t in list(self._reapers):
                 t.join(timeout_s)
