@@ -24,6 +24,9 @@ Rules measured on Ray 2.60: the receiving class must have ``enable_tensor_transp
 the transfer hangs until the RDT timeout; the group must exist before ``kv_send`` is called;
 only the process that created the group may route the ref; a transfer timeout kills both actors
 and the group. An actor can be in one group per backend, so make one group for the whole pool.
+Ray pairs a send with a receive by order only (no tags), and a threaded actor need not run its
+transfer tasks in submission order: keep one transfer in flight per actor (the orchestrator holds
+a lock per actor), or two transfers can swap and gloo aborts the receiver on the size mismatch.
 """
 
 from __future__ import annotations
