@@ -12,6 +12,7 @@ import importlib
 import math
 import os
 import socket
+import threading
 import uuid
 import warnings
 import zlib
@@ -195,6 +196,8 @@ class KVTransport(ABC):
         default_worker, default_node = current_ids()
         self.worker_id = worker_id or default_worker
         self.node_id = node_id or default_node
+        self._lock = threading.Lock()
+        self._staged: dict[str, Any] = {}   # transfer_id -> what this transport keeps for it
 
     # -- producer side ------------------------------------------------------------------------
 
@@ -218,17 +221,34 @@ class KVTransport(ABC):
         blocks may be reused as soon as this returns."""
         return self.stage(request_id, gather_blocks(kv_cache, block_ids), block_hashes)
 
-    @abstractmethod
+    def _keep(self, transfer_id: str, item: Any) -> None:
+        with self._lock:
+            self._staged[transfer_id] = item
+
+    def _kept(self, transfer_id: str) -> Any:
+        """What `_keep` stored for this transfer; TransferError when it is not staged (any
+        more). The caller holds the item, so a concurrent release cannot free it under it."""
+        with self._lock:
+            item = self._staged.get(transfer_id)
+        if item is None:
+            raise TransferError(
+                f"transfer {transfer_id} is not staged here: released, expired or never staged"
+            )
+        return item
+
     def release(self, transfer_id: str) -> bool:
         """Drop a staged transfer; True if it was staged. Releasing twice is harmless."""
+        with self._lock:
+            return self._staged.pop(transfer_id, None) is not None
 
     def take(self, transfer_id: str) -> torch.Tensor:
         """The staged tensor itself (no copy); the RDT send path returns it from an actor method."""
         raise TransferError(f"transport {self.name!r} does not hand out staged tensors")
 
-    @abstractmethod
     def staged_ids(self) -> list[str]:
         """Transfer ids currently staged here."""
+        with self._lock:
+            return list(self._staged)
 
     # -- consumer side ------------------------------------------------------------------------
 
@@ -255,8 +275,9 @@ class KVTransport(ABC):
 
     @abstractmethod
     def _stage(self, handle: TransferHandle, pages: torch.Tensor) -> TransferHandle:
-        """Keep ``pages`` (contiguous, host unless rdt) under ``handle.transfer_id``; return the
-        handle completed with checksum and transport-specific fields."""
+        """Keep ``pages`` (contiguous, host unless rdt) under ``handle.transfer_id`` (usually
+        with ``_keep``: the base class's ``release`` / ``staged_ids`` / ``_kept`` read that
+        table); return the handle completed with checksum and transport-specific fields."""
 
     def _to_host(self, pages: torch.Tensor) -> torch.Tensor:
         return pages.detach().to("cpu").contiguous()

@@ -13,7 +13,6 @@ A failed transfer only ends its own stream; the server keeps serving the others.
 
 from __future__ import annotations
 
-import threading
 from concurrent import futures
 from dataclasses import replace
 
@@ -74,8 +73,6 @@ class GrpcTransport(KVTransport):
         self.chunk_bytes = min(int(chunk_bytes), int(max_frame_bytes))
         self.max_frame_bytes = int(max_frame_bytes)
         self.server_threads = int(server_threads)
-        self._lock = threading.Lock()
-        self._staged: dict[str, tuple[TransferHandle, torch.Tensor]] = {}
         self._server: grpc.Server | None = None
         self._address = ""
         self._channels: dict[str, grpc.Channel] = {}
@@ -91,24 +88,11 @@ class GrpcTransport(KVTransport):
     def _stage(self, handle: TransferHandle, pages: torch.Tensor) -> TransferHandle:
         checksum, algo = self._checksum_of(as_bytes(pages))
         handle = replace(handle, checksum=checksum, checksum_algo=algo, address=self.address)
-        with self._lock:
-            self._staged[handle.transfer_id] = (handle, pages)
+        self._keep(handle.transfer_id, (handle, pages))
         return handle
 
-    def release(self, transfer_id: str) -> bool:
-        with self._lock:
-            return self._staged.pop(transfer_id, None) is not None
-
     def take(self, transfer_id: str) -> torch.Tensor:
-        with self._lock:
-            staged = self._staged.get(transfer_id)
-        if staged is None:
-            raise TransferError(f"transfer {transfer_id} is not staged here")
-        return staged[1]
-
-    def staged_ids(self) -> list[str]:
-        with self._lock:
-            return list(self._staged)
+        return self._kept(transfer_id)[1]
 
     def close(self) -> None:
         super().close()
@@ -146,14 +130,10 @@ class GrpcTransport(KVTransport):
             transfer_id = str(msgpack.unpackb(request)["transfer_id"])
         except Exception:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed Fetch request")
-        with self._lock:
-            staged = self._staged.get(transfer_id)
-        if staged is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"transfer {transfer_id} is not staged here: released, expired or never staged",
-            )
-        handle, pages = staged  # holding the tensor keeps it alive through a concurrent release
+        try:
+            handle, pages = self._kept(transfer_id)   # held: a concurrent release cannot free it
+        except TransferError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         yield msgpack.packb(
             {
                 "v": WIRE_VERSION,

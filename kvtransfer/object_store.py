@@ -8,7 +8,6 @@ correct pages instead of failing.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 
 import numpy as np
@@ -21,26 +20,12 @@ from kvtransfer.base import KVTransport, TransferError, TransferHandle, as_bytes
 class ObjectStoreTransport(KVTransport):
     name = "object_store"
 
-    def __init__(self, **cfg):
-        super().__init__(**cfg)
-        self._lock = threading.Lock()
-        self._refs: dict[str, ray.ObjectRef] = {}
-
     def _stage(self, handle: TransferHandle, pages: torch.Tensor) -> TransferHandle:
         data = as_bytes(pages)
         checksum, algo = self._checksum_of(data)
         ref = ray.put(data)
-        with self._lock:
-            self._refs[handle.transfer_id] = ref
+        self._keep(handle.transfer_id, ref)   # our reference keeps the object alive
         return replace(handle, checksum=checksum, checksum_algo=algo, object_ref=ref)
-
-    def release(self, transfer_id: str) -> bool:
-        with self._lock:
-            return self._refs.pop(transfer_id, None) is not None
-
-    def staged_ids(self) -> list[str]:
-        with self._lock:
-            return list(self._refs)
 
     def fetch(self, handle: TransferHandle) -> torch.Tensor:
         return self._fetch_view(handle).clone()  # the object store copy is read-only

@@ -135,11 +135,6 @@ class RdtTransport(KVTransport):
 
     name = "rdt"
 
-    def __init__(self, **cfg):
-        super().__init__(**cfg)
-        self._lock = threading.Lock()
-        self._staged: dict[str, torch.Tensor] = {}
-
     def _to_host(self, pages: torch.Tensor) -> torch.Tensor:
         return pages.detach().contiguous()  # stays on its device: nccl sends GPU tensors
 
@@ -147,26 +142,11 @@ class RdtTransport(KVTransport):
         if self.checksum:
             checksum, algo = self._checksum_of(as_bytes(pages.to("cpu")))
             handle = replace(handle, checksum=checksum, checksum_algo=algo)
-        with self._lock:
-            self._staged[handle.transfer_id] = pages
+        self._keep(handle.transfer_id, pages)
         return handle
 
-    def release(self, transfer_id: str) -> bool:
-        with self._lock:
-            return self._staged.pop(transfer_id, None) is not None
-
     def take(self, transfer_id: str) -> torch.Tensor:
-        with self._lock:
-            pages = self._staged.get(transfer_id)
-        if pages is None:
-            raise TransferError(
-                f"transfer {transfer_id} is not staged here: released, expired or never staged"
-            )
-        return pages
-
-    def staged_ids(self) -> list[str]:
-        with self._lock:
-            return list(self._staged)
+        return self._kept(transfer_id)
 
     def fetch(self, handle: TransferHandle) -> torch.Tensor:
         raise TransferError(

@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -98,8 +97,6 @@ class ShmTransport(KVTransport):
         super().__init__(**cfg)
         self.directory = directory
         self.pool_bytes = int(pool_bytes)
-        self._lock = threading.Lock()
-        self._staged: dict[str, _Segment] = {}
         self._free: list[_Segment] = []
         self._names = itertools.count()
         if cleanup_stale:
@@ -160,10 +157,6 @@ class ShmTransport(KVTransport):
         for old in evicted:
             old.close()
         return True
-
-    def staged_ids(self) -> list[str]:
-        with self._lock:
-            return list(self._staged)
 
     def close(self) -> None:
         super().close()
