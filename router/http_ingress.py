@@ -361,18 +361,25 @@ class _Ingress:
             return await self._stream(request, job, meta, chat, include_usage)
         return await self._collect(request, job, meta, chat)
 
-    async def _collect(self, request: Request, job: _Job, meta: dict, chat: bool) -> Response:
+    @staticmethod
+    async def _next_or_abort(request: Request, job: _Job) -> _Event | None:
+        """The job's next event; None when the client is gone. An error event raises its HTTP
+        error; whatever is raised here aborts the job first."""
         try:
-            while job.pending:
-                ev = await job.next(request)
-                if ev is None:                       # client gone: nobody to answer
-                    job.abort()
-                    return Response(status_code=499)
-                if ev.kind == "error":
-                    raise error_for(ev.payload)
+            ev = await job.next(request)
+            if ev is None:                           # client gone: nobody to answer
+                job.abort()
+            elif ev.kind == "error":
+                raise error_for(ev.payload)
+            return ev
         except BaseException:
             job.abort()
             raise
+
+    async def _collect(self, request: Request, job: _Job, meta: dict, chat: bool) -> Response:
+        while job.pending:
+            if await self._next_or_abort(request, job) is None:
+                return Response(status_code=499)
         choices = []
         for s in sorted(job.subs, key=lambda s: s.index):
             text, reason = s.result.get("text", ""), _finish_reason(s.result)
@@ -393,16 +400,9 @@ class _Ingress:
                       include_usage: bool) -> Response:
         # Wait for the first event before answering, so that a request refused before any
         # token (bad prompt, over context, no capacity) gets its real status code.
-        try:
-            first = await job.next(request)
-            if first is None:
-                job.abort()
-                return Response(status_code=499)
-            if first.kind == "error":
-                raise error_for(first.payload)
-        except BaseException:
-            job.abort()
-            raise
+        first = await self._next_or_abort(request, job)
+        if first is None:
+            return Response(status_code=499)
         obj = "chat.completion.chunk" if chat else "text_completion"
         extra = {"usage": None} if include_usage else {}
 
