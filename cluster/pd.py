@@ -82,6 +82,7 @@ class PDCluster:
         self._next_index = {"prefill": 0, "decode": 0}
         self._lock = threading.Lock()         # the worker lists (short holds only)
         self._scale_lock = threading.Lock()   # one scale() at a time
+        self._closed = threading.Event()      # shutdown(): reapers stop
         self._reapers: list[threading.Thread] = []
         self.prefill = [self._launch("prefill") for _ in range(cfg.num_prefill)]
         self.decode = [self._launch("decode") for _ in range(cfg.num_decode)]
@@ -150,7 +151,7 @@ class PDCluster:
         """Wait until a draining worker has nothing in flight, then remove and kill it."""
         deadline = time.monotonic() + timeout_s
         w = self.orchestrator._by_id[worker_id]
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._closed.is_set():
             try:
                 idle = not self.orchestrator.busy(worker_id) and \
                     ray.get(w.load_report.remote(), timeout=30)["num_requests"] == 0
@@ -199,10 +200,16 @@ class PDCluster:
         return ray.get([p.expire_leases.remote() for p in self.prefill])
 
     def shutdown(self) -> None:
+        """Kill every worker; returns once no thread of this cluster calls Ray any more (a Ray
+        call after ray.shutdown() would quietly start a new local Ray)."""
+        self._closed.set()
         self.orchestrator.close()
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:
                 pass
+        self.orchestrator.close(wait_s=self.cfg.health_timeout_s + 5)   # its calls fail fast now
+        for t in self._reapers:
+            t.join(5)
         self.workers, self.prefill, self.decode = [], [], []

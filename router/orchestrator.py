@@ -445,8 +445,12 @@ class Orchestrator:
         with ThreadPoolExecutor(max_workers=min(64, max(1, len(prompts)))) as pool:
             return list(pool.map(one, prompts))
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
+        """Stop the load reporter. With `wait_s`, also wait (that long at most) until it has
+        made its last Ray call: a Ray call after ray.shutdown() would start a new local Ray."""
         self._stop.set()
+        if wait_s is not None and self._reporter is not threading.current_thread():
+            self._reporter.join(wait_s)
 
 
 class TransferFailed(RuntimeError):

@@ -14,6 +14,11 @@ sys.path.insert(0, str(ROOT))
 torch.set_num_threads(int(os.environ.get("RAYPD_TEST_THREADS", "2")))
 # a bare ray.init() in a test starts a fresh local instance, never joins a stale or foreign one
 os.environ.setdefault("RAY_ADDRESS", "local")
+# no implicit ray.init(): a Ray call from a thread that outlived its test (after the module's
+# ray.shutdown()) must fail there, not start a second local Ray beside the next module's one
+# (seen once: two heads started 3 s apart, the driver lost its GCS and the run was killed)
+assert "ray" not in sys.modules, "set Ray's environment before ray is imported"
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 
 @pytest.fixture(scope="module")
