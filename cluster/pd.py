@@ -203,13 +203,13 @@ class PDCluster:
         """Kill every worker; returns once no thread of this cluster calls Ray any more (a Ray
         call after ray.shutdown() would quietly start a new local Ray)."""
         self._closed.set()
-        self.orchestrator.close()
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:
                 pass
-        self.orchestrator.close(wait_s=self.cfg.health_timeout_s + 5)   # its calls fail fast now
+        # the reporter's calls to the killed workers fail fast now
+        self.orchestrator.close(wait_s=self.cfg.health_timeout_s + 5)
         for t in self._reapers:
             t.join(5)
         self.workers, self.prefill, self.decode = [], [], []

@@ -281,7 +281,7 @@ class Orchestrator:
                 result["lifecycle"]["retries"] = attempt
                 return result
             except ray.exceptions.RayActorError as e:
-                self._release(flight)     # distinct attempt ids: no need to wait
+                self._release(flight)
                 if flight.aborted:
                     raise RequestError(f"request {flight.request_id} was aborted") from None
                 with self._lock:
@@ -402,21 +402,15 @@ class Orchestrator:
                 stack.enter_context(lock)
             yield
 
-    def _release(self, flight: _Flight, wait_s: float = 0.0) -> None:
-        """Release the attempt's state on both sides (calls to a dead worker just fail).
-
-        `wait_s` > 0 waits that long for the workers to confirm (request threads do, before
-        they retry or report; a client abort from the event loop does not block)."""
+    def _release(self, flight: _Flight) -> None:
+        """Release the attempt's state on both sides (calls to a dead worker just fail)."""
         rid = flight.attempt_id or flight.request_id
-        refs = []
         if flight.prefill is not None:
-            refs.append(flight.prefill.abort.remote(rid))
+            flight.prefill.abort.remote(rid)
             if flight.transfer_id:
-                refs.append(flight.prefill.abort_transfer.remote(flight.transfer_id))
+                flight.prefill.abort_transfer.remote(flight.transfer_id)
         if flight.decode is not None:
-            refs.append(flight.decode.abort.remote(rid))
-        if wait_s > 0:
-            _settle(refs, wait_s)
+            flight.decode.abort.remote(rid)
 
     def abort(self, request_id: str) -> bool:
         """Client abort at any stage: every block on both sides is released."""

@@ -91,7 +91,8 @@ class Scheduler:
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n, self.kv.block_table(req.request_id)))
             budget -= n
-        self.stalled = stalled and not chunks
+        assert not (stalled and chunks), "only a request running alone stalls"
+        self.stalled = stalled
         used = self.kv.pool.num_used_blocks
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
         return chunks
