@@ -119,7 +119,7 @@ def tiny_dir(tiny, tmp_path_factory) -> Path:
 
 
 def test_local_checkpoint_loads_the_same_model(tiny, tiny_dir):
-    model, tokenizer, info = load_model(str(tiny_dir))
+    model, tokenizer, info = load_model(str(tiny_dir), dtype="float32")
     assert _same_weights(model, tiny[0])
     assert info.model_id == str(tiny_dir.resolve())
     assert info.dtype == "float32"
@@ -134,6 +134,13 @@ def test_local_checkpoint_revision_is_stable_and_content_based(tiny_dir, tmp_pat
     other.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     assert load_model(str(tmp_path))[2].revision != rev
+
+
+def test_auto_dtype_of_a_float32_checkpoint_is_bf16_where_the_cpu_has_native_bf16(tiny_dir):
+    from workers.device import cpu_has_native_bf16
+    model, _, info = load_model(str(tiny_dir))
+    want = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert info.dtype == want and str(model.dtype) == f"torch.{want}"
 
 
 def test_local_checkpoint_honours_dtype(tiny_dir):

@@ -1,11 +1,13 @@
-"""Paged attention: reads and writes the KV pool through block tables and slot mappings.
+"""Paged attention: writes each token's K/V into the pool through the slot mapping and reads each
+sequence's context through its block table.
 
-It plugs into stock transformers models through their attention interface: the model runs
-on one flat sequence of every scheduled token (batch dim 1, no padding), and the metadata
-below, passed as a keyword argument of `model(...)`, tells each layer where each token's K/V
-goes (slot_mapping) and which blocks each sequence reads (block tables). Decodes come first
-in the flat batch and run as batched SDPAs (one per group of similar context length);
-prefill chunks follow, one SDPA each.
+One flat batch of every scheduled token (no padding): decodes first, read in batched groups of
+similar context length (on the CPU a native kernel reading the pool in place, elsewhere a gather
+and two matmuls; softmax in float32 either way), then prefill
+chunks, one SDPA each (a chunk with no cached prefix attends to its own K/V without touching the
+pool). Sliding-window layers mask keys older than the window. The compact model calls
+`paged_attention` directly; stock transformers models reach it through their attention interface
+(`register_paged_attention`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+
+from workers import kernels as native
 
 ATTN_IMPL = "raypd_paged"
 
@@ -32,12 +36,13 @@ class PrefillSegment:
 
 @dataclass
 class DecodeGroup:
-    """Decode tokens [start, start + count) of the flat batch, read in one batched SDPA."""
+    """Decode tokens [start, start + count) of the flat batch, read in one batched gather."""
 
     start: int
     count: int
     block_tables: torch.Tensor       # [count, max_blocks] (padded with block 0)
-    mask: torch.Tensor | None        # [count, 1, 1, max_blocks * block_size]; None: no padding
+    context_lens: torch.Tensor       # [count] tokens in KV, this step's token included
+    max_context_len: int
 
 
 @dataclass
@@ -49,54 +54,103 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int | None) -> torch.Tensor:
-    """[..., heads, tokens, head_dim] view-ready K or V of the blocks in `block_table`."""
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[(B,) tokens, kv_heads, head_dim] of the blocks in `block_table`, cut at `length`."""
     kv = cache[block_table]                               # [(B,) nb, bs, H, D]
-    kv = kv.flatten(-4, -3) if kv.dim() == 5 else kv.flatten(0, 1)  # [(B,) nb*bs, H, D]
-    if length is not None:
-        kv = kv[..., :length, :, :]
-    return kv.transpose(-3, -2)                           # [(B,) H, tokens, D]
+    kv = kv.flatten(-4, -3)                                # [(B,) nb*bs, H, D]
+    return kv[..., :length, :, :]
 
 
-def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, attention_mask: torch.Tensor | None,
-                    scaling: float | None = None, dropout: float = 0.0,
-                    attn_meta: AttentionMetadata | None = None, **kwargs
-                    ) -> tuple[torch.Tensor, None]:
-    """query [1, H, T, D], key/value [1, Hkv, T, D] -> output [1, T, H, D]."""
-    assert attn_meta is not None, "the paged attention needs attn_meta (see ModelRunner)"
-    m = attn_meta
-    k_cache, v_cache = m.kv_cache[module.layer_idx]       # [num_blocks, bs, Hkv, D] each
-    n_kv, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-    q, k, v = query[0], key[0].transpose(0, 1), value[0].transpose(0, 1)  # k,v: [T, Hkv, D]
-    # write this step's K/V into the pool
-    k_cache.view(-1, n_kv, head_dim).index_copy_(0, m.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, n_kv, head_dim).index_copy_(0, m.slot_mapping, v.to(v_cache.dtype))
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      g: DecodeGroup, scale: float, window: int | None) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]: each row attends to its first context_lens[b] tokens."""
+    out = native.paged_decode(q, k_cache, v_cache, g.block_tables, g.context_lens, scale, window)
+    return out if out is not None else _decode_attention_torch(q, k_cache, v_cache, g, scale,
+                                                               window)
 
-    out = query.new_empty(q.shape[1], q.shape[0], head_dim)  # [T, H, D]
-    for g in m.decode_groups:
-        rows = slice(g.start, g.start + g.count)
-        qd = q[:, rows].transpose(0, 1).unsqueeze(2)           # [B, H, 1, D]
-        kd = _gather(k_cache, g.block_tables, None).to(q.dtype)  # [B, Hkv, S, D]
-        vd = _gather(v_cache, g.block_tables, None).to(q.dtype)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scaling,
+
+def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            g: DecodeGroup, scale: float, window: int | None) -> torch.Tensor:
+    """The same in PyTorch ops: gather the group's blocks, two matmuls."""
+    b, h, d = q.shape
+    n_kv = k_cache.shape[-2]
+    k = _gather(k_cache, g.block_tables, g.max_context_len)        # [B, S, Hkv, D]
+    v = _gather(v_cache, g.block_tables, g.max_context_len)
+    qg = q.view(b, n_kv, h // n_kv, d)                            # [B, Hkv, G, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).to(q.dtype)).float() * scale  # [B,Hkv,G,S]
+    pos = torch.arange(g.max_context_len, device=q.device)
+    lens = g.context_lens.view(b, 1, 1, 1)
+    invalid = pos >= lens
+    if window is not None:
+        invalid = invalid | (pos < lens - window)
+    if window is not None or bool((g.context_lens != g.max_context_len).any()):
+        scores.masked_fill_(invalid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs, v.transpose(1, 2).to(q.dtype))      # [B, Hkv, G, D]
+    return out.reshape(b, h, d)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, seg: PrefillSegment, scale: float,
+                       window: int | None) -> torch.Tensor:
+    """One chunk: q [q_len, H, D] -> [q_len, H, D], causal over its cached prefix + itself."""
+    qs = q.transpose(0, 1).unsqueeze(0)                           # [1, H, q, D]
+    if seg.block_table is None:   # the chunk is the whole context: its own K/V, no gather
+        ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    else:
+        ks = _gather(k_cache, seg.block_table, seg.context_len).transpose(0, 1).unsqueeze(0)
+        vs = _gather(v_cache, seg.block_table, seg.context_len).transpose(0, 1).unsqueeze(0)
+        ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+    offset = seg.context_len - seg.q_len
+    if window is None and offset == 0:
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                            enable_gqa=True)
-        out[rows] = o.squeeze(2)
-    for seg in m.prefills:
-        qs = q[:, seg.q_start:seg.q_start + seg.q_len].unsqueeze(0)   # [1, H, q, D]
-        if seg.block_table is None:   # the chunk is the whole context: no gather needed
-            ks = key[:, :, seg.q_start:seg.q_start + seg.q_len]
-            vs = value[:, :, seg.q_start:seg.q_start + seg.q_len]
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling,
-                                               enable_gqa=True)
-        else:
-            ks = _gather(k_cache, seg.block_table, seg.context_len).unsqueeze(0).to(q.dtype)
-            vs = _gather(v_cache, seg.block_table, seg.context_len).unsqueeze(0).to(q.dtype)
-            offset = seg.context_len - seg.q_len
-            mask = torch.ones(seg.q_len, seg.context_len, dtype=torch.bool).tril(offset)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling,
-                                               enable_gqa=True)
-        out[seg.q_start:seg.q_start + seg.q_len] = o[0].transpose(0, 1)
+    else:
+        rows = torch.arange(seg.q_len, device=q.device).view(-1, 1) + offset
+        cols = torch.arange(seg.context_len, device=q.device).view(1, -1)
+        mask = cols <= rows
+        if window is not None:
+            mask &= cols > rows - window
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+                    meta: AttentionMetadata, scale: float, window: int | None = None
+                    ) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] of this step's tokens -> [T, H, D].
+
+    Writes k/v into layer `layer_idx` of the pool first, then attends; `window` (tokens) limits
+    each query to the most recent keys of a sliding-window layer."""
+    k_cache, v_cache = meta.kv_cache[layer_idx]              # [num_blocks, bs, Hkv, D] each
+    n_kv, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+    k_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    out = torch.empty_like(q)
+    for g in meta.decode_groups:
+        rows = slice(g.start, g.start + g.count)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, g, scale, window)
+    for seg in meta.prefills:
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale,
+                                       window)
+    return out
+
+
+def _hf_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, attention_mask: torch.Tensor | None,
+                        scaling: float | None = None, dropout: float = 0.0,
+                        attn_meta: AttentionMetadata | None = None,
+                        sliding_window: int | None = None, **kwargs
+                        ) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: query [1, H, T, D], key/value [1, Hkv, T, D] ->
+    output [1, T, H, D]."""
+    assert attn_meta is not None, "the paged attention needs attn_meta (see ModelRunner)"
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                          value[0].transpose(0, 1), module.layer_idx, attn_meta, scale,
+                          sliding_window)
     return out.unsqueeze(0), None
 
 
@@ -106,6 +160,6 @@ def _no_mask(*args, **kwargs) -> None:
 
 
 def register_paged_attention() -> str:
-    AttentionInterface.register(ATTN_IMPL, paged_attention)
+    AttentionInterface.register(ATTN_IMPL, _hf_paged_attention)
     AttentionMaskInterface.register(ATTN_IMPL, _no_mask)
     return ATTN_IMPL

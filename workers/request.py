@@ -52,6 +52,12 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, position: int) -> int:
+        """all_token_ids[position] without building the list."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n \
+            else self.output_token_ids[position - n]
+
     @property
     def is_prefill(self) -> bool:
         """Still computing tokens it already knows (prompt, or everything after a preemption)."""

@@ -1,0 +1,162 @@
+"""The fast engine path (compact model, prepacked linears, native decode attention) computes what
+stock transformers computes: greedy tokens identical to `generate()` in float32 for Llama-,
+Qwen2- and Mistral-shaped checkpoints (one with a sliding window shorter than the prompt), on
+the stock fallback too; bf16 logits within a stated tolerance; native kernel == torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, make_engine, random_prompt
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from workers import kernels
+from workers.attention import DecodeGroup, _decode_attention_torch
+from workers.model_loader import load_model
+from workers.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+WINDOW = 24   # the Mistral-shaped model's sliding window: shorter than most prompts below
+
+
+def _save_checkpoint(path, config_cls, tokenizer, seed: int, **extra):
+    config = config_cls(vocab_size=len(tokenizer), **SHAPE, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{family: folder} of random-weight checkpoints raypd loads through `--model PATH`."""
+    _, tokenizer, _ = load_model("tiny")
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "llama": _save_checkpoint(root / "llama", LlamaConfig, tokenizer, 1),
+        "qwen2": _save_checkpoint(root / "qwen2", Qwen2Config, tokenizer, 2),   # q/k/v biases
+        "mistral_sliding": _save_checkpoint(root / "mistral", MistralConfig, tokenizer, 3,
+                                            sliding_window=WINDOW),
+        "llama_gelu": _save_checkpoint(root / "gelu", LlamaConfig, tokenizer, 4,
+                                       hidden_act="gelu"),
+    }
+
+
+def _reference(path, dtype=torch.float32):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+
+
+def _drained(engine) -> None:
+    engine.check_invariants()
+    assert engine.kv.pool.counts()["referenced"] == 0
+
+
+PROMPT_LENS = [3, 17, 23, 25, 40, 61, 90, 9]   # around and beyond the window and block size
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral_sliding"])
+@pytest.mark.parametrize("model_impl", ["compact", "stock"])
+def test_greedy_matches_generate_for_each_family(checkpoints, family, model_impl):
+    path = checkpoints[family]
+    loaded = load_model(str(path), "float32")
+    engine = make_engine(loaded, model_impl=model_impl)
+    assert engine.get_stats()["model_impl"] == model_impl
+    prompts = [random_prompt(n, seed=100 + i) for i, n in enumerate(PROMPT_LENS)]
+    reqs = engine.generate(prompts, GREEDY)
+    reference = _reference(path)
+    for r in reqs:
+        assert r.output_token_ids == hf_greedy(reference, r.prompt_token_ids, 20), \
+            f"{family}/{model_impl}: {len(r.prompt_token_ids)}-token prompt"
+    _drained(engine)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral_sliding"])
+def test_prefix_hit_and_chunked_prefill_match_generate(checkpoints, family):
+    path = checkpoints[family]
+    engine = make_engine(load_model(str(path), "float32"), max_num_batched_tokens=8)
+    shared = random_prompt(48, seed=7)
+    first, second = (engine.generate([shared + random_prompt(n, seed=8 + n)], GREEDY)[0]
+                     for n in (5, 13))
+    assert second.lifecycle.cached_tokens == 48
+    reference = _reference(path)
+    for r in (first, second):
+        assert r.output_token_ids == hf_greedy(reference, r.prompt_token_ids, 20)
+    _drained(engine)
+
+
+def test_unsupported_config_falls_back_to_stock_and_says_so(checkpoints):
+    path = checkpoints["llama_gelu"]
+    engine = make_engine(load_model(str(path), "float32"))
+    stats = engine.get_stats()
+    assert stats["model_impl"] == "stock" and "hidden_act" in stats["model_fallback"]
+    [req] = engine.generate([random_prompt(30, seed=5)], GREEDY)
+    assert req.output_token_ids == hf_greedy(_reference(path), req.prompt_token_ids, 20)
+    with pytest.raises(ValueError, match="hidden_act"):
+        make_engine(load_model(str(path), "float32"), model_impl="compact")
+
+
+BF16_LOGIT_TOL = 0.06   # max |engine - stock| over the vocabulary, relative to max |stock logit|
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral_sliding"])
+def test_bf16_logits_close_to_stock_bf16(checkpoints, family):
+    """bf16 weights + bf16 KV: next-token logits of a prefill and of decodes stay within
+    BF16_LOGIT_TOL of stock transformers run in bf16 (summation order differs, so tokens may
+    flip on near-ties; float32 is where token equality is required)."""
+    path = checkpoints[family]
+    engine = make_engine(load_model(str(path), "bfloat16"))
+    assert engine.kv_dtype == "bfloat16"
+    reference = _reference(path, torch.bfloat16)
+    prompt = random_prompt(50, seed=11)
+    engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    tokens = list(prompt)
+    for _ in range(4):
+        chunks = engine.scheduler.schedule()
+        logits, rows = engine.runner.execute(chunks)
+        with torch.inference_mode():
+            ref = reference(torch.tensor([tokens])).logits[0, -1].float()
+        err = (logits[0] - ref).abs().max().item() / ref.abs().max().item()
+        assert err <= BF16_LOGIT_TOL, f"{family}: relative logit error {err:.4f}"
+        # continue the engine by hand with the stock model's greedy token
+        req = chunks[rows[0]].request
+        req.num_computed_tokens += chunks[rows[0]].num_new_tokens
+        tok = int(ref.argmax())
+        req.append_token(tok, 0.0)
+        tokens.append(tok)
+        engine.kv.cache_computed(req.request_id, req.namespace_root, req.block_hashes,
+                                 req.all_token_ids, req.num_computed_tokens)
+    engine.abort(req.request_id)
+    _drained(engine)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_native_decode_kernel_agrees_with_torch_path(dtype, window):
+    if kernels._module() is None:
+        pytest.skip("the native kernel could not be built here (no C++ compiler)")
+    g = torch.Generator().manual_seed(0)
+    num_blocks, bs, n_kv, head_dim, heads = 64, 16, 2, 32, 6
+    k_cache = torch.randn(num_blocks, bs, n_kv, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, n_kv, head_dim, generator=g).to(dtype)
+    lens = torch.tensor([1, 15, 16, 17, 70, 130])
+    width = int(-(-lens.max() // bs))
+    tables = torch.randperm(num_blocks, generator=g)[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    group = DecodeGroup(0, len(lens), tables, lens, int(lens.max()))
+    native = kernels.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, window)
+    torch_out = _decode_attention_torch(q, k_cache, v_cache, group, head_dim ** -0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(native.float(), torch_out.float(), atol=tol, rtol=tol)
+
+
+def test_native_kernel_off_gives_the_same_tokens(checkpoints, monkeypatch):
+    path = checkpoints["mistral_sliding"]
+    prompts = [random_prompt(n, seed=200 + n) for n in (20, 45, 70)]
+    on = make_engine(load_model(str(path), "float32")).generate(prompts, GREEDY)
+    monkeypatch.setattr(kernels, "paged_decode", lambda *a, **k: None)
+    off = make_engine(load_model(str(path), "float32")).generate(prompts, GREEDY)
+    assert [r.output_token_ids for r in on] == [r.output_token_ids for r in off]

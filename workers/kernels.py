@@ -1,0 +1,61 @@
+"""The engine's one native kernel: CPU decode attention that reads the paged KV pool in place
+(workers/csrc/paged_decode.cpp), built once per machine with torch's C++ extension loader into
+raypd's cache. Where it cannot be built (no compiler) or does not apply (a GPU tensor, q and
+cache of different dtypes), the attention falls back to its pure-PyTorch path;
+`RAYPD_NATIVE_KERNELS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+# -ffast-math would also assume no infinities; only reassociation is needed to vectorize sums
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+          "-fno-trapping-math"]
+
+
+@functools.cache
+def _module():
+    if os.environ.get("RAYPD_NATIVE_KERNELS", "1") == "0":
+        return None
+    from torch.utils.cpp_extension import load_inline
+
+    from workers.model_loader import cache_dir
+    build = cache_dir() / "torch_extensions"
+    build.mkdir(parents=True, exist_ok=True)
+    src = SOURCE.read_text()
+    import hashlib
+    tag = hashlib.sha256((src + " ".join(CFLAGS) + torch.__version__).encode()).hexdigest()[:12]
+    name = f"raypd_paged_decode_{tag}"
+    (build / name).mkdir(exist_ok=True)
+    try:
+        return load_inline(name=name, cpp_sources=[src], functions=["paged_decode"],
+                           extra_cflags=CFLAGS, build_directory=str(build / name), verbose=False)
+    except Exception as e:   # no compiler, headers, ...: the torch path still works
+        log.warning("raypd: native decode attention unavailable (%s); using PyTorch ops", e)
+        return None
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                 window: int | None) -> torch.Tensor | None:
+    """[B, H, D] decode attention over the pool, or None where the kernel does not apply."""
+    if q.device.type != "cpu" or q.dtype != k_cache.dtype or q.dtype not in (
+            torch.float32, torch.bfloat16):
+        return None
+    mod = _module()
+    if mod is None:
+        return None
+    return mod.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, context_lens, scale,
+                            window or 0)
+
+
+def decode_kernel_name(device: torch.device) -> str:
+    return "native-cpu" if device.type == "cpu" and _module() is not None else "torch"

@@ -1,0 +1,94 @@
+"""Building blocks of the compact model: prepacked linear, RMSNorm, rotary embedding, SiLU-and-mul.
+
+Each computes what its transformers counterpart computes, in the same dtype and order (RMSNorm in
+float32, rotary tables in float32 then cast), so float32 outputs match stock transformers up to
+the matmul kernels' summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _can_prepack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T (+ bias). On the CPU the weight is reordered once into oneDNN's blocked
+    layout (what torch.compile's freezing does for CPU linears): 2-4x faster than `F.linear` at
+    decode batch sizes, same results. Elsewhere (cuda) it is `F.linear`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 prepack: bool = True) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.packed: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = weight.detach().contiguous()
+        if prepack and _can_prepack(weight):
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
+                self.weight = None   # the packed copy replaces it
+            except RuntimeError:
+                self.packed = None
+
+    @property
+    def kernel(self) -> str:
+        return "onednn-packed" if self.packed is not None else "torch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalize in float32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position up to max_positions, from transformers' own rope
+    initialisation for the config (so every rope_type it knows is supported)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64)
+                                       .to(device=device, dtype=torch.float) / dim))
+            scaling = 1.0
+        else:
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"rope_type {rope_type!r} is not supported")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+        pos = torch.arange(max_positions, device=device, dtype=torch.float)
+        freqs = pos[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(dtype)    # [max_positions, head_dim]
+        self.sin = (emb.sin() * scaling).to(dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by each token's position."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * I] (gate, up) -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

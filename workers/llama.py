@@ -1,0 +1,117 @@
+"""A compact Llama-family model (Llama, Qwen2, Mistral) for the engine: fused QKV and gate/up
+projections, prepacked linears, paged attention called directly; built from a loaded stock
+transformers model's weights (as nano-vllm does), so both compute the same function.
+
+`CompactLlama.unsupported(config)` says why a config cannot run here (the engine then falls
+back to the stock model with the paged attention plugged in, and says so in its stats).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.attention import AttentionMetadata, paged_attention
+from workers.layers import Linear, RotaryEmbedding, rms_norm, silu_and_mul
+
+COMPACT_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def layer_windows(config) -> list[int | None]:
+    """Sliding window (tokens) of each layer, None for full attention, as transformers decides
+    it: `layer_types` when the config has them, else Mistral's `sliding_window` on every layer."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    if config.model_type == "mistral" and window:
+        return [window] * n
+    return [None] * n
+
+
+class _Layer(nn.Module):
+    def __init__(self, hf_layer, config, window: int | None) -> None:
+        super().__init__()
+        a, m = hf_layer.self_attn, hf_layer.mlp
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = a.head_dim
+        self.scale = a.scaling
+        self.window = window
+        self.layer_idx = a.layer_idx
+        bias = None
+        if a.q_proj.bias is not None:
+            bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias)
+        self.o = Linear(a.o_proj.weight, a.o_proj.bias)
+        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        self.down = Linear(m.down_proj.weight)
+        self.ln1 = hf_layer.input_layernorm.weight.detach()
+        self.ln2 = hf_layer.post_attention_layernorm.weight.detach()
+        self.eps = hf_layer.input_layernorm.variance_epsilon
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = h.shape[0]
+        x = rms_norm(h, self.ln1, self.eps)
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope.apply(q.view(t, self.num_heads, self.head_dim), positions)
+        k = rope.apply(k.view(t, self.num_kv_heads, self.head_dim), positions)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = paged_attention(q, k, v, self.layer_idx, meta, self.scale, self.window)
+        h = h + self.o(o.reshape(t, self.q_size))
+        x = rms_norm(h, self.ln2, self.eps)
+        return h + self.down(silu_and_mul(self.gate_up(x)))
+
+
+class CompactLlama(nn.Module):
+    """forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]; logits(hidden)."""
+
+    def __init__(self, hf_model: nn.Module, max_positions: int) -> None:
+        super().__init__()
+        config = hf_model.config
+        reason = self.unsupported(config)
+        assert reason is None, reason
+        inner = hf_model.model
+        w = inner.embed_tokens.weight
+        self.embed = w.detach()
+        self.layers = nn.ModuleList(_Layer(layer, config, window)
+                                    for layer, window in zip(inner.layers, layer_windows(config),
+                                                             strict=True))
+        self.norm = inner.norm.weight.detach()
+        self.eps = inner.norm.variance_epsilon
+        self.lm_head = Linear(hf_model.lm_head.weight)
+        self.rope = RotaryEmbedding(config, self.layers[0].head_dim, max_positions, w.dtype,
+                                    w.device)
+
+    @staticmethod
+    def unsupported(config) -> str | None:
+        """Why this config cannot run on the compact model, or None."""
+        if config.model_type not in COMPACT_MODEL_TYPES:
+            return f"model_type {config.model_type!r}"
+        if getattr(config, "hidden_act", "silu") != "silu":
+            return f"hidden_act {config.hidden_act!r}"
+        if getattr(config, "mlp_bias", False):
+            return "mlp_bias"
+        params = getattr(config, "rope_parameters", None) or {}
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            return "partial rotary embedding"
+        return None
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed[input_ids]
+        for layer in self.layers:
+            h = layer(h, positions, self.rope, meta)
+        return rms_norm(h, self.norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @property
+    def linear_kernel(self) -> str:
+        return self.lm_head.kernel
