@@ -1,54 +1,119 @@
 """`raypd bench engine`: the paged engine and stock transformers `generate()`, side by side.
 
-Both run the same weights in the same process, one after the other, on the same inputs.
+Same weights, dtype and threads, one process, one after the other, on the same inputs; both
+warmed up; every figure is the median of `repeats` runs. Fairness rules:
+- decode: `generate()` time for `new` tokens minus its time for 1 token (its prefill), against
+  the engine's window from the step where every request has its first token to the end,
+  counting only the tokens decoded inside that window;
+- mixed: every request stops at its own length on both sides (`generate()` gets a per-request
+  stopping criterion; its static batches are formed from requests of similar prompt length, as
+  a careful user would, so it pays little padding);
+- prefix: TTFT of a request whose 1,024-token prefix is cached against the same request cold.
+Physical scale: `decode_bound_ms` is what reading the weights and the batch's KV once at the
+memory bandwidth measured here takes; `prefill_gflops` is set against `matmul_peak_gflops`, the
+engine's own linear at a large shape.
 """
 
 from __future__ import annotations
 
 import copy
 import random
+import statistics
 import time
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from workers.engine import EngineConfig, LLMEngine
+from workers.layers import Linear
 from workers.request import SamplingParams
 
 
-def _hf_generate(model, batch: list[list[int]], new_tokens: int, pad_id: int) -> float:
-    """Seconds for `generate()` on a left-padded static batch, exactly `new_tokens` each."""
+class _StopAtOwnLength(StoppingCriteria):
+    """generate(): row i is done once it has `lengths[i]` new tokens."""
+
+    def __init__(self, prompt_width: int, lengths: list[int]) -> None:
+        self.width = prompt_width
+        self.lengths = torch.tensor(lengths)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return (input_ids.shape[1] - self.width) >= self.lengths
+
+
+def _hf_generate(model, batch: list[list[int]], lengths: list[int], pad_id: int) -> float:
+    """Seconds for `generate()` on a left-padded static batch, row i stopping at lengths[i]."""
     width = max(len(p) for p in batch)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lengths),
+                       do_sample=False, pad_token_id=pad_id,
+                       stopping_criteria=StoppingCriteriaList([_StopAtOwnLength(width, lengths)]))
     return time.perf_counter() - t0
 
 
 def _engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int]
-                ) -> tuple[float, float]:
-    """(wall seconds, seconds from the last first-token to the end) for one batch."""
+                ) -> tuple[float, float, int, list[float]]:
+    """(wall s, decode-window s, tokens decoded inside the window, step seconds of the window's
+    steps) for one batch. The window opens at the first step after which every request has its
+    first token."""
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
             for p, m in zip(prompts, max_tokens, strict=True)]
-    t_first = None
+    t_open, tokens_at_open, steps = None, 0, []
     while engine.has_unfinished():
+        s0 = time.perf_counter()
         engine.step()
-        if t_first is None and all(r.first_token_time for r in reqs):
-            t_first = time.perf_counter()
+        s1 = time.perf_counter()
+        if t_open is not None:
+            steps.append(s1 - s0)
+        elif all(r.first_token_time for r in reqs):
+            t_open, tokens_at_open = s1, sum(len(r.output_token_ids) for r in reqs)
     t1 = time.perf_counter()
-    return t1 - t0, t1 - (t_first or t1)
+    decoded = sum(len(r.output_token_ids) for r in reqs) - tokens_at_open
+    return t1 - t0, t1 - (t_open or t1), decoded, steps
+
+
+def _median(f, repeats: int) -> float:
+    return statistics.median(f() for _ in range(repeats))
+
+
+def _memory_read_gbps() -> float:
+    """Bytes read per second by a large sum (well beyond any cache), median of 5."""
+    x = torch.ones(256 * 2**20 // 4)   # 256 MiB
+    x.sum()
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        x.sum()
+        return x.numel() * 4 / (time.perf_counter() - t0) / 1e9
+    return _median(once, 5)
+
+
+def _matmul_peak_gflops(dtype: torch.dtype) -> float:
+    """The engine's Linear on a 2048 x 2048 x 2048 product in `dtype`, median of 5."""
+    w = torch.randn(2048, 2048).to(dtype)
+    x = torch.randn(2048, 2048).to(dtype)
+    lin = Linear(w)
+    with torch.inference_mode():
+        lin(x)
+
+        def once() -> float:
+            t0 = time.perf_counter()
+            lin(x)
+            return 2 * 2048**3 / (time.perf_counter() - t0) / 1e9
+        return _median(once, 5)
 
 
 def run_engine_bench(model: str = "smollm2", quick: bool = False,
-                     threads: int | None = None) -> dict:
+                     threads: int | None = None, dtype: str = "auto",
+                     repeats: int = 3) -> dict:
     from workers.model_loader import load_model
     if threads:
         torch.set_num_threads(threads)
-    hf_model, tok, info = load_model(model)
-    loaded = (copy.deepcopy(hf_model), tok, info)   # the engine swaps in its own attention
+    hf_model, tok, info = load_model(model, dtype)
+    loaded = (copy.deepcopy(hf_model), tok, info)   # the engine builds its own copy anyway
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     rng = random.Random(0)
     vocab = min(info.vocab_size, 30000)
@@ -60,42 +125,109 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     n_mixed, (lo_p, hi_p), (lo_o, hi_o) = (16, (64, 512), (8, 64)) if quick \
         else (32, (64, 1024), (16, 128))
     prefix_len = 512 if quick else 1024
-    total_tokens = 16 * (plen + new) + hi_p * 16 + 4096
-    engine = LLMEngine(EngineConfig(model=model, num_blocks=-(-total_tokens // 16) + 64,
+    prefill_lens = (512,) if quick else (512, 2048)
+    total_tokens = 16 * (plen + new) + hi_p * n_mixed + max(prefill_lens) + 4096
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, num_blocks=-(-total_tokens // 16),
                                     max_num_batched_tokens=2048, max_num_seqs=64,
                                     enable_prefix_caching=False), loaded=loaded)
+    stats = engine.get_stats()
     out: dict = {"model": model, "quick": quick, "threads": torch.get_num_threads(),
+                 "dtype": info.dtype, "kv_dtype": engine.kv_dtype, "repeats": repeats,
+                 "model_impl": stats["model_impl"], "linear_kernel": stats["linear_kernel"],
+                 "attention_kernel": stats["attention_kernel"],
                  "prompt_tokens": plen, "new_tokens": new}
+    # warm-up: both sides, a short batch
+    warm = [prompt(64) for _ in range(4)]
+    _hf_generate(hf_model, warm, [4] * 4, pad)
+    _engine_run(engine, warm, [4] * 4)
 
+    # ---- decode at batch 1 and 16 ----------------------------------------------------------
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    read_gbps = _memory_read_gbps()
+    out["memory_read_gbps"] = read_gbps
     for b in (1, 16):
         batch = [prompt(plen) for _ in range(b)]
-        t_full = _hf_generate(hf_model, batch, new, pad)
-        t_pre = _hf_generate(hf_model, batch, 1, pad)
+        t_full = _median(lambda batch=batch: _hf_generate(hf_model, batch, [new] * len(batch),
+                                                          pad), repeats)
+        t_pre = _median(lambda batch=batch: _hf_generate(hf_model, batch, [1] * len(batch), pad),
+                        repeats)
         out[f"hf_decode_tok_s_b{b}"] = b * (new - 1) / max(t_full - t_pre, 1e-9)
-        _, t_dec = _engine_run(engine, batch, [new] * b)
-        out[f"engine_decode_tok_s_b{b}"] = b * (new - 1) / max(t_dec, 1e-9)
+        runs = [_engine_run(engine, batch, [new] * b) for _ in range(repeats)]
+        out[f"engine_decode_tok_s_b{b}"] = statistics.median(
+            n / max(t, 1e-9) for _, t, n, _ in runs)
+        out[f"decode_step_ms_b{b}"] = 1e3 * statistics.median(
+            s for *_, steps in runs for s in steps)
+        kv_bytes = b * (plen + new / 2) * engine.kv_bytes_per_token
+        out[f"decode_bound_ms_b{b}"] = 1e3 * (weight_bytes + kv_bytes) / (read_gbps * 1e9)
     out["decode_ratio_b16"] = out["engine_decode_tok_s_b16"] / out["hf_decode_tok_s_b16"]
+    out["decode_step_ms"] = out["decode_step_ms_b16"]
+    out["decode_bound_ms"] = out["decode_bound_ms_b16"]
 
+    # ---- step overhead at batch 8: step time minus the model's forward ----------------------
+    batch8 = [prompt(plen) for _ in range(8)]
+    for p in batch8:
+        engine.add_request(p, SamplingParams(max_tokens=new, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
+        engine.step()
+    overheads = []
+    while engine.has_unfinished():
+        s0 = time.perf_counter()
+        engine.step()
+        overheads.append(time.perf_counter() - s0 - engine.runner.last_forward_s)
+    out["step_overhead_ms"] = 1e3 * statistics.median(overheads)
+
+    # ---- prefill throughput (one request of n tokens, cold) -------------------------------
+    non_embed = weight_bytes / hf_model.dtype.itemsize - info.vocab_size * info.hidden_size
+    out["prefill_tok_s"], out["hf_prefill_tok_s"], out["prefill_gflops"] = {}, {}, {}
+    for n in prefill_lens:
+        p = prompt(n)
+
+        def eng_once(p=p) -> float:
+            t0 = time.perf_counter()
+            _engine_run(engine, [p], [1])
+            return time.perf_counter() - t0
+
+        def hf_once(p=p) -> float:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                hf_model(torch.tensor([p]), logits_to_keep=1)
+                return time.perf_counter() - t0
+        t_eng, t_hf = _median(eng_once, repeats), _median(hf_once, repeats)
+        flops = 2 * non_embed * n + 2 * info.num_layers * info.num_heads * info.head_dim * n * n
+        out["prefill_tok_s"][str(n)] = n / t_eng
+        out["hf_prefill_tok_s"][str(n)] = n / t_hf
+        out["prefill_gflops"][str(n)] = flops / t_eng / 1e9
+    out["matmul_peak_gflops"] = _matmul_peak_gflops(hf_model.dtype)
+
+    # ---- mixed lengths: every request stops at its own length on both sides -----------------
     mixed = [(prompt(rng.randint(lo_p, hi_p)), rng.randint(lo_o, hi_o)) for _ in range(n_mixed)]
-    t_hf = 0.0
-    for i in range(0, n_mixed, 16):
-        group = mixed[i:i + 16]
-        t_hf += _hf_generate(hf_model, [p for p, _ in group], max(o for _, o in group), pad)
-    t_eng, _ = _engine_run(engine, [p for p, _ in mixed], [o for _, o in mixed])
-    out.update(hf_mixed_s=t_hf, engine_mixed_s=t_eng, throughput_ratio_mixed=t_hf / t_eng)
+    by_len = sorted(mixed, key=lambda m: len(m[0]))
 
-    # prefix reuse: a fresh engine with prefix caching on, same weights
+    def hf_mixed() -> float:
+        return sum(_hf_generate(hf_model, [p for p, _ in by_len[i:i + 16]],
+                                [o for _, o in by_len[i:i + 16]], pad)
+                   for i in range(0, n_mixed, 16))
+    t_hf = _median(hf_mixed, repeats)
+    t_eng = _median(lambda: _engine_run(engine, [p for p, _ in mixed],
+                                        [o for _, o in mixed])[0], repeats)
+    out.update(hf_mixed_s=t_hf, engine_mixed_s=t_eng, throughput_ratio_mixed=t_hf / t_eng,
+               mixed_output_tokens=sum(o for _, o in mixed))
     engine.check_invariants()
-    cached = LLMEngine(EngineConfig(model=model, num_blocks=(prefix_len + 256) // 16 * 4,
+
+    # ---- prefix reuse: a fresh engine with prefix caching on, same weights -------------------
+    cached = LLMEngine(EngineConfig(model=model, dtype=dtype,
+                                    num_blocks=(prefix_len + 256) // 16 * 4 * repeats,
                                     enable_prefix_caching=True), loaded=loaded)
-    shared = prompt(prefix_len)
-    ttft = []
-    for _ in range(2):
-        r = cached.add_request(shared + prompt(64), SamplingParams(max_tokens=1))
-        while cached.has_unfinished():
-            cached.step()
-        ttft.append(r.lifecycle.ttft_s)
+    cold, hit = [], []
+    for _ in range(repeats):
+        shared = prompt(prefix_len)   # a new prefix each repeat: the first request is cold
+        for ttft in (cold, hit):
+            r = cached.add_request(shared + prompt(64), SamplingParams(max_tokens=1))
+            while cached.has_unfinished():
+                cached.step()
+            ttft.append(r.lifecycle.ttft_s)
     cached.check_invariants()
-    out.update(ttft_cold_s=ttft[0], ttft_hit_s=ttft[1], prefix_ttft_ratio=ttft[1] / ttft[0],
+    ttft_cold, ttft_hit = statistics.median(cold), statistics.median(hit)
+    out.update(ttft_cold_s=ttft_cold, ttft_hit_s=ttft_hit, prefix_ttft_ratio=ttft_hit / ttft_cold,
                prefix_hit_tokens=r.lifecycle.cached_tokens)
     return out

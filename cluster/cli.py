@@ -66,7 +66,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from cluster.bench_engine import run_engine_bench
-    return _emit(run_engine_bench(model=args.model, quick=args.quick, threads=args.threads), args)
+    return _emit(run_engine_bench(model=args.model, quick=args.quick, threads=args.threads,
+                                  dtype=args.dtype, repeats=args.repeats), args)
 
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--model", default="smollm2")
     be.add_argument("--quick", action="store_true")
     be.add_argument("--threads", type=int, default=None)
+    be.add_argument("--dtype", default="auto", help="weights: auto | float32 | bfloat16")
+    be.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
     be.add_argument("--json", metavar="PATH")
     be.set_defaults(func=cmd_bench_engine)
 

@@ -9,6 +9,7 @@ ops (no per-token Python loop).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,7 @@ class ModelRunner:
             self.model_impl = "stock"
             self.fallback_reason = reason or "model_impl=stock"
         self.model = model
+        self.last_forward_s = 0.0   # the model's share of the last execute()
         self.attention_kernel = decode_kernel_name(self.device)   # builds it once, up front
 
     @property
@@ -75,19 +77,26 @@ class ModelRunner:
         """Run the model on `chunks`. Returns logits [n, vocab] (float32) for the chunks that end
         at their request's last known token, and those chunks' indices."""
         input_ids, positions, slots, meta, sample_rows, sample_chunks = self.prepare(chunks)
+        t0 = time.perf_counter()
+        try:
+            return self._forward(input_ids, positions, meta, sample_rows), sample_chunks
+        finally:
+            self.last_forward_s = time.perf_counter() - t0
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 sample_rows: list[int]) -> torch.Tensor:
+        """The model on the flat batch; float32 logits of `sample_rows`."""
         if self.compact is not None:
             hidden = self.compact(input_ids, positions, meta)
-            if not sample_rows:
-                return hidden.new_empty(0, 0), []
-            logits = self.compact.logits(hidden[self._tensor(sample_rows)])
+            head = self.compact.logits
         else:
             hidden = self.model.model(input_ids=input_ids.unsqueeze(0),
                                       position_ids=positions.unsqueeze(0),
                                       use_cache=False, attn_meta=meta).last_hidden_state[0]
-            if not sample_rows:
-                return hidden.new_empty(0, 0), []
-            logits = self.model.lm_head(hidden[self._tensor(sample_rows)])
-        return logits.float(), sample_chunks
+            head = self.model.lm_head
+        if not sample_rows:
+            return hidden.new_empty(0, 0)
+        return head(hidden[self._tensor(sample_rows)]).float()
 
     def prepare(self, chunks: list[ScheduledChunk]):
         """(input_ids, positions, slot_mapping, AttentionMetadata, sample_rows, sample_chunks)
