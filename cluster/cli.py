@@ -21,6 +21,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch threads per engine")
+    g.add_argument("--model-impl", default="auto", choices=["auto", "compact", "stock"],
+                   help="compact Llama-family model (auto: where it applies) or stock transformers")
 
 
 def engine_fields(args: argparse.Namespace) -> dict:
@@ -28,7 +30,8 @@ def engine_fields(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
                 block_size=args.block_size, num_blocks=args.num_blocks,
                 kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching)
+                max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
+                model_impl=args.model_impl)
 
 
 def engine_config_from_args(args: argparse.Namespace):

@@ -53,6 +53,7 @@ class EngineSection:
     max_num_seqs: int = _opt(64, min=1)
     enable_prefix_caching: bool = True
     threads_per_worker: int = _opt(1, min=1)   # torch threads in each worker actor
+    model_impl: str = _opt("auto", choices=("auto", "compact", "stock"))  # see workers/llama.py
 
 
 @dataclass
@@ -129,7 +130,7 @@ class RaypdConfig:
                     num_blocks=e.num_blocks, kv_cache_gb=e.kv_cache_gb,
                     max_num_batched_tokens=e.max_num_batched_tokens,
                     max_num_seqs=e.max_num_seqs, max_model_len=m.max_model_len,
-                    enable_prefix_caching=e.enable_prefix_caching)
+                    enable_prefix_caching=e.enable_prefix_caching, model_impl=e.model_impl)
 
     def to_pd_config(self):
         from cluster.pd import PDConfig

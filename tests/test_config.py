@@ -59,7 +59,8 @@ ray: {address: auto}
     assert cfg.served_model_name == "small"
     assert pd.engine == dict(model="tiny", dtype="float32", kv_dtype="bfloat16", block_size=32,
                              num_blocks=100, kv_cache_gb=1.0, max_num_batched_tokens=256,
-                             max_num_seqs=8, max_model_len=1024, enable_prefix_caching=False)
+                             max_num_seqs=8, max_model_len=1024, enable_prefix_caching=False,
+                             model_impl="auto")
     assert (pd.num_prefill, pd.num_decode, pd.threads_per_actor) == (2, 3, 2)
     assert pd.prefill_resources == {"prefill": 1.0} and pd.decode_resources == {"decode": 0.5}
     assert (pd.transport, pd.lease_s, pd.failure_policy) == ("grpc", 5.0, "fail")

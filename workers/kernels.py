@@ -1,5 +1,5 @@
 """The engine's one native kernel: CPU decode attention that reads the paged KV pool in place
-(workers/csrc/paged_decode.cpp), built once per machine with torch's C++ extension loader into
+(workers/paged_decode.cpp), built once per machine with torch's C++ extension loader into
 raypd's cache. Where it cannot be built (no compiler) or does not apply (a GPU tensor, q and
 cache of different dtypes), the attention falls back to its pure-PyTorch path;
 `RAYPD_NATIVE_KERNELS=0` turns it off.
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
 # -ffast-math would also assume no infinities; only reassociation is needed to vectorize sums
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math"]
