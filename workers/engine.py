@@ -17,6 +17,7 @@ from kvcache.hashing import CacheNamespace
 from kvcache.lifecycle import EngineStats
 from kvcache.manager import KVCacheManager, cdiv
 from workers.device import DTYPES
+from workers.lora import read_adapter
 from workers.model_runner import MODEL_IMPLS, ModelRunner
 from workers.request import Request, RequestError, RequestStatus, SamplingParams
 from workers.sampler import sample
@@ -38,6 +39,8 @@ class EngineConfig:
     num_threads: int | None = None      # torch threads for this engine (per actor)
     seed: int = 0                       # for --model tiny weights
     model_impl: str = "auto"            # auto (compact where it applies) | compact | stock
+    lora_adapters: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder
+    max_loras: int = 4                  # adapters resident at once (LRU beyond that)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -53,6 +56,13 @@ class EngineConfig:
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, "
                              f"got {self.model_impl!r}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+
+
+class UnknownLoRAError(RequestError):
+    """A request names an adapter this engine does not serve (HTTP 404, never a silent
+    fallback to the base model)."""
 
 
 @dataclass
@@ -73,6 +83,8 @@ class LLMEngine:
             loaded = load_model(cfg.model, cfg.dtype, seed=cfg.seed)
         self.model, self.tokenizer, self.info = loaded
         self.cfg = cfg
+        self.loras = {name: read_adapter(name, path, self.model.config)
+                      for name, path in cfg.lora_adapters.items()}
         kv_dtype = self.info.dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
         self.kv_dtype = kv_dtype
         self.kv_bytes_per_token = (2 * self.info.num_layers * self.info.num_kv_heads
@@ -83,10 +95,10 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=cfg.block_size,
                                  kv_bytes_per_token=self.kv_bytes_per_token)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs),
-                                   self.kv, self.stats)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                                   cfg.max_loras), self.kv, self.stats)
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, DTYPES[kv_dtype],
-                                  cfg.model_impl, self.max_model_len)
+                                  cfg.model_impl, self.max_model_len, self.loras, cfg.max_loras)
         self.namespace = CacheNamespace(self.info.model_id, self.info.revision,
                                         self.info.tokenizer_fingerprint, kv_dtype)
         self.requests: dict[str, Request] = {}
@@ -141,15 +153,31 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
-        ns = self.namespace.with_request(tenant=tenant, lora_id=lora_id)
+        # the adapter's content hash keys the cache: two names for the same files share blocks
+        ns = self.namespace.with_request(tenant=tenant, lora_id=self.lora_hash(lora_id))
         req = Request(rid, token_ids, sampling, ns.root_hash(), self.cfg.block_size,
+                      lora_name=lora_id,
                       eos_token_ids=() if sampling.ignore_eos else tuple(self.info.eos_token_ids))
         req.update_block_hashes()
         return req
 
+    def lora_hash(self, name: str) -> str:
+        """Content hash of adapter `name` ("" for the base model); raises UnknownLoRAError."""
+        if not name:
+            return ""
+        spec = self.loras.get(name)
+        if spec is None:
+            known = ", ".join(sorted(self.loras)) or "none"
+            raise UnknownLoRAError(f"the LoRA adapter {name!r} does not exist; "
+                                   f"this server serves: {known}")
+        return spec.content_hash
+
     def add_request(self, prompt, sampling: SamplingParams | None = None, **kw) -> Request:
         req = kw.pop("request", None) or self.make_request(prompt, sampling, **kw)
         self.requests[req.request_id] = req
+        if req.lora_name:
+            counts = self.runner.lora.stats.requests
+            counts[req.lora_name] = counts.get(req.lora_name, 0) + 1
         self.scheduler.add(req)
         return req
 
@@ -184,6 +212,10 @@ class LLMEngine:
             ch.request.num_computed_tokens += ch.num_new_tokens
             ch.request.lifecycle.computed_tokens += ch.num_new_tokens
             self.stats.computed_tokens += ch.num_new_tokens
+            if ch.request.lora_name:
+                tokens = self.runner.lora.stats.tokens
+                tokens[ch.request.lora_name] = tokens.get(ch.request.lora_name, 0) \
+                    + ch.num_new_tokens
         reqs = [chunks[i].request for i in sampled]
         for req, tok in zip(reqs, sample(logits, reqs), strict=True):
             req.append_token(tok, now)
@@ -228,7 +260,9 @@ class LLMEngine:
     def reserve(self, req: Request) -> int | None:
         """Decode side: take the request's prefix hit and reserve blocks for its whole prompt
         before anyone computes it (decode-first admission). Returns the hit in blocks, or None
-        (nothing reserved) when the pool cannot take it now."""
+        (nothing reserved) when the pool (or the adapter slots) cannot take it now."""
+        if req.lora_name and not self.scheduler.lora_fits(req.lora_name):
+            return None
         hits = self.kv.match_prefix(req.namespace_root, req.block_hashes, req.all_token_ids,
                                     req.num_tokens - 1)
         new = self.kv.allocate_slots(req.request_id, req.num_tokens, hits)
@@ -276,6 +310,9 @@ class LLMEngine:
                  model_impl=self.runner.model_impl, model_fallback=self.runner.fallback_reason,
                  linear_kernel=self.runner.linear_kernel,
                  attention_kernel=self.runner.attention_kernel)
+        if self.runner.lora is not None:
+            d.update(self.runner.lora.stats.to_dict(),
+                     lora_resident=list(self.runner.lora.resident))
         return d
 
     def check_invariants(self) -> None:

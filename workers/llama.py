@@ -13,6 +13,7 @@ from torch import nn
 
 from workers.attention import AttentionMetadata, paged_attention
 from workers.layers import Linear, RotaryEmbedding, rms_norm, silu_and_mul
+from workers.lora import LoRABatch
 
 COMPACT_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -53,22 +54,28 @@ class _Layer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
+    def _proj(self, name: str, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        y = getattr(self, name)(x)
+        return y if lora is None else lora.apply(y, x, self.layer_idx, name)
+
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         t = h.shape[0]
         x = rms_norm(h, self.ln1, self.eps)
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self._proj("qkv", x, lora).split([self.q_size, self.kv_size, self.kv_size],
+                                                  dim=-1)
         q = rope.apply(q.view(t, self.num_heads, self.head_dim), positions)
         k = rope.apply(k.view(t, self.num_kv_heads, self.head_dim), positions)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, self.layer_idx, meta, self.scale, self.window)
-        h = h + self.o(o.reshape(t, self.q_size))
+        h = h + self._proj("o", o.reshape(t, self.q_size), lora)
         x = rms_norm(h, self.ln2, self.eps)
-        return h + self.down(silu_and_mul(self.gate_up(x)))
+        return h + self._proj("down", silu_and_mul(self._proj("gate_up", x, lora)), lora)
 
 
 class CompactLlama(nn.Module):
-    """forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]; logits(hidden)."""
+    """forward(input_ids [T], positions [T], meta, lora) -> hidden [T, hidden]; logits(hidden).
+    `lora` (workers/lora.py) adds each token's adapter delta to qkv, o, gate_up and down."""
 
     def __init__(self, hf_model: nn.Module, max_positions: int) -> None:
         super().__init__()
@@ -103,10 +110,10 @@ class CompactLlama(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         h = self.embed[input_ids]
         for layer in self.layers:
-            h = layer(h, positions, self.rope, meta)
+            h = layer(h, positions, self.rope, meta, lora)
         return rms_norm(h, self.norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,13 @@ def load_model(
     return hf_model, tokenizer, _model_info(model_id, revision, hf_model, tokenizer)
 
 
+def base_config(model: str):
+    """The transformers config of `model` without loading its weights (tiny: built)."""
+    if model == "tiny":
+        return _build_tiny(0)[0].config
+    return AutoConfig.from_pretrained(resolve_model_dir(model))
+
+
 def resolve_model_dir(model: str) -> Path:
     """The HF-format folder for `model`: the converted SmolLM2 cache (made on first use) or a
     validated local checkpoint path."""

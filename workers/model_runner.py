@@ -22,6 +22,7 @@ from workers.attention import (
 )
 from workers.kernels import decode_kernel_name
 from workers.llama import CompactLlama, layer_windows
+from workers.lora import LoRABatch, LoRAManager, LoRASpec, fused_groups, stock_groups
 from workers.request import Request
 
 MODEL_IMPLS = ("auto", "compact", "stock")
@@ -37,7 +38,8 @@ class ScheduledChunk:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, model_impl: str = "auto",
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None,
+                 lora_specs: dict[str, LoRASpec] | None = None, max_loras: int = 4) -> None:
         cfg = model.config
         assert model_impl in MODEL_IMPLS, model_impl
         self.block_size = block_size
@@ -62,6 +64,13 @@ class ModelRunner:
             self.model_impl = "stock"
             self.fallback_reason = reason or "model_impl=stock"
         self.model = model
+        self.lora: LoRAManager | None = None
+        self._lora_batch: LoRABatch | None = None   # the stock model's hooks read it
+        if lora_specs:
+            groups = fused_groups(cfg) if self.compact is not None else stock_groups(cfg)
+            self.lora = LoRAManager(lora_specs, cfg, groups, max_loras, model.dtype, self.device)
+            if self.compact is None:
+                self._hook_stock_projections()
         self.last_forward_s = 0.0   # the model's share of the last execute()
         self.attention_kernel = decode_kernel_name(self.device)   # builds it once, up front
 
@@ -77,19 +86,45 @@ class ModelRunner:
         """Run the model on `chunks`. Returns logits [n, vocab] (float32) for the chunks that end
         at their request's last known token, and those chunks' indices."""
         input_ids, positions, slots, meta, sample_rows, sample_chunks = self.prepare(chunks)
+        lora = self._lora_step(chunks)
         t0 = time.perf_counter()
         try:
-            return self._forward(input_ids, positions, meta, sample_rows), sample_chunks
+            return self._forward(input_ids, positions, meta, sample_rows, lora), sample_chunks
         finally:
             self.last_forward_s = time.perf_counter() - t0
+            self._lora_batch = None
+
+    def _lora_step(self, chunks: list[ScheduledChunk]) -> LoRABatch | None:
+        """Each token's adapter, in the flat batch's order (decodes, then prefills)."""
+        if self.lora is None:
+            return None
+        decodes, prefills = self._step_order(chunks)
+        order = [chunks[i] for i in decodes + prefills]
+        return self.lora.batch([ch.request.lora_name for ch in order],
+                               [ch.num_new_tokens for ch in order])
+
+    def _hook_stock_projections(self) -> None:
+        """The stock model: each projection's forward hook adds the step's LoRA delta."""
+        for layer_idx, layer in enumerate(self.model.model.layers):
+            for module in ("self_attn", "mlp"):
+                for name, proj in getattr(layer, module).named_children():
+                    if name in self.lora.groups:
+                        proj.register_forward_hook(self._stock_hook(layer_idx, name))
+
+    def _stock_hook(self, layer_idx: int, name: str):
+        def hook(_module, args, out):
+            b = self._lora_batch
+            return out if b is None else b.apply(out, args[0], layer_idx, name)
+        return hook
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 sample_rows: list[int]) -> torch.Tensor:
+                 sample_rows: list[int], lora: LoRABatch | None = None) -> torch.Tensor:
         """The model on the flat batch; float32 logits of `sample_rows`."""
         if self.compact is not None:
-            hidden = self.compact(input_ids, positions, meta)
+            hidden = self.compact(input_ids, positions, meta, lora)
             head = self.compact.logits
         else:
+            self._lora_batch = lora
             hidden = self.model.model(input_ids=input_ids.unsqueeze(0),
                                       position_ids=positions.unsqueeze(0),
                                       use_cache=False, attn_meta=meta).last_hidden_state[0]
@@ -103,11 +138,7 @@ class ModelRunner:
         of a step: decodes first (shortest context first, so similar lengths share a group),
         then prefill chunks."""
         bs = self.block_size
-        decodes = sorted((i for i, ch in enumerate(chunks) if ch.num_new_tokens == 1
-                          and ch.request.num_computed_tokens > 0),
-                         key=lambda i: chunks[i].request.num_computed_tokens)
-        dset = set(decodes)
-        prefills = [i for i in range(len(chunks)) if i not in dset]
+        decodes, prefills = self._step_order(chunks)
         tokens: list[int] = []
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
@@ -142,6 +173,16 @@ class ModelRunner:
                                  groups, segs)
         return (self._tensor(tokens), torch.cat(positions).to(self.device), meta.slot_mapping,
                 meta, sample_rows, sample_chunks)
+
+    @staticmethod
+    def _step_order(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
+        """Chunk indices in the flat batch's order: decodes (shortest context first), then
+        prefill chunks."""
+        decodes = sorted((i for i, ch in enumerate(chunks) if ch.num_new_tokens == 1
+                          and ch.request.num_computed_tokens > 0),
+                         key=lambda i: chunks[i].request.num_computed_tokens)
+        dset = set(decodes)
+        return decodes, [i for i in range(len(chunks)) if i not in dset]
 
     def _decode_groups(self, tables: list[list[int]], positions: list[int]
                        ) -> tuple[list[DecodeGroup], torch.Tensor]:

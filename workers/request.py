@@ -38,6 +38,7 @@ class Request:
     finish_time: float | None = None
     output_text: str = ""
     eos_token_ids: tuple[int, ...] = ()   # empty when sampling.ignore_eos
+    lora_name: str = ""     # LoRA adapter this request runs under ("" = the base model)
     hold_kv: bool = False   # prefill worker: keep the blocks referenced after finishing (lease)
     generator: object | None = None   # torch.Generator for seeded sampling (set by the sampler)
 

@@ -26,6 +26,7 @@ from workers.request import Request, RequestStatus
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048   # token budget of one step (prefill chunk size)
     max_num_seqs: int = 64               # running requests at most
+    max_loras: int = 4                   # distinct LoRA adapters among running requests
 
 
 class Scheduler:
@@ -77,6 +78,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
                 and not preempted and not stalled:
             req = self.waiting[0]
+            if req.lora_name and not self.lora_fits(req.lora_name):
+                break   # FCFS: it waits until a running adapter's requests finish
             hits = self.kv.match_prefix(req.namespace_root, req.block_hashes, req.all_token_ids,
                                         req.num_tokens - 1)
             num_cached = len(hits) * self.kv.block_size
@@ -96,6 +99,11 @@ class Scheduler:
         used = self.kv.pool.num_used_blocks
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
         return chunks
+
+    def lora_fits(self, name: str) -> bool:
+        """Can a request of adapter `name` run beside the running ones (max_loras slots)?"""
+        running = {r.lora_name for r in self.running if r.lora_name}
+        return name in running or len(running) < self.cfg.max_loras
 
     def _blocks_held_elsewhere(self) -> bool:
         """Do requests outside the running set reference blocks (reserved or leased)?"""

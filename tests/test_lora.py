@@ -1,0 +1,171 @@
+"""LoRA adapters run for real: greedy output under an adapter is token-identical to PEFT's own
+model under generate(), on the compact and the stock model path; one batch mixing two adapters
+and the base gives each its own reference; the cache never shares blocks across adapters (the
+namespace holds the adapter's content hash, not its name); unknown adapters and bad folders
+are refused with errors naming them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy, make_engine, random_prompt
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from workers.engine import UnknownLoRAError
+from workers.lora import LoRAError, read_adapter
+from workers.model_loader import load_model
+from workers.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+ADAPTERS = {   # name: (rank, alpha, target modules, use_rslora)
+    "all": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                    "down_proj"], False),
+    "qv": (4, 4, ["q_proj", "v_proj"], True),
+}
+PROMPT_LENS = [5, 19, 33, 8]
+
+
+def _make_peft_adapter(folder, seed: int, rank: int, alpha: int, targets, rslora: bool):
+    """Save a PEFT adapter with random non-zero A and B (PEFT initialises B to zero)."""
+    base, _, _ = load_model("tiny")
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                            use_rslora=rslora, lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    return {name: str(_make_peft_adapter(root / name, seed, *spec))
+            for seed, (name, spec) in enumerate(ADAPTERS.items(), start=1)}
+
+
+@pytest.fixture(scope="module")
+def references(adapters):
+    """{adapter name or "": [greedy tokens per prompt]} from PEFT's / transformers' generate()."""
+    prompts = [random_prompt(n, seed=i) for i, n in enumerate(PROMPT_LENS)]
+    refs = {}
+    for name in ["", *adapters]:
+        base, _, _ = load_model("tiny")
+        model = PeftModel.from_pretrained(base, adapters[name]).eval() if name else base
+        refs[name] = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    return prompts, refs
+
+
+def _engine(adapters, **kw):
+    return make_engine(load_model("tiny"), lora_adapters=adapters, **kw)
+
+
+def _drained(engine) -> None:
+    engine.check_invariants()
+    assert engine.kv.pool.counts()["referenced"] == 0
+
+
+@pytest.mark.parametrize("impl", ["compact", "stock"])
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_greedy_under_adapter_equals_peft_generate(adapters, references, impl, name):
+    prompts, refs = references
+    engine = _engine(adapters, model_impl=impl)
+    assert engine.runner.model_impl == impl
+    got = [r.output_token_ids for r in engine.generate(prompts, GREEDY, lora_id=name)]
+    assert got == refs[name]
+    assert refs[name] != refs[""], "the adapter must change the output for this test to mean much"
+    _drained(engine)
+
+
+@pytest.mark.parametrize("impl", ["compact", "stock"])
+def test_mixed_batch_of_two_adapters_and_base_each_match_reference(adapters, references, impl):
+    prompts, refs = references
+    engine = _engine(adapters, model_impl=impl)
+    reqs = {}
+    for name in ["", *adapters]:
+        for i, p in enumerate(prompts):
+            reqs[(name, i)] = engine.add_request(p, GREEDY, lora_id=name)
+    mixed_steps = 0
+    while engine.has_unfinished():
+        running = {r.lora_name for r in engine.scheduler.running}
+        engine.step()
+        mixed_steps += len(running) == 3
+    assert mixed_steps > 0, "the three models never shared a step"
+    for (name, i), req in reqs.items():
+        assert req.output_token_ids == refs[name][i], (name, i)
+    _drained(engine)
+
+
+def test_lru_eviction_beyond_max_loras_keeps_outputs_right(adapters, references):
+    prompts, refs = references
+    engine = _engine(adapters, max_loras=1)
+    reqs = [(name, i, engine.add_request(p, GREEDY, lora_id=name))
+            for i, p in enumerate(prompts) for name in adapters]
+    while engine.has_unfinished():
+        engine.step()
+        assert len({r.lora_name for r in engine.scheduler.running} - {""}) <= 1
+    for name, i, req in reqs:
+        assert req.output_token_ids == refs[name][i]
+    stats = engine.get_stats()
+    assert stats["lora_evictions"] > 0 and stats["lora_loads"] == stats["lora_evictions"] + 1
+    assert stats["lora_requests"] == {name: len(prompts) for name in adapters}
+
+
+def test_same_tokens_under_another_adapter_or_base_never_hit(adapters):
+    engine = _engine(adapters)
+    prompt = random_prompt(64, seed=7)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    first = engine.generate([prompt], one, lora_id="all")[0]
+    assert first.lifecycle.cached_tokens == 0
+    for other in ["qv", ""]:
+        assert engine.generate([prompt], one, lora_id=other)[0].lifecycle.cached_tokens == 0
+    again = engine.generate([prompt], one, lora_id="all")[0]
+    assert again.lifecycle.cached_tokens == 48   # the same adapter does hit (3 full blocks)
+    _drained(engine)
+
+
+def test_namespace_is_the_content_hash_not_the_name(adapters, tmp_path):
+    engine = _engine({"all": adapters["all"], "alias": adapters["all"], "qv": adapters["qv"]})
+    prompt = random_prompt(40, seed=9)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.generate([prompt], one, lora_id="all")
+    assert engine.generate([prompt], one, lora_id="alias")[0].lifecycle.cached_tokens == 32
+    # a changed adapter under the same name gets another hash, so never the old blocks
+    base, _, _ = load_model("tiny")
+    changed = _make_peft_adapter(tmp_path / "all", 99, *ADAPTERS["all"])
+    assert read_adapter("all", changed, base.config).content_hash != \
+        engine.loras["all"].content_hash
+
+
+def test_unknown_adapter_is_refused_not_served_by_the_base(adapters):
+    engine = _engine(adapters)
+    with pytest.raises(UnknownLoRAError, match="'nope'.*all, qv"):
+        engine.make_request([5, 6, 7], GREEDY, lora_id="nope")
+    assert engine.stats.requests_rejected == 1
+
+
+def test_bad_adapter_folders_fail_at_start_naming_the_file(adapters, tmp_path):
+    base, _, _ = load_model("tiny")
+    with pytest.raises(LoRAError, match="adapter_config.json does not exist"):
+        read_adapter("x", tmp_path, base.config)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads(Path(adapters["qv"], "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "lm_head"]
+    (bad / "adapter_config.json").write_text(json.dumps(cfg))
+    shutil.copy(Path(adapters["qv"], "adapter_model.safetensors"), bad)
+    with pytest.raises(LoRAError, match=r"bad/adapter_config.json.*lm_head"):
+        read_adapter("x", bad, base.config)
+    cfg["target_modules"] = ["q_proj", "v_proj"]
+    cfg["r"] = 6   # the weights have rank 4
+    (bad / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LoRAError, match=r"adapter_model.safetensors.*shape"):
+        read_adapter("x", bad, base.config)
+    with pytest.raises(LoRAError, match="'gone'.*gone is not a directory"):
+        make_engine(load_model("tiny"), lora_adapters={"gone": str(tmp_path / "gone")})
