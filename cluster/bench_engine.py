@@ -8,7 +8,10 @@ warmed up; every figure is the median of `repeats` runs. Fairness rules:
 - mixed: every request stops at its own length on both sides (`generate()` gets a per-request
   stopping criterion; its static batches are formed from requests of similar prompt length, as
   a careful user would, so it pays little padding);
-- prefix: TTFT of a request whose 1,024-token prefix is cached against the same request cold.
+- prefix: TTFT of a request whose 1,024-token prefix is cached against the same request cold;
+- lora (`--lora N`): N random rank-8 adapters on every projection, made by the bench; one batch
+  with requests spread round-robin over the base model and the adapters against the same batch
+  on an engine without adapters (`lora_throughput_ratio` = base-only time / mixed time).
 Physical scale: `decode_bound_ms` is what reading the weights and the batch's KV once at the
 memory bandwidth measured here takes; `prefill_gflops` is set against `matmul_peak_gflops`, the
 engine's own linear at a large shape.
@@ -106,9 +109,58 @@ def _matmul_peak_gflops(dtype: torch.dtype) -> float:
         return _median(once, 5)
 
 
+def _lora_bench(model: str, dtype: str, loaded, prompts: list[list[int]], outputs: list[int],
+                num_loras: int, repeats: int) -> dict:
+    """The same batch on an engine without adapters and, spread over the base model and
+    `num_loras` adapters, on an engine serving them (all resident: max_loras = num_loras)."""
+    import tempfile
+
+    from workers.lora import write_random_adapter
+    rank = 8
+    num_blocks = sum(-(-(len(p) + o) // 16) for p, o in zip(prompts, outputs, strict=True)) + 64
+    with tempfile.TemporaryDirectory(prefix="raypd-bench-lora-") as tmp:
+        adapters = {f"lora{i}": str(write_random_adapter(f"{tmp}/lora{i}", loaded[0].config,
+                                                         rank=rank, seed=i))
+                    for i in range(num_loras)}
+        engines = {
+            "base": LLMEngine(EngineConfig(model=model, dtype=dtype, num_blocks=num_blocks,
+                                           enable_prefix_caching=False), loaded=loaded),
+            "lora": LLMEngine(EngineConfig(model=model, dtype=dtype, num_blocks=num_blocks,
+                                           enable_prefix_caching=False, lora_adapters=adapters,
+                                           max_loras=num_loras), loaded=loaded)}
+        names = ["", *adapters]
+        spread = [names[i % len(names)] for i in range(len(prompts))]
+
+        def run(kind: str) -> float:
+            engine = engines[kind]
+            t0 = time.perf_counter()
+            for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+                engine.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True),
+                                   lora_id=spread[i] if kind == "lora" else "")
+            while engine.has_unfinished():
+                engine.step()
+            return time.perf_counter() - t0
+        run("base")
+        run("lora")   # warm-up; loads every adapter once
+        t_lora, t_base = [], []
+        for _ in range(repeats):   # interleaved, so drifts of the machine hit both
+            t_base.append(run("base"))
+            t_lora.append(run("lora"))
+        stats = engines["lora"].get_stats()
+        for e in engines.values():
+            e.check_invariants()
+    base_s, lora_s = statistics.median(t_base), statistics.median(t_lora)
+    return {"lora_adapters": num_loras, "lora_rank": rank, "lora_batch": len(prompts),
+            "lora_base_only_s": base_s, "lora_mixed_s": lora_s,
+            "lora_throughput_ratio": base_s / lora_s,
+            "lora_output_tokens": sum(outputs), "lora_loads": stats["lora_loads"],
+            "lora_load_s_mean": stats["lora_load_s_mean"]}
+
+
 def run_engine_bench(model: str = "smollm2", quick: bool = False,
                      threads: int | None = None, dtype: str = "auto",
-                     repeats: int = 3) -> dict:
+                     repeats: int = 3, lora: int = 0, lora_only: bool = False) -> dict:
+    """Every figure; `lora` > 0 adds the multi-LoRA comparison (`lora_only`: just that)."""
     from workers.model_loader import load_model
     if threads:
         torch.set_num_threads(threads)
@@ -120,6 +172,16 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(n)]
+
+    if lora:
+        n, (lo_p, hi_p), (lo_o, hi_o) = (16, (32, 256), (8, 32)) if quick \
+            else (32, (64, 512), (16, 64))
+        lora_out = _lora_bench(model, dtype, loaded,
+                               [prompt(rng.randint(lo_p, hi_p)) for _ in range(n)],
+                               [rng.randint(lo_o, hi_o) for _ in range(n)], lora, repeats)
+        if lora_only:
+            return {"model": model, "quick": quick, "threads": torch.get_num_threads(),
+                    "dtype": info.dtype, "repeats": repeats, **lora_out}
 
     plen, new = (256, 32) if quick else (512, 64)
     n_mixed, (lo_p, hi_p), (lo_o, hi_o) = (16, (64, 512), (8, 64)) if quick \
@@ -230,4 +292,6 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     ttft_cold, ttft_hit = statistics.median(cold), statistics.median(hit)
     out.update(ttft_cold_s=ttft_cold, ttft_hit_s=ttft_hit, prefix_ttft_ratio=ttft_hit / ttft_cold,
                prefix_hit_tokens=r.lifecycle.cached_tokens)
+    if lora:
+        out.update(lora_out)
     return out

@@ -23,6 +23,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch threads per engine")
     g.add_argument("--model-impl", default="auto", choices=["auto", "compact", "stock"],
                    help="compact Llama-family model (auto: where it applies) or stock transformers")
+    add_lora_arg(g)
+    g.add_argument("--max-loras", type=int, default=4, help="LoRA adapters resident at once")
 
 
 def engine_fields(args: argparse.Namespace) -> dict:
@@ -31,7 +33,28 @@ def engine_fields(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, num_blocks=args.num_blocks,
                 kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
-                model_impl=args.model_impl)
+                model_impl=args.model_impl, lora_adapters=lora_adapters_from_args(args) or {},
+                max_loras=args.max_loras)
+
+
+def add_lora_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", action="append", metavar="NAME=PATH", default=None,
+                   help="serve the PEFT LoRA adapter in folder PATH as model NAME (repeatable; "
+                   "model.lora_adapters)")
+
+
+def lora_adapters_from_args(args: argparse.Namespace) -> dict[str, str] | None:
+    """--lora NAME=PATH flags as {name: path} (None: none given)."""
+    items = getattr(args, "lora", None)
+    if not items:
+        return None
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"raypd: error: --lora {item!r}: expected NAME=PATH")
+        out[name] = path
+    return out
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -54,7 +77,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = run_disagg_generate(args, sampling)
     else:
         engine = LLMEngine(engine_config_from_args(args))
-        req = engine.add_request(args.prompt, sampling, chat=args.chat)
+        req = engine.add_request(args.prompt, sampling, chat=args.chat,
+                                 lora_id=args.lora_name or "")
         while engine.has_unfinished():
             engine.step()
         engine.check_invariants()
@@ -70,7 +94,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from cluster.bench_engine import run_engine_bench
     return _emit(run_engine_bench(model=args.model, quick=args.quick, threads=args.threads,
-                                  dtype=args.dtype, repeats=args.repeats), args)
+                                  dtype=args.dtype, repeats=args.repeats, lora=args.lora,
+                                  lora_only=args.lora_only), args)
 
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
@@ -107,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--lora-name", metavar="NAME", default=None,
+                     help="run the prompt under the LoRA adapter NAME (given with --lora)")
     gen.add_argument("--disagg", action="store_true", help="prefill/decode on separate Ray actors")
     gen.add_argument("--prefill", type=int, default=1, help="prefill workers (--disagg)")
     gen.add_argument("--decode", type=int, default=1, help="decode workers (--disagg)")
@@ -121,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--threads", type=int, default=None)
     be.add_argument("--dtype", default="auto", help="weights: auto | float32 | bfloat16")
     be.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    be.add_argument("--lora", type=int, default=0, metavar="N",
+                    help="also compare a batch spread over the base and N random LoRA adapters "
+                    "with a base-only batch (lora_throughput_ratio)")
+    be.add_argument("--lora-only", action="store_true", help="with --lora: only that figure")
     be.add_argument("--json", metavar="PATH")
     be.set_defaults(func=cmd_bench_engine)
 

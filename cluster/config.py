@@ -42,6 +42,7 @@ class ModelSection:
     kv_dtype: str = _opt("auto", choices=DTYPES)
     served_model_name: str | None = None        # the name clients send (default: `name`)
     max_model_len: int | None = _opt(None, min=1)   # default: the model's context
+    lora_adapters: dict[str, str] = _opt({})    # LoRA name -> PEFT folder; each is a model id
 
 
 @dataclass
@@ -54,6 +55,7 @@ class EngineSection:
     enable_prefix_caching: bool = True
     threads_per_worker: int = _opt(1, min=1)   # torch threads in each worker actor
     model_impl: str = _opt("auto", choices=("auto", "compact", "stock"))  # see workers/llama.py
+    max_loras: int = _opt(4, min=1)            # LoRA adapters resident per worker (then LRU)
 
 
 @dataclass
@@ -130,7 +132,8 @@ class RaypdConfig:
                     num_blocks=e.num_blocks, kv_cache_gb=e.kv_cache_gb,
                     max_num_batched_tokens=e.max_num_batched_tokens,
                     max_num_seqs=e.max_num_seqs, max_model_len=m.max_model_len,
-                    enable_prefix_caching=e.enable_prefix_caching, model_impl=e.model_impl)
+                    enable_prefix_caching=e.enable_prefix_caching, model_impl=e.model_impl,
+                    lora_adapters=dict(m.lora_adapters), max_loras=e.max_loras)
 
     def to_pd_config(self):
         from cluster.pd import PDConfig
@@ -292,6 +295,18 @@ class _Validator:
         if m not in BUILTIN_MODELS and cfg.ray.address is None and not Path(m).is_dir():
             self.fail("model.name", f"must be {' or '.join(BUILTIN_MODELS)} or a local model "
                       f"folder; {m!r} is neither")
+        for name, path in cfg.model.lora_adapters.items():
+            key = f"model.lora_adapters.{name}"
+            if not isinstance(path, str) or not path:
+                self.fail(key, f"must be the path of a PEFT adapter folder, got {path!r}")
+            if name == cfg.served_model_name:
+                self.fail(key, "an adapter name must differ from the served model name")
+        if cfg.model.lora_adapters and cfg.ray.address is None:
+            from workers.lora import LoRAError, validate_adapters
+            try:
+                validate_adapters(m, cfg.model.lora_adapters)
+            except LoRAError as e:
+                self.fail(f"model.lora_adapters.{e.name}", str(e))
         if cfg.server.grpc_port is not None and cfg.server.grpc_port == cfg.server.port != 0:
             self.fail("server.grpc_port", f"must differ from server.port ({cfg.server.port})")
 

@@ -18,7 +18,8 @@ def run_disagg_generate(args: argparse.Namespace, sampling: SamplingParams) -> d
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     cluster = PDCluster(cfg)
     try:
-        result = cluster.run_request(args.prompt, sampling, chat=args.chat)
+        result = cluster.run_request(args.prompt, sampling, chat=args.chat,
+                                     lora_id=args.lora_name or "")
         cluster.check_invariants()
     finally:
         cluster.shutdown()

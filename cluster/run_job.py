@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cluster.cli import add_lora_arg, lora_adapters_from_args
 from router.submit import SubmitOptions, add_replay_options, replay, write_reports
 from router.trace import TraceError
 from router.workload import SynthConfig, load_workload, synth_trace, write_jsonl
@@ -53,6 +54,7 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=None, metavar="M", help="decode workers (1)")
     p.add_argument("--policy", default=None, help="routing policy (locality)")
     p.add_argument("--transport", default=None, help="KV transport (shm)")
+    add_lora_arg(p)
     p.add_argument("--trace", type=Path, default=None,
                    help="replay this trace instead of the built-in synthetic one")
     p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
@@ -73,7 +75,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         overrides = {"model.name": args.model, "workers.prefill.count": args.prefill,
                      "workers.decode.count": args.decode, "router.policy": args.policy,
-                     "transfer.transport": args.transport}
+                     "transfer.transport": args.transport,
+                     "model.lora_adapters": lora_adapters_from_args(args)}
         cfg = load_config(args.config, overrides)
         if args.trace is not None:
             trace_path = args.trace

@@ -21,6 +21,7 @@ from typing import Any
 import ray
 import uvicorn
 
+from cluster.cli import add_lora_arg, lora_adapters_from_args
 from cluster.config import RaypdConfig, RaySection, load_config
 from router.http_ingress import build_app
 
@@ -35,6 +36,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="YAML config (default: built-in defaults = configs/local.yaml)")
     p.add_argument("--model", help="model.name: smollm2, tiny or a local HF folder")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    add_lora_arg(p)
     p.add_argument("--address", help="ray.address: auto or host:port joins a running cluster "
                    "(default: start a local Ray)")
     p.add_argument("--host", help="server.host (default 127.0.0.1)")
@@ -61,7 +63,9 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             "server.grpc_port": g("grpc_port"), "server.api_key": g("api_key"),
             "workers.prefill.count": g("prefill"), "workers.decode.count": g("decode"),
             "transfer.transport": g("transport"), "router.policy": g("policy"),
-            "router.max_inflight": g("max_inflight")}
+            "router.max_inflight": g("max_inflight"),
+            "model.lora_adapters": lora_adapters_from_args(args)}
+
 
 
 def connect_ray(rc: RaySection) -> bool:
@@ -136,7 +140,8 @@ def start_server(cfg: RaypdConfig, host: str | None = None, port: int | None = N
         app = build_app(backend, cfg.served_model_name,
                         api_key=api_key if api_key is not None else cfg.server.api_key,
                         max_inflight=max_inflight or cfg.router.max_inflight,
-                        max_model_len=_max_model_len(cfg, backend))
+                        max_model_len=_max_model_len(cfg, backend),
+                        lora_names=tuple(cfg.model.lora_adapters))
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                lifespan="off", timeout_graceful_shutdown=5))
         thread = threading.Thread(target=server.run, name="raypd-http", daemon=True)
@@ -195,7 +200,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         backend = PDCluster(cfg.to_pd_config())
         app = build_app(backend, cfg.served_model_name, api_key=api_key,
                         max_inflight=cfg.router.max_inflight,
-                        max_model_len=_max_model_len(cfg, backend))
+                        max_model_len=_max_model_len(cfg, backend),
+                        lora_names=tuple(cfg.model.lora_adapters))
         grpc = _start_grpc(cfg, backend, cfg.server.host)
         if grpc is not None:
             print(f"raypd: gRPC ingress on {grpc.address}", file=sys.stderr, flush=True)

@@ -220,9 +220,11 @@ def _finish_reason(result: dict) -> str:
 # ---- the app -----------------------------------------------------------------------------------
 class _Ingress:
     def __init__(self, backend: Any, model_name: str, api_key: str | None, max_inflight: int,
-                 metrics: IngressMetrics | None, max_model_len: int | None) -> None:
+                 metrics: IngressMetrics | None, max_model_len: int | None,
+                 lora_names: tuple[str, ...] = ()) -> None:
         self.backend = backend
         self.model_name = model_name
+        self.lora_names = lora_names   # LoRA adapters served as their own model ids
         self.api_key = api_key
         self.max_inflight = max_inflight
         self.max_model_len = max_model_len
@@ -274,9 +276,23 @@ class _Ingress:
                            headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and name not in self.lora_names:
+            served = ", ".join(repr(m) for m in (self.model_name, *self.lora_names))
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+                           f"{served}", param="model", code="model_not_found")
+
+    def lora_of(self, body: CompletionBody | ChatBody) -> str:
+        """The LoRA adapter a request runs under: `model` when it names one, else the `lora`
+        field (an alias); "" for the base model. An unknown adapter is a 404."""
+        if body.model in self.lora_names:
+            return body.model
+        if body.lora:
+            if body.lora not in self.lora_names:
+                raise APIError(404, f"the LoRA adapter {body.lora!r} does not exist; this "
+                               f"server serves: {', '.join(self.lora_names) or 'none'}",
+                               param="lora", code="model_not_found")
+            return body.lora
+        return ""
 
     async def read_json(self, request: Request) -> dict:
         raw = await request.body()
@@ -348,14 +364,14 @@ class _Ingress:
                 rid = base if len(prompts) * n == 1 else f"{base}-{k}"
                 subs.append(_Sub(k, prompt, sp, rid, first_of_prompt=(j == 0)))
         self.acquire(len(subs))
-        job = _Job(self, subs, chat, body.tenant or "", body.lora or "",
+        job = _Job(self, subs, chat, body.tenant or "", self.lora_of(body),
                    return_token_ids=bool(body.return_token_ids))
         try:
             job.start()
         except BaseException:
             self.release(len(subs))
             raise
-        meta = {"id": base, "created": int(time.time()), "model": self.model_name}
+        meta = {"id": base, "created": int(time.time()), "model": body.model or self.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await self._stream(request, job, meta, chat, include_usage)
@@ -464,7 +480,9 @@ class _Ingress:
                 "owned_by": "raypd", "root": self.model_name, "parent": None}
         if self.max_model_len:
             card["max_model_len"] = self.max_model_len
-        return JSONResponse({"object": "list", "data": [card]})
+        adapters = [{**card, "id": name, "root": name, "parent": self.model_name}
+                    for name in self.lora_names]   # vLLM's --lora-modules cards
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     async def health(self) -> Response:
         loop = asyncio.get_running_loop()
@@ -640,10 +658,11 @@ class _SSEResponse(StreamingResponse):
 
 def build_app(backend: Any, model_name: str, *, api_key: str | None = None,
               max_inflight: int = 256, metrics: IngressMetrics | None = None,
-              max_model_len: int | None = None) -> FastAPI:
+              max_model_len: int | None = None, lora_names: tuple[str, ...] = ()) -> FastAPI:
     """The FastAPI app serving `backend` under `model_name`. `app.state.ingress` holds the
     ingress (its `inflight` count, `metrics`, `close()`)."""
-    ing = _Ingress(backend, model_name, api_key, max_inflight, metrics, max_model_len)
+    ing = _Ingress(backend, model_name, api_key, max_inflight, metrics, max_model_len,
+                   tuple(lora_names))
     app = FastAPI(title="raypd", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ingress = ing
 

@@ -60,7 +60,7 @@ ray: {address: auto}
     assert pd.engine == dict(model="tiny", dtype="float32", kv_dtype="bfloat16", block_size=32,
                              num_blocks=100, kv_cache_gb=1.0, max_num_batched_tokens=256,
                              max_num_seqs=8, max_model_len=1024, enable_prefix_caching=False,
-                             model_impl="auto")
+                             model_impl="auto", lora_adapters={}, max_loras=4)
     assert (pd.num_prefill, pd.num_decode, pd.threads_per_actor) == (2, 3, 2)
     assert pd.prefill_resources == {"prefill": 1.0} and pd.decode_resources == {"decode": 0.5}
     assert (pd.transport, pd.lease_s, pd.failure_policy) == ("grpc", 5.0, "fail")
@@ -143,3 +143,14 @@ def test_serve_flags_become_overrides(tmp_path):
     assert args.func.__name__ == "cmd_serve"
     bare = load_config(LOCAL, overrides_from_args(parser.parse_args(["serve"])))
     assert bare == RaypdConfig()
+
+
+def test_lora_adapters_are_validated_at_start_naming_key_and_file(tmp_path):
+    from workers.lora import write_random_adapter
+    from workers.model_loader import base_config
+    good = write_random_adapter(tmp_path / "good", base_config("tiny"), rank=4)
+    cfg = load_config(None, {"model.name": "tiny", "model.lora_adapters": {"a": str(good)}})
+    assert cfg.to_pd_config().engine["lora_adapters"] == {"a": str(good)}
+    with pytest.raises(ConfigError, match=r"model.lora_adapters.b: .*missing.*not a directory"):
+        load_config(None, {"model.name": "tiny",
+                           "model.lora_adapters": {"b": str(tmp_path / "missing")}})

@@ -169,3 +169,10 @@ def test_bad_adapter_folders_fail_at_start_naming_the_file(adapters, tmp_path):
         read_adapter("x", bad, base.config)
     with pytest.raises(LoRAError, match="'gone'.*gone is not a directory"):
         make_engine(load_model("tiny"), lora_adapters={"gone": str(tmp_path / "gone")})
+
+
+def test_bench_engine_lora_reports_the_mixed_batch_throughput_ratio():
+    from cluster.bench_engine import run_engine_bench
+    out = run_engine_bench(model="tiny", quick=True, repeats=1, lora=2, lora_only=True)
+    assert out["lora_adapters"] == 2 and out["lora_loads"] == 2
+    assert out["lora_throughput_ratio"] > 0 and out["lora_output_tokens"] > 0

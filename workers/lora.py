@@ -5,10 +5,10 @@ One step's tokens may belong to different adapters and to the base model. Each p
 (fused or not) keeps, per resident slot, its stacked A [n_sub * R, in] and B [n_sub * R, out]
 (R = the largest rank of the configured adapters, smaller ranks padded with zeros; fused
 projections such as qkv put each sub-module's rank block into its own output slice of B).
-The delta of a step is two matmuls over the step's active slots:
-`((x @ A_active^T) * mask) @ B_active`, where `mask[t]` is the token's adapter scaling on its
-slot's columns and 0 elsewhere (0 for base tokens): no loop over requests, the padded and
-masked terms add exact zeros.
+The delta of a step is two matmuls over the slots in use, read in place:
+`((x @ A[:w]^T) * mask) @ B[:w]`, where `mask[t]` is the token's adapter scaling on its slot's
+columns and 0 elsewhere (all 0 for base tokens): no loop over requests; padded and masked
+terms add exact zeros. A step without adapter tokens skips all of it.
 """
 
 from __future__ import annotations
@@ -265,28 +265,26 @@ class LoRAManager:
         if not active:
             return None
         slots = self.ensure_resident(active)
-        pos = {n: j for j, n in enumerate(active)}
-        device = next(iter(self.weights.values()))[0].device
+        width = max(slots.values()) + 1   # slots [0, width) cover the step's adapters
         dtype = next(iter(self.weights.values()))[0].dtype
-        # per chunk: its scaling on its adapter's column, zeros elsewhere (base: all zeros)
-        rows = torch.zeros(len(names), len(active), dtype=dtype)
+        device = next(iter(self.weights.values()))[0].device
+        # per chunk: its adapter's scaling in its slot's column, zeros elsewhere (base: all 0)
+        rows = torch.zeros(len(names), width, dtype=dtype)
         for i, n in enumerate(names):
             if n:
-                rows[i, pos[n]] = self.specs[n].scaling
+                rows[i, slots[n]] = self.specs[n].scaling
         per_token = rows.repeat_interleave(torch.tensor(counts), dim=0).to(device)
-        return LoRABatch(self, torch.tensor([slots[n] for n in active], device=device),
-                         per_token)
+        return LoRABatch(self, width, per_token)
 
 
 class LoRABatch:
     """One step's adapter selection; `apply` adds the delta to one projection's output."""
 
-    def __init__(self, manager: LoRAManager, slots: torch.Tensor, per_token: torch.Tensor):
+    def __init__(self, manager: LoRAManager, width: int, per_token: torch.Tensor) -> None:
         self.weights = manager.weights
-        self.groups = manager.groups
         self.rank = manager.rank
-        self.slots = slots                  # [k] resident slots of the step's adapters
-        self.per_token = per_token          # [T, k] each token's scaling per active adapter
+        self.width = width                  # slots [0, width) are read (unused ones masked)
+        self.per_token = per_token          # [T, width] each token's scaling per slot
         self._masks: dict[int, torch.Tensor] = {}
 
     def _mask(self, n_sub: int) -> torch.Tensor:
@@ -297,17 +295,18 @@ class LoRABatch:
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
         """y + this step's LoRA delta of projection `group` of `layer` for input x
-        (leading dims flattened: [..., in] -> [..., out])."""
+        (leading dims flattened: [..., in] -> [..., out]); y is updated in place."""
         w = self.weights.get((layer, group))
         if w is None:
             return y
         A, B = w
-        k = self.slots.numel()
-        A = A.index_select(0, self.slots).reshape(-1, A.shape[-1])    # [k*n*R, in]
-        B = B.index_select(0, self.slots).reshape(-1, B.shape[-1])    # [k*n*R, out]
-        x2 = x.reshape(-1, x.shape[-1])
-        xa = (x2 @ A.t()) * self._mask(A.shape[0] // (k * self.rank))
-        return y + (xa @ B).view(y.shape)
+        r = A.shape[1]                                       # n_sub * rank
+        A = A[:self.width].view(-1, A.shape[-1])             # [width*n*R, in], a view
+        B = B[:self.width].view(-1, B.shape[-1])             # [width*n*R, out]
+        xa = x.reshape(-1, x.shape[-1]) @ A.t()
+        xa.mul_(self._mask(r // self.rank))
+        y.view(-1, y.shape[-1]).addmm_(xa, B)
+        return y
 
 
 def write_random_adapter(folder: str | Path, config, rank: int = 8, alpha: float = 16.0,
