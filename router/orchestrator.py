@@ -302,12 +302,12 @@ class Orchestrator:
         spec["chat"] = False                 # tokenized now (chat template applied)
         req = RoutingRequest(rid, prepared["block_hashes"], len(prepared["prompt_token_ids"]),
                              prepared["block_size"], tenant=tenant,
-                             output_tokens=sampling.max_tokens)
+                             output_tokens=sampling.max_tokens, lora=spec.get("lora_id", ""))
         admitted = self._admit(flight, spec, req)
         if not admitted["local"]:
             req = RoutingRequest(rid, req.block_hashes, req.num_tokens, req.block_size,
                                  tenant=tenant, output_tokens=sampling.max_tokens,
-                                 decode_cached_blocks=admitted["skip_blocks"])
+                                 decode_cached_blocks=admitted["skip_blocks"], lora=req.lora)
             self._prefill_and_transfer(flight, spec, admitted, req)
         result: dict = {}
         for ref in flight.decode.stream.remote(rid, self.cfg.request_timeout_s):

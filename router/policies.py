@@ -49,6 +49,8 @@ class WorkerState:
     overhead_s: float = 0.0           # measured fixed cost of one prefill request, s
     transfer_gbps: float = 10.0       # measured KV transfer bandwidth, GB/s (1e9 bytes)
     backlog_s: float | None = None    # worker's own estimate of its queued + running seconds
+    loras_resident: tuple[str, ...] = ()   # LoRA adapters loaded on the worker now
+    lora_load_s: float = 0.0          # measured mean time to load an adapter (0: none yet)
     draining: bool = False
 
     @property
@@ -73,6 +75,7 @@ class RoutingRequest:
     output_tokens: int = 0              # expected / max new tokens (decode capacity)
     decode_cached_blocks: int = 0       # leading blocks the chosen decode worker holds
     arrival_s: float | None = None      # router clock at arrival (None: time.monotonic())
+    lora: str = ""                      # LoRA adapter name ("" = base; its hash is in the hashes)
 
     @property
     def num_blocks(self) -> int:
@@ -310,6 +313,9 @@ class Locality(BasePolicy):
       ttft(w)    = wait(w)                       the worker's queued + running work, seconds
                  + compute(w)                    overhead + prefill_seconds of the part of the
                                                  prompt w does not hold, at w's measured rate
+                                                 + loading the request's LoRA adapter when w
+                                                 does not hold it (measured; else
+                                                 `lora_load_s` until a worker has measured it)
                  + transfer(w)                   bytes of the KV the decode worker lacks / w's
                                                  measured bandwidth (when kv_bytes_per_token)
       cost(w)    = ttft(w) + beta * compute(w)
@@ -340,9 +346,10 @@ class Locality(BasePolicy):
 
     def __init__(self, ttft_slo_s: float | None = None, kv_bytes_per_token: int = 0, work_weight: float = 1.0,
                  overload_wait_s: float = 5.0, tie_s: float = 0.05,
-                 inflight_margin_s: float = 5.0,
+                 inflight_margin_s: float = 5.0, lora_load_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic, **kw) -> None:
         super().__init__(**kw)
+        self.lora_load_s = lora_load_s
         self.ttft_slo_s = ttft_slo_s
         self.kv_bytes_per_token = kv_bytes_per_token
         self.work_weight = work_weight
@@ -362,6 +369,8 @@ class Locality(BasePolicy):
             hit_tokens = req.num_tokens - 1
         compute = w.overhead_s + prefill_seconds(
             req.num_tokens, hit_tokens, w.prefill_tok_s, w.prefill_ctx_tokens)
+        if req.lora and req.lora not in w.loras_resident:
+            compute += w.lora_load_s or self.lora_load_s
         t = w.wait_s() + compute
         if self.kv_bytes_per_token:
             lacking = max(req.num_tokens - req.decode_cached_blocks * req.block_size, 0)

@@ -176,3 +176,64 @@ def test_bench_engine_lora_reports_the_mixed_batch_throughput_ratio():
     out = run_engine_bench(model="tiny", quick=True, repeats=1, lora=2, lora_only=True)
     assert out["lora_adapters"] == 2 and out["lora_loads"] == 2
     assert out["lora_throughput_ratio"] > 0 and out["lora_output_tokens"] > 0
+
+
+def test_decode_worker_refuses_pages_of_another_namespace(adapters):
+    """P's pages carry their chained block hashes (rooted in P's namespace): D compares them
+    with its own request's before writing anything and refuses another adapter's pages."""
+    from kvcache.hashing import block_hashes
+    from kvtransfer.base import TransferError, TransferHandle
+    from workers.actors import DecodeHost
+    host = DecodeHost("decode-t", dict(model="tiny", num_blocks=64, lora_adapters=adapters),
+                      transport="shm")
+    try:
+        prompt = random_prompt(40, seed=5)
+        spec = {"prompt_token_ids": prompt, "request_id": "r1", "sampling": {"max_tokens": 4}}
+        assert host.admit({**spec, "lora_id": "all"})["admitted"]
+        ns = host.engine.namespace
+        base_hashes = block_hashes(prompt, 16, ns.with_request())          # the base model's
+        handle = TransferHandle("t1", "r1", "shm", "prefill-x", "node", (*base_hashes, 0),
+                                (2, 2, 3, 16, 2, 16), "float32", 0)
+        before = host.engine.runner.kv_cache.clone()
+        with pytest.raises(TransferError, match="another cache namespace"):
+            host.receive("r1", handle, 5)
+        assert torch.equal(host.engine.runner.kv_cache, before)   # nothing written
+        assert host.stats()["transfer_failures"] == 1
+        assert host.abort("r1")
+        host.engine.check_invariants()
+        assert host.engine.kv.pool.counts()["referenced"] == 0
+    finally:
+        host.shutdown()
+
+
+def test_locality_prefers_the_worker_with_the_adapter_resident_and_counts_the_load():
+    from router.policies import Locality, RoutingRequest, WorkerState
+    ws = [WorkerState("p0", lora_load_s=0.4), WorkerState("p1", loras_resident=("a",),
+                                                          lora_load_s=0.4)]
+    req = RoutingRequest("r", [], 64, 16, lora="a")
+    policy = Locality()
+    d = policy.choose_prefill(req, ws, {})
+    assert d.worker_id == "p1"
+    t_cold, _ = policy.estimate(req, ws[0], 0)
+    t_warm, _ = policy.estimate(req, ws[1], 0)
+    assert t_cold - t_warm == pytest.approx(0.4)
+    base = RoutingRequest("b", [], 64, 16)
+    assert policy.estimate(base, ws[0], 0) == policy.estimate(base, ws[1], 0)
+
+
+def test_engine_stats_count_requests_tokens_and_hits_per_adapter(adapters):
+    from workers.metrics import WORKER_ADAPTER_COUNTERS, WORKER_COUNTERS
+    engine = _engine(adapters)
+    prompt = random_prompt(40, seed=11)
+    one = SamplingParams(max_tokens=2, ignore_eos=True)
+    for name in ["all", "all", "qv", ""]:
+        engine.generate([prompt], one, lora_id=name)
+    stats = engine.get_stats()
+    assert stats["lora_requests"] == {"all": 2, "qv": 1}
+    assert stats["lora_prompt_tokens"] == {"all": 80, "qv": 40}
+    assert stats["lora_hit_tokens"] == {"all": 32, "qv": 0}   # the second "all" hit 2 blocks
+    assert stats["lora_tokens"]["all"] == 40 + 1 + 8 + 1 and stats["lora_resident"] == ["all",
+                                                                                          "qv"]
+    for key, _ in WORKER_ADAPTER_COUNTERS.values():
+        assert key in stats
+    assert "lora_loads" in stats and WORKER_COUNTERS["raypd_lora_loads"][0] == ("lora_loads",)

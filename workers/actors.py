@@ -175,7 +175,7 @@ class _EngineHost:
                 + len(getattr(self, "_reserved", ())),
                 "active_blocks": pool.num_used_blocks, "cached_blocks": pool.num_cached_blocks,
                 "free_blocks": pool.num_free_blocks, "total_blocks": pool.num_blocks,
-                "prefill_tok_s": e.stats.prefill_tok_s()}
+                "prefill_tok_s": e.stats.prefill_tok_s(), **e.lora_load_report()}
         with self._report_lock:
             self._events_out.extend(events)
             self._snapshot = snap
@@ -375,6 +375,8 @@ class DecodeHost(_EngineHost):
             blocks = self.engine.kv.block_table(request_id)
             skip = req.lifecycle.cached_tokens // bs
             dest = blocks[skip:-(-len(req.prompt_token_ids) // bs)]
+            if handle is not None:
+                self._check_namespace(req, handle, skip)
         result = None
         try:
             if self._faults_left > 0:
@@ -410,6 +412,18 @@ class DecodeHost(_EngineHost):
         self._work.set()
         return {"transfer_bytes": lc.transfer_bytes, "transfer_s": lc.transfer_s,
                 "transferred_blocks": lc.transferred_blocks, "skipped_blocks": skip}
+
+    def _check_namespace(self, req, handle: TransferHandle, skip: int) -> None:
+        """Refuse pages built under another cache namespace (adapter, tenant, model): the
+        handle's block hashes chain from the producer's namespace root, so they equal this
+        request's own hashes only for the same namespace and tokens."""
+        want = list(req.block_hashes[skip:len(req.prompt_token_ids) // req.block_size])
+        got = list(handle.block_hashes[:len(want)])
+        if got != want:
+            self._transfer_failures += 1
+            raise TransferError(f"transfer {handle.transfer_id} for {req.request_id}: its "
+                                f"pages belong to another cache namespace (adapter, tenant or "
+                                f"model); refused")
 
     def fallback_local(self, request_id: str) -> bool:
         """Transfer failed with policy `recompute`: prefill the reserved request here."""

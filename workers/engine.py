@@ -17,7 +17,7 @@ from kvcache.hashing import CacheNamespace
 from kvcache.lifecycle import EngineStats
 from kvcache.manager import KVCacheManager, cdiv
 from workers.device import DTYPES
-from workers.lora import read_adapter
+from workers.lora import LoRAStats, read_adapter
 from workers.model_runner import MODEL_IMPLS, ModelRunner
 from workers.request import Request, RequestError, RequestStatus, SamplingParams
 from workers.sampler import sample
@@ -248,6 +248,9 @@ class LLMEngine:
         if not (reason == "stop" and req.sampling.stop and req.output_text):
             req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
         req.finish(reason, now)
+        if req.lora_name:
+            self.runner.lora.stats.observe_finished(req.lora_name, len(req.prompt_token_ids),
+                                                    req.lifecycle.cached_tokens)
         self.scheduler.finish(req, free_blocks=not (req.hold_kv and reason != "abort"))
         self.requests.pop(req.request_id, None)
         self.stats.requests_finished += 1
@@ -310,10 +313,19 @@ class LLMEngine:
                  model_impl=self.runner.model_impl, model_fallback=self.runner.fallback_reason,
                  linear_kernel=self.runner.linear_kernel,
                  attention_kernel=self.runner.attention_kernel)
-        if self.runner.lora is not None:
-            d.update(self.runner.lora.stats.to_dict(),
-                     lora_resident=list(self.runner.lora.resident))
+        lora = self.runner.lora
+        d.update((lora.stats if lora is not None else LoRAStats()).to_dict(),
+                 lora_resident=list(lora.resident) if lora is not None else [])
         return d
+
+    def lora_load_report(self) -> dict:
+        """What the router's adapter affinity looks at: adapters resident, mean load time."""
+        lora = self.runner.lora
+        if lora is None:
+            return {"loras_resident": (), "lora_load_s": 0.0}
+        st = lora.stats
+        return {"loras_resident": tuple(lora.resident),
+                "lora_load_s": st.load_s_total / st.loads if st.loads else 0.0}
 
     def check_invariants(self) -> None:
         self.kv.pool.check_invariants()

@@ -187,11 +187,19 @@ class LoRAStats:
     last_load_s: float = 0.0
     requests: dict[str, int] = field(default_factory=dict)   # per adapter name
     tokens: dict[str, int] = field(default_factory=dict)     # computed tokens per adapter
+    prompt_tokens: dict[str, int] = field(default_factory=dict)   # of finished requests
+    hit_tokens: dict[str, int] = field(default_factory=dict)      # their prefix-cache hits
 
     def to_dict(self) -> dict:
         return {"lora_loads": self.loads, "lora_evictions": self.evictions,
                 "lora_load_s_mean": self.load_s_total / self.loads if self.loads else 0.0,
-                "lora_requests": dict(self.requests), "lora_tokens": dict(self.tokens)}
+                "lora_requests": dict(self.requests), "lora_tokens": dict(self.tokens),
+                "lora_prompt_tokens": dict(self.prompt_tokens),
+                "lora_hit_tokens": dict(self.hit_tokens)}
+
+    def observe_finished(self, name: str, prompt_tokens: int, hit_tokens: int) -> None:
+        self.prompt_tokens[name] = self.prompt_tokens.get(name, 0) + prompt_tokens
+        self.hit_tokens[name] = self.hit_tokens.get(name, 0) + hit_tokens
 
 
 class LoRAManager:

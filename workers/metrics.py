@@ -57,6 +57,17 @@ WORKER_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
                              "KV bytes staged for sending (prefill) or received (decode)"),
     "raypd_transfer_seconds": (("transfer_seconds",), "seconds spent pulling KV pages (decode)"),
     "raypd_transfer_failures": (("transfer_failures",), "KV transfers that failed (decode)"),
+    "raypd_lora_loads": (("lora_loads",), "LoRA adapters loaded into a slot on this worker"),
+    "raypd_lora_evictions": (("lora_evictions",), "resident LoRA adapters evicted (LRU)"),
+}
+# stats-dict key holding {adapter name: cumulative value} -> counter tagged with the adapter
+WORKER_ADAPTER_COUNTERS: dict[str, tuple[str, str]] = {
+    "raypd_lora_requests": ("lora_requests", "requests run under each LoRA adapter"),
+    "raypd_lora_computed_tokens": ("lora_tokens", "tokens computed under each LoRA adapter"),
+    "raypd_lora_prompt_tokens": ("lora_prompt_tokens",
+                                 "prompt tokens of finished requests, per LoRA adapter"),
+    "raypd_lora_hit_tokens": ("lora_hit_tokens",
+                              "of those, prefix-cache hits (hit rate = hit / prompt)"),
 }
 # from finished requests' lifecycle records
 WORKER_REQUEST_COUNTERS = {
@@ -77,11 +88,13 @@ ROUTER_METRICS = {
     "raypd_router_in_flight": "requests in flight through the router",
 }
 
-COUNTER_NAMES = (*WORKER_COUNTERS, *WORKER_REQUEST_COUNTERS, "raypd_router_requests",
+COUNTER_NAMES = (*WORKER_COUNTERS, *WORKER_ADAPTER_COUNTERS, *WORKER_REQUEST_COUNTERS,
+                 "raypd_router_requests",
                  "raypd_router_decisions")
 HISTOGRAM_NAMES = (*WORKER_HISTOGRAMS, "raypd_router_request_seconds")
 GAUGE_NAMES = (*WORKER_GAUGES, "raypd_router_in_flight")
-METRIC_NAMES = (*WORKER_GAUGES, *WORKER_COUNTERS, *WORKER_REQUEST_COUNTERS,
+METRIC_NAMES = (*WORKER_GAUGES, *WORKER_COUNTERS, *WORKER_ADAPTER_COUNTERS,
+                *WORKER_REQUEST_COUNTERS,
                 *WORKER_HISTOGRAMS, *ROUTER_METRICS)
 
 
@@ -118,6 +131,9 @@ class WorkerMetrics:
                        for n, (_, d) in WORKER_GAUGES.items()}
         self.counters = {n: Counter(n, d, tag_keys=WORKER_TAGS).set_default_tags(self.tags)
                          for n, (_, d) in WORKER_COUNTERS.items()}
+        self.adapter_counters = {
+            n: Counter(n, d, tag_keys=(*WORKER_TAGS, "adapter")).set_default_tags(self.tags)
+            for n, (_, d) in WORKER_ADAPTER_COUNTERS.items()}
         self.finished = Counter("raypd_requests_finished",
                                 WORKER_REQUEST_COUNTERS["raypd_requests_finished"],
                                 tag_keys=(*WORKER_TAGS, "finish_reason")
@@ -144,6 +160,13 @@ class WorkerMetrics:
                 self._last[name] = float(v)
                 if delta > 0:   # a reset (smaller value) restarts the baseline
                     self.counters[name].inc(delta)
+            for name, (key, _) in WORKER_ADAPTER_COUNTERS.items():
+                for adapter, v in (stats.get(key) or {}).items():
+                    last_key = f"{name}/{adapter}"
+                    delta = float(v) - self._last.get(last_key, 0.0)
+                    self._last[last_key] = float(v)
+                    if delta > 0:
+                        self.adapter_counters[name].inc(delta, tags={"adapter": adapter})
 
     def maybe_update(self, get_stats: Callable[[], Mapping[str, Any]],
                      now: float | None = None) -> bool:
