@@ -237,3 +237,16 @@ def test_engine_stats_count_requests_tokens_and_hits_per_adapter(adapters):
     for key, _ in WORKER_ADAPTER_COUNTERS.values():
         assert key in stats
     assert "lora_loads" in stats and WORKER_COUNTERS["raypd_lora_loads"][0] == ("lora_loads",)
+
+
+def test_decode_reservations_count_against_max_loras(adapters):
+    """A reservation awaiting its KV will run: another adapter beyond max_loras waits."""
+    engine = _engine(adapters, max_loras=1)
+    a = engine.make_request(random_prompt(20, seed=1), GREEDY, lora_id="all")
+    b = engine.make_request(random_prompt(20, seed=2), GREEDY, lora_id="qv")
+    same = engine.make_request(random_prompt(20, seed=3), GREEDY, lora_id="all")
+    assert engine.reserve(a) == 0
+    assert engine.reserve(b) is None          # nothing reserved for it
+    assert engine.reserve(same) == 0
+    engine.add_request(request=engine.make_request([5, 6, 7], GREEDY, lora_id="qv"), prompt=None)
+    assert engine.scheduler.schedule() == []  # the queued "qv" request waits for a slot

@@ -96,7 +96,8 @@ class LLMEngine:
         self.stats = EngineStats(num_blocks=num_blocks, block_size=cfg.block_size,
                                  kv_bytes_per_token=self.kv_bytes_per_token)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                                   cfg.max_loras), self.kv, self.stats)
+                                                   cfg.max_loras), self.kv, self.stats,
+                                   self._busy_loras)
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, DTYPES[kv_dtype],
                                   cfg.model_impl, self.max_model_len, self.loras, cfg.max_loras)
         self.namespace = CacheNamespace(self.info.model_id, self.info.revision,
@@ -160,6 +161,13 @@ class LLMEngine:
                       eos_token_ids=() if sampling.ignore_eos else tuple(self.info.eos_token_ids))
         req.update_block_hashes()
         return req
+
+    def _busy_loras(self) -> set[str]:
+        """Adapters of requests running or reserved (not those still queued): at most
+        max_loras of them, so every step's adapters fit the resident slots."""
+        queued = {id(r) for r in self.scheduler.waiting}
+        return {r.lora_name for r in self.requests.values()
+                if r.lora_name and id(r) not in queued}
 
     def lora_hash(self, name: str) -> str:
         """Content hash of adapter `name` ("" for the base model); raises UnknownLoRAError."""

@@ -14,6 +14,7 @@ and the engine ends it (`out_of_blocks`).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcache.lifecycle import EngineStats
@@ -30,8 +31,12 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, stats: EngineStats) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, stats: EngineStats,
+                 busy_loras: Callable[[], set[str]] | None = None) -> None:
         self.cfg = cfg
+        # adapters that will run in coming steps: the running requests' and, on a decode
+        # worker, those of reservations awaiting their KV (the engine knows those)
+        self.busy_loras = busy_loras or (lambda: {r.lora_name for r in self.running})
         self.kv = kv
         self.stats = stats
         self.waiting: deque[Request] = deque()
@@ -102,8 +107,8 @@ class Scheduler:
 
     def lora_fits(self, name: str) -> bool:
         """Can a request of adapter `name` run beside the running ones (max_loras slots)?"""
-        running = {r.lora_name for r in self.running if r.lora_name}
-        return name in running or len(running) < self.cfg.max_loras
+        busy = self.busy_loras() - {""}
+        return name in busy or len(busy) < self.cfg.max_loras
 
     def _blocks_held_elsewhere(self) -> bool:
         """Do requests outside the running set reference blocks (reserved or leased)?"""
