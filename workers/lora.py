@@ -5,8 +5,8 @@ One step's tokens may belong to different adapters and to the base model. Each p
 (fused or not) keeps, per resident slot, its stacked A [n_sub * R, in] and B [n_sub * R, out]
 (R = the largest rank of the configured adapters, smaller ranks padded with zeros; fused
 projections such as qkv put each sub-module's rank block into its own output slice of B).
-The delta of a step is two matmuls over the slots in use, read in place:
-`((x @ A[:w]^T) * mask) @ B[:w]`, where `mask[t]` is the token's adapter scaling on its slot's
+The delta of a step is two prepacked matmuls over every slot (repacked when an adapter loads):
+`((x @ A_all^T) * mask) @ B_all`, where `mask[t]` is the token's adapter scaling on its slot's
 columns and 0 elsewhere (all 0 for base tokens): no loop over requests; padded and masked
 terms add exact zeros. A step without adapter tokens skips all of it.
 """
@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from workers.layers import Linear
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -228,6 +230,15 @@ class LoRAManager:
                     torch.zeros(max_loras, r, fout, dtype=dtype, device=device))
         self.resident: OrderedDict[str, int] = OrderedDict()   # name -> slot, LRU first
         self.stats = LoRAStats()
+        # every slot's A and B of a projection as two prepacked linears, rebuilt on each load:
+        # x -> [T, slots*n*R] -> [T, out] (oneDNN's kernels, as the base weights)
+        self.packed: dict[tuple[int, str], tuple[Linear, Linear]] = {}
+        self._pack()
+
+    def _pack(self) -> None:
+        for key, (A, B) in self.weights.items():
+            self.packed[key] = (Linear(A.reshape(-1, A.shape[-1])),
+                                Linear(B.reshape(-1, B.shape[-1]).t().contiguous()))
 
     def _load(self, name: str, slot: int) -> None:
         t0 = time.perf_counter()
@@ -244,6 +255,7 @@ class LoRAManager:
                 a, b = ab
                 A[slot, j * R:j * R + spec.rank] = a.to(A)
                 B[slot, j * R:j * R + spec.rank, off:off + size] = b.t().to(B)
+        self._pack()
         dt = time.perf_counter() - t0
         self.stats.loads += 1
         self.stats.load_s_total += dt
@@ -273,26 +285,24 @@ class LoRAManager:
         if not active:
             return None
         slots = self.ensure_resident(active)
-        width = max(slots.values()) + 1   # slots [0, width) cover the step's adapters
         dtype = next(iter(self.weights.values()))[0].dtype
         device = next(iter(self.weights.values()))[0].device
         # per chunk: its adapter's scaling in its slot's column, zeros elsewhere (base: all 0)
-        rows = torch.zeros(len(names), width, dtype=dtype)
+        rows = torch.zeros(len(names), self.max_loras, dtype=dtype)
         for i, n in enumerate(names):
             if n:
                 rows[i, slots[n]] = self.specs[n].scaling
         per_token = rows.repeat_interleave(torch.tensor(counts), dim=0).to(device)
-        return LoRABatch(self, width, per_token)
+        return LoRABatch(self, per_token)
 
 
 class LoRABatch:
     """One step's adapter selection; `apply` adds the delta to one projection's output."""
 
-    def __init__(self, manager: LoRAManager, width: int, per_token: torch.Tensor) -> None:
-        self.weights = manager.weights
+    def __init__(self, manager: LoRAManager, per_token: torch.Tensor) -> None:
+        self.packed = manager.packed
         self.rank = manager.rank
-        self.width = width                  # slots [0, width) are read (unused ones masked)
-        self.per_token = per_token          # [T, width] each token's scaling per slot
+        self.per_token = per_token          # [T, max_loras] each token's scaling per slot
         self._masks: dict[int, torch.Tensor] = {}
 
     def _mask(self, n_sub: int) -> torch.Tensor:
@@ -304,16 +314,14 @@ class LoRABatch:
     def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
         """y + this step's LoRA delta of projection `group` of `layer` for input x
         (leading dims flattened: [..., in] -> [..., out]); y is updated in place."""
-        w = self.weights.get((layer, group))
-        if w is None:
+        ab = self.packed.get((layer, group))
+        if ab is None:
             return y
-        A, B = w
-        r = A.shape[1]                                       # n_sub * rank
-        A = A[:self.width].view(-1, A.shape[-1])             # [width*n*R, in], a view
-        B = B[:self.width].view(-1, B.shape[-1])             # [width*n*R, out]
-        xa = x.reshape(-1, x.shape[-1]) @ A.t()
-        xa.mul_(self._mask(r // self.rank))
-        y.view(-1, y.shape[-1]).addmm_(xa, B)
+        lora_a, lora_b = ab
+        xa = lora_a(x.reshape(-1, x.shape[-1]))             # [T, slots*n*R]
+        n_sub = xa.shape[-1] // (self.per_token.shape[1] * self.rank)
+        xa.mul_(self._mask(n_sub))
+        y.view(-1, y.shape[-1]).add_(lora_b(xa))
         return y
 
 
