@@ -2,11 +2,12 @@
 LRU), and the batched per-token low-rank delta the model adds to its projections.
 
 One step's tokens may belong to different adapters and to the base model. Each projection
-(fused or not) keeps, per resident slot, its stacked A [n_sub * R, in] and B [n_sub * R, out]
-(R = the largest rank of the configured adapters, smaller ranks padded with zeros; fused
-projections such as qkv put each sub-module's rank block into its own output slice of B).
-The delta of a step is two prepacked matmuls over every slot (repacked when an adapter loads):
-`((x @ A_all^T) * mask) @ B_all`, where `mask[t]` is the token's adapter scaling on its slot's
+(fused or not) keeps its stacked A [n_sub, slots, R, in] and one B [slots, R, out_j] per
+sub-module (R = the largest rank of the configured adapters, smaller ranks padded with zeros; a fused
+projection such as qkv has one A over all its sub-modules and one B per sub-module, added into
+that sub-module's slice of the fused output).
+The delta of a step is prepacked matmuls over every slot (repacked when an adapter loads):
+`((x @ A_all^T) * mask) @ B_all` (per sub-module slice), where `mask[t]` is the token's adapter scaling on its slot's
 columns and 0 elsewhere (all 0 for base tokens): no loop over requests; padded and masked
 terms add exact zeros. A step without adapter tokens skips all of it.
 """
@@ -217,17 +218,18 @@ class LoRAManager:
         self.rank = max(s.rank for s in specs.values())
         shapes = module_shapes(config)
         targeted = {m for s in specs.values() for m in s.target_modules}
-        self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (layer, projection) -> (A [n_sub, slots, R, in], [B_j [slots, R, out_j] per sub])
+        self.weights: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         for layer in range(config.num_hidden_layers):
             for g, subs in groups.items():
                 if not any(m in targeted for m, _, _ in subs):
                     continue
                 fin = shapes[subs[0][0]][0]
-                fout = sum(size for _, _, size in subs)
-                r = len(subs) * self.rank
                 self.weights[(layer, g)] = (
-                    torch.zeros(max_loras, r, fin, dtype=dtype, device=device),
-                    torch.zeros(max_loras, r, fout, dtype=dtype, device=device))
+                    torch.zeros(len(subs), max_loras, self.rank, fin, dtype=dtype,
+                                device=device),
+                    [torch.zeros(max_loras, self.rank, size, dtype=dtype, device=device)
+                     for _, _, size in subs])
         self.resident: OrderedDict[str, int] = OrderedDict()   # name -> slot, LRU first
         self.stats = LoRAStats()
         # every slot's A and B of a projection as two prepacked linears, rebuilt on each load:
@@ -236,25 +238,24 @@ class LoRAManager:
         self._pack()
 
     def _pack(self) -> None:
-        for key, (A, B) in self.weights.items():
+        for key, (A, Bs) in self.weights.items():
+            subs = self.groups[key[1]]
             self.packed[key] = (Linear(A.reshape(-1, A.shape[-1])),
-                                Linear(B.reshape(-1, B.shape[-1]).t().contiguous()))
+                                [(off, size, Linear(B.reshape(-1, size).t().contiguous()))
+                                 for (_, off, size), B in zip(subs, Bs, strict=True)])
 
     def _load(self, name: str, slot: int) -> None:
         t0 = time.perf_counter()
         spec = self.specs[name]
         loaded = load_weights(spec)
-        R = self.rank
-        for (layer, g), (A, B) in self.weights.items():
-            A[slot].zero_()
-            B[slot].zero_()
-            for j, (module, off, size) in enumerate(self.groups[g]):
+        for (layer, g), (A, Bs) in self.weights.items():
+            for j, (module, _, _) in enumerate(self.groups[g]):
+                A[j, slot].zero_()
+                Bs[j][slot].zero_()
                 ab = loaded.get((layer, module))
-                if ab is None:
-                    continue
-                a, b = ab
-                A[slot, j * R:j * R + spec.rank] = a.to(A)
-                B[slot, j * R:j * R + spec.rank, off:off + size] = b.t().to(B)
+                if ab is not None:
+                    A[j, slot, :spec.rank] = ab[0].to(A)
+                    Bs[j][slot, :spec.rank] = ab[1].t().to(A)
         self._pack()
         dt = time.perf_counter() - t0
         self.stats.loads += 1
@@ -285,8 +286,8 @@ class LoRAManager:
         if not active:
             return None
         slots = self.ensure_resident(active)
-        dtype = next(iter(self.weights.values()))[0].dtype
-        device = next(iter(self.weights.values()))[0].device
+        A0 = next(iter(self.weights.values()))[0]
+        dtype, device = A0.dtype, A0.device
         # per chunk: its adapter's scaling in its slot's column, zeros elsewhere (base: all 0)
         rows = torch.zeros(len(names), self.max_loras, dtype=dtype)
         for i, n in enumerate(names):
@@ -303,25 +304,32 @@ class LoRABatch:
         self.packed = manager.packed
         self.rank = manager.rank
         self.per_token = per_token          # [T, max_loras] each token's scaling per slot
-        self._masks: dict[int, torch.Tensor] = {}
+        self._m: torch.Tensor | None = None
 
-    def _mask(self, n_sub: int) -> torch.Tensor:
-        m = self._masks.get(n_sub)
-        if m is None:
-            m = self._masks[n_sub] = self.per_token.repeat_interleave(n_sub * self.rank, dim=1)
-        return m
+    def _mask(self) -> torch.Tensor:
+        """[T, slots*R]: each token's scaling on its slot's R columns."""
+        if self._m is None:
+            self._m = self.per_token.repeat_interleave(self.rank, dim=1)
+        return self._m
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
         """y + this step's LoRA delta of projection `group` of `layer` for input x
         (leading dims flattened: [..., in] -> [..., out]); y is updated in place."""
-        ab = self.packed.get((layer, group))
-        if ab is None:
+        packed = self.packed.get((layer, group))
+        if packed is None:
             return y
-        lora_a, lora_b = ab
-        xa = lora_a(x.reshape(-1, x.shape[-1]))             # [T, slots*n*R]
-        n_sub = xa.shape[-1] // (self.per_token.shape[1] * self.rank)
-        xa.mul_(self._mask(n_sub))
-        y.view(-1, y.shape[-1]).add_(lora_b(xa))
+        lora_a, lora_bs = packed
+        mask = self._mask()
+        width = mask.shape[1]
+        xa = lora_a(x.reshape(-1, x.shape[-1]))             # [T, n_sub*slots*R], sub-major
+        y2 = y.view(-1, y.shape[-1])
+        if len(lora_bs) == 1:
+            off, size, lora_b = lora_bs[0]
+            y2.add_(lora_b(xa.mul_(mask)))
+            return y
+        xa = xa.view(xa.shape[0], len(lora_bs), width).mul_(mask.unsqueeze(1))
+        for j, (off, size, lora_b) in enumerate(lora_bs):  # q/k/v or gate/up: own slices
+            y2[:, off:off + size].add_(lora_b(xa[:, j].contiguous()))
         return y
 
 
