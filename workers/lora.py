@@ -3,13 +3,15 @@ LRU), and the batched per-token low-rank delta the model adds to its projections
 
 One step's tokens may belong to different adapters and to the base model. Each projection
 (fused or not) keeps its stacked A [n_sub, slots, R, in] and one B [slots, R, out_j] per
-sub-module (R = the largest rank of the configured adapters, smaller ranks padded with zeros; a fused
-projection such as qkv has one A over all its sub-modules and one B per sub-module, added into
-that sub-module's slice of the fused output).
-The delta of a step is prepacked matmuls over every slot (repacked when an adapter loads):
-`((x @ A_all^T) * mask) @ B_all` (per sub-module slice), where `mask[t]` is the token's adapter scaling on its slot's
-columns and 0 elsewhere (all 0 for base tokens): no loop over requests; padded and masked
-terms add exact zeros. A step without adapter tokens skips all of it.
+sub-module (R = the largest rank of the configured adapters, smaller ranks padded with zeros),
+and packs them per slot into A [n_sub*R, in] and a B [n_sub*R, out] that is block-diagonal
+over the sub-modules (q/k/v, gate/up each land in their slice of the fused output).
+Small steps (decodes): three ops per projection over every slot at once,
+`y += ((x @ A_all^T) * mask) @ B_all`, where `mask[t]` is the token's adapter scaling on its
+slot's columns and 0 elsewhere (all 0 for base tokens); padded and masked terms add exact
+zeros. Large steps (>= SEGMENT_MIN_TOKENS, prefill): tokens grouped by adapter with one sort,
+each group computing only its own A and B (a loop over the step's adapters, never over
+requests). A step without adapter tokens skips all of it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from workers.layers import Linear
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
+SEGMENT_MIN_TOKENS = 128   # steps this large group tokens by adapter instead of masking
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -234,15 +237,25 @@ class LoRAManager:
         self.stats = LoRAStats()
         # every slot's A and B of a projection as two prepacked linears, rebuilt on each load:
         # x -> [T, slots*n*R] -> [T, out] (oneDNN's kernels, as the base weights)
-        self.packed: dict[tuple[int, str], tuple[Linear, Linear]] = {}
+        self.packed: dict[tuple[int, str], tuple[Linear, torch.Tensor]] = {}
+        self.per_slot: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pack()
 
     def _pack(self) -> None:
         for key, (A, Bs) in self.weights.items():
             subs = self.groups[key[1]]
-            self.packed[key] = (Linear(A.reshape(-1, A.shape[-1])),
-                                [(off, size, Linear(B.reshape(-1, size).t().contiguous()))
-                                 for (_, off, size), B in zip(subs, Bs, strict=True)])
+            # per slot: A [n*R, in] and B [n*R, out], block-diagonal over the sub-modules
+            out = sum(size for _, _, size in subs)
+            per_slot = []
+            for slot in range(self.max_loras):
+                b = A.new_zeros(len(subs) * self.rank, out)
+                for j, ((_, off, size), B) in enumerate(zip(subs, Bs, strict=True)):
+                    b[j * self.rank:(j + 1) * self.rank, off:off + size] = B[slot]
+                per_slot.append((A[:, slot].reshape(-1, A.shape[-1]).contiguous(), b))
+            self.per_slot[key] = per_slot
+            # every slot at once (slot-major rows): one prepacked A, one B for addmm
+            self.packed[key] = (Linear(torch.cat([a for a, _ in per_slot])),
+                                torch.cat([b for _, b in per_slot]))
 
     def _load(self, name: str, slot: int) -> None:
         t0 = time.perf_counter()
@@ -293,24 +306,45 @@ class LoRAManager:
         for i, n in enumerate(names):
             if n:
                 rows[i, slots[n]] = self.specs[n].scaling
-        per_token = rows.repeat_interleave(torch.tensor(counts), dim=0).to(device)
-        return LoRABatch(self, per_token)
+        reps = torch.tensor(counts)
+        per_token = rows.repeat_interleave(reps, dim=0).to(device)
+        segments = None
+        if int(reps.sum()) >= SEGMENT_MIN_TOKENS:
+            # tokens grouped by adapter (one stable sort): each adapter's tokens compute only
+            # their own A and B (a loop over the step's adapters, never over requests)
+            slot_of = torch.tensor([slots[n] if n else -1 for n in names])
+            token_slot = slot_of.repeat_interleave(reps)
+            order = torch.argsort(token_slot, stable=True)
+            sizes = torch.bincount(token_slot + 1, minlength=self.max_loras + 1).tolist()
+            segments, start = [], sizes[0]           # base tokens (slot -1) sort first: skip
+            by_slot = {slots[n]: self.specs[n].scaling for n in active}
+            for slot in range(self.max_loras):
+                n_tok = sizes[slot + 1]
+                if n_tok:
+                    idx = order[start:start + n_tok].to(device)
+                    segments.append((slot, idx, by_slot[slot]))
+                start += n_tok
+        return LoRABatch(self, per_token, segments)
 
 
 class LoRABatch:
     """One step's adapter selection; `apply` adds the delta to one projection's output."""
 
-    def __init__(self, manager: LoRAManager, per_token: torch.Tensor) -> None:
+    def __init__(self, manager: LoRAManager, per_token: torch.Tensor,
+                 segments: list[tuple[int, torch.Tensor, float]] | None = None) -> None:
         self.packed = manager.packed
+        self.per_slot = manager.per_slot
+        self.segments = segments            # large steps: (slot, token indices, scaling)
         self.rank = manager.rank
         self.per_token = per_token          # [T, max_loras] each token's scaling per slot
-        self._m: torch.Tensor | None = None
+        self._masks: dict[int, torch.Tensor] = {}
 
-    def _mask(self) -> torch.Tensor:
-        """[T, slots*R]: each token's scaling on its slot's R columns."""
-        if self._m is None:
-            self._m = self.per_token.repeat_interleave(self.rank, dim=1)
-        return self._m
+    def _mask(self, n_sub: int) -> torch.Tensor:
+        """[T, slots*n_sub*R]: each token's scaling on its slot's columns."""
+        m = self._masks.get(n_sub)
+        if m is None:
+            m = self._masks[n_sub] = self.per_token.repeat_interleave(n_sub * self.rank, dim=1)
+        return m
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
         """y + this step's LoRA delta of projection `group` of `layer` for input x
@@ -318,18 +352,22 @@ class LoRABatch:
         packed = self.packed.get((layer, group))
         if packed is None:
             return y
-        lora_a, lora_bs = packed
-        mask = self._mask()
-        width = mask.shape[1]
-        xa = lora_a(x.reshape(-1, x.shape[-1]))             # [T, n_sub*slots*R], sub-major
+        if self.segments is not None:
+            return self._apply_segments(y, x, self.per_slot[(layer, group)])
+        lora_a, lora_b = packed
+        xa = lora_a(x.reshape(-1, x.shape[-1]))            # [T, slots*n_sub*R]
+        xa.mul_(self._mask(xa.shape[1] // (self.per_token.shape[1] * self.rank)))
+        y.view(-1, y.shape[-1]).addmm_(xa, lora_b)
+        return y
+
+    def _apply_segments(self, y: torch.Tensor, x: torch.Tensor,
+                        per_slot: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
         y2 = y.view(-1, y.shape[-1])
-        if len(lora_bs) == 1:
-            off, size, lora_b = lora_bs[0]
-            y2.add_(lora_b(xa.mul_(mask)))
-            return y
-        xa = xa.view(xa.shape[0], len(lora_bs), width).mul_(mask.unsqueeze(1))
-        for j, (off, size, lora_b) in enumerate(lora_bs):  # q/k/v or gate/up: own slices
-            y2[:, off:off + size].add_(lora_b(xa[:, j].contiguous()))
+        for slot, idx, scaling in self.segments:
+            a, b = per_slot[slot]
+            xa = x2.index_select(0, idx) @ a.t()
+            y2.index_add_(0, idx, (xa * scaling) @ b)
         return y
 
 
