@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from kvcache.request_trace import PrefillTiming  # trace hook
 from kvtransfer import rdt
 from kvtransfer.base import TransferError, TransferHandle
 from kvtransfer.endpoint import KVConsumer, KVProducer
@@ -253,6 +254,7 @@ class PrefillHost(_EngineHost):
         if req.lifecycle.finish_reason == "abort" or not tokens:
             raise RequestError(f"request {req.request_id} was aborted during prefill")
         skip = int(spec.get("skip_blocks", 0))
+        staging_t0 = time.perf_counter()  # trace hook
         with self._lock:
             block_ids = self.engine.kv.block_table(req.request_id)
             n_prompt_blocks = -(-len(req.prompt_token_ids) // self.engine.cfg.block_size)
@@ -268,7 +270,11 @@ class PrefillHost(_EngineHost):
             else:
                 self.engine.release_held(req.request_id)
         lc = req.lifecycle
+        now = time.perf_counter()  # trace hook (3 lines): P's queue wait, compute, staging
+        timing = PrefillTiming.measure(req.arrival_time, req.first_scheduled_time,
+                                       req.first_token_time, now - staging_t0, now, time.time())
         return {"first_token": tokens[0], "handle": handle, "prefill_worker": self.worker_id,
+                "timing": timing,
                 "prefill_cached_tokens": lc.cached_tokens, "prefill_computed_tokens":
                 lc.computed_tokens, "prefill_ttft_s": lc.ttft_s, "blocks_sent": len(send_ids)}
 
