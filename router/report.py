@@ -193,9 +193,11 @@ def build_report(records: Sequence, *, params: dict, wall_s: float,
                  stats_after: Sequence[dict] | None = None,
                  slo_ttft_s: float = 2.0, slo_tpot_s: float = 0.25,
                  concurrency: int | None = None, stats_source: str | None = None,
-                 evidence_level: str | None = None) -> dict:
+                 evidence_level: str | None = None,
+                 stage_breakdown: dict | None = None) -> dict:
     """The report dict (JSON-ready) of one replay's RequestRecords and the server's per-worker
-    stats before and after it."""
+    stats before and after it; `stage_breakdown` (router/request_traces.stage_breakdown of the
+    replayed requests' handoff traces) goes in as is."""
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -267,6 +269,7 @@ def build_report(records: Sequence, *, params: dict, wall_s: float,
     report = {"params": params, **m, "per_actor": per_actor,
               "stats_source": stats_source,
               "diagnosis": diagnose(m, records, per_actor),
+              "stage_breakdown": stage_breakdown,
               "evidence_level": evidence_level,
               "errors": [{"id": r.id, "status": r.status, "error": r.error}
                          for r in failed[:20]]}
@@ -323,6 +326,10 @@ def summary_lines(report: dict) -> list[str]:
         f"KV transfer: {_num(r['transfer_bytes'])} bytes"
         + (f" in {r['transfer_s']:.2f} s" if r.get("transfer_s") is not None else ""),
     ]
+    if r.get("stage_breakdown"):
+        lines.append("handoff stages p50/p99: " + ", ".join(
+            f"{s} {_ms(p, 'p50').removesuffix(' ms')}/{_ms(p, 'p99')}"
+            for s, p in r["stage_breakdown"].items() if s not in ("ttft", "e2e")))
     for d in r["diagnosis"]:
         because = ", ".join(f"{k}={v}" for k, v in d["because"].items()
                             if not k.startswith("threshold") and v is not None)
@@ -446,6 +453,8 @@ def render_html(report: dict, records: Sequence) -> str:
         f"<pre>{summary}</pre>",
         "<h2>Parameters</h2>", _table([r["params"]]),
         "<h2>Latency</h2>", _table(metrics),
+        "<h2>Handoff stages <small>(per request, from the router's traces)</small></h2>",
+        _table(_stage_rows(r.get("stage_breakdown"))),
         "<h2>Figures</h2>", _table([flat]),
         "<h2>Diagnosis</h2>", f"<ul>{diag}</ul>",
         "<h2>Plots</h2>", *_plots(r, records),
@@ -454,6 +463,16 @@ def render_html(report: dict, records: Sequence) -> str:
         "</body></html>",
     ]
     return "\n".join(parts)
+
+
+def _stage_rows(breakdown: dict | None) -> list[dict]:
+    """One row per stage: p50 / p90 / p99 / mean in ms and how many requests had it."""
+    rows = []
+    for stage, p in (breakdown or {}).items():
+        ms = {k: None if p.get(k) is None else round(p[k] * 1e3, 3)
+              for k in ("p50", "p90", "p99", "mean")}
+        rows.append({"stage": stage, **{f"{k} ms": v for k, v in ms.items()}, "n": p.get("n")})
+    return rows
 
 
 def write_html(report: dict, records: Sequence, path: str | Path) -> None:

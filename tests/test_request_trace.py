@@ -194,3 +194,24 @@ def test_a_served_request_has_every_handoff_stage_in_its_trace(server, tmp_path,
             if e["name"] == "thread_name"} == {"router", "prefill-0", "decode-0"}
     assert main(["trace-request", rid, "--url", server.url]) == 2      # no key: clear error
     assert "api-key" in capsys.readouterr().err
+
+
+def test_submit_reports_the_stage_breakdown_and_writes_perfetto(server, tmp_path, capsys):
+    from cluster.cli import main
+    from router.workload import write_jsonl
+    trace = tmp_path / "t.jsonl"
+    write_jsonl([{"prompt": f"alpha beta gamma delta epsilon {i} zeta eta theta iota kappa "
+                  "lambda mu nu xi omicron pi rho", "max_tokens": 4} for i in range(6)], trace)
+    out, perfetto = tmp_path / "report.json", tmp_path / "run.perfetto.json"
+    assert main(["submit", str(trace), "--url", server.url, "--api-key", KEY, "--no-progress",
+                 "--out", str(out), "--perfetto", str(perfetto)]) == 0
+    assert "handoff stages p50/p99: route" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["requests_ok"] == 6
+    b = report["stage_breakdown"]
+    assert set(STAGES) <= set(b) and all(b[s]["n"] == 6 for s in STAGES)
+    assert all(0 <= b[s]["p50"] <= b[s]["p99"] for s in STAGES)
+    events = json.loads(perfetto.read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert tracks == {"router", "prefill-0", "decode-0"}
+    assert len({e["args"]["request_id"] for e in events if e.get("cat") == "stage"}) == 6
