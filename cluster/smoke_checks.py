@@ -19,11 +19,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# One query per actor role: a raypd series every worker of that role exports once it has run.
+# One query per actor role: a raypd series every actor of that role exports once requests have
+# gone through it (label that names the actor); the router runs in `raypd serve` on the head.
 ROLE_QUERIES = {
-    "prefill": 'ray_raypd_kv_blocks_total{role="prefill"}',
-    "decode": 'ray_raypd_kv_blocks_total{role="decode"}',
+    "prefill": ('ray_raypd_lease_releases_total{role="prefill",reason="acked"}', "worker_id"),
+    "decode": ('ray_raypd_transfers_total{role="decode"}', "worker_id"),
+    "router": ('ray_raypd_router_stage_seconds_count{stage="transfer"}', "router"),
 }
+ROUTER_ID = "router"
 
 
 def check_report(report: dict, requests: int) -> list[str]:
@@ -48,6 +51,7 @@ def check_report(report: dict, requests: int) -> list[str]:
 class RoleSeries:
     role: str
     query: str
+    label: str
     workers_expected: list[str]
     workers_seen: list[str] = field(default_factory=list)
 
@@ -68,7 +72,7 @@ def prom_query(url: str, query: str, timeout: float = 5.0) -> list[dict]:
 
 def check_prometheus(url: str, workers: dict[str, list[str]], timeout_s: float) -> list[RoleSeries]:
     """Poll one query per role until every worker of it has a series (or the time is up)."""
-    rows = [RoleSeries(role, ROLE_QUERIES[role], sorted(ids)) for role, ids in workers.items()]
+    rows = [RoleSeries(role, *ROLE_QUERIES[role], sorted(ids)) for role, ids in workers.items()]
     deadline = time.monotonic() + timeout_s
     while True:
         for row in rows:
@@ -76,15 +80,17 @@ def check_prometheus(url: str, workers: dict[str, list[str]], timeout_s: float) 
                 result = prom_query(url, row.query)
             except OSError:
                 continue                          # Prometheus still starting
-            row.workers_seen = sorted({s["metric"].get("worker_id", "") for s in result})
+            row.workers_seen = sorted({s["metric"].get(row.label, "") for s in result})
         if all(r.ok for r in rows) or time.monotonic() > deadline:
             return rows
         time.sleep(1.0)
 
 
 def workers_by_role(status: dict) -> dict[str, list[str]]:
-    """`raypd status --json` (= /api/stats) -> {role: [worker_id, ...]} for prefill and decode."""
+    """`raypd status --json` (= /api/stats) -> {role: [actor id, ...]}: the prefill and decode
+    workers it lists, and the router."""
     out: dict[str, list[str]] = {role: [] for role in ROLE_QUERIES}
+    out["router"] = [ROUTER_ID]
     for w in status.get("actors") or []:
         if w.get("role") in out:
             out[w["role"]].append(str(w["worker_id"]))

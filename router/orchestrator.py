@@ -94,7 +94,7 @@ class Orchestrator:
         self.retries = 0                         # request re-runs after a worker failure
         self.metrics = metrics or _NoMetrics()
         self._flights: dict[str, _Flight] = {}
-        self.traces = TraceStore()  # trace hook: GET /v1/requests/{id}/trace
+        self.traces = TraceStore(on_finish=getattr(self.metrics, "record_trace", None))  # trace hook
         self._lock = threading.Lock()
         # RDT: one transfer at a time per actor. Ray matches sends to receives by order only
         # (no tags) and does not promise threaded actors run tasks in submission order, so two

@@ -12,25 +12,31 @@ raises into the request path: tracing cannot fail a request. Torch-free, Ray-fre
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvcache.request_trace import ROUTER, STAGES, PrefillTiming, RequestTrace
 from router.report import percentiles
 
 DEFAULT_CAPACITY = 1000
+log = logging.getLogger(__name__)
 
 
 class TraceStore:
     """The last `capacity` requests' traces, by request id (oldest evicted first)."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, clock=time.time) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, clock=time.time,
+                 on_finish: Callable[[RequestTrace], None] | None = None) -> None:
+        """`on_finish(trace)` runs once per finished request, outside the lock (the router's
+        metrics: stage histograms, per-pair transfer); its errors are logged, never raised."""
         assert capacity >= 1
         self.capacity = capacity
         self.clock = clock
+        self.on_finish = on_finish
         self._traces: OrderedDict[str, RequestTrace] = OrderedDict()
         self._open: dict[str, dict[str, float]] = {}    # rid -> stage -> start (in flight)
         self._lock = threading.Lock()
@@ -102,8 +108,14 @@ class TraceStore:
         now = self.clock()
         with self._lock:
             self._open.pop(rid, None)
-            if (t := self._traces.get(rid)) is not None and t.finished_at is None:
-                t.finish(status, now)
+            if (t := self._traces.get(rid)) is None or t.finished_at is not None:
+                return
+            t.finish(status, now)
+        if self.on_finish is not None:
+            try:
+                self.on_finish(t)
+            except Exception:   # noqa: BLE001 - tracing never fails a request
+                log.exception("trace on_finish failed for %s", rid)
 
     # ---- read ---------------------------------------------------------------------------------
     def get(self, rid: str) -> RequestTrace | None:

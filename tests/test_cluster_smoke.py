@@ -35,7 +35,7 @@ def test_ray_up_serves_the_shared_trace_and_ray_down_leaves_nothing():
     timings = json.loads(open(os.path.join(out_dir, "timings.json")).read())
     assert timings["requests_ok"] == timings["requests"] == 20
     checks = json.loads(open(os.path.join(out_dir, "prometheus-check.json")).read())
-    assert {c["role"] for c in checks if c["ok"]} == {"prefill", "decode"}
+    assert {c["role"] for c in checks if c["ok"]} == {"prefill", "decode", "router"}
 
 
 def test_the_smoke_config_is_the_template_rendered_for_one_loopback_node():
