@@ -1,11 +1,13 @@
 """Where one request's time went across router, prefill worker, transfer and decode worker:
 the typed per-request handoff trace (plain data, torch-free; router and workers both use it).
 
-Timestamps are wall-clock seconds (`time.time()`), the one clock every actor shares on a node
-(across nodes they are as good as the nodes' clock sync). A stage is a span [start, end] on
-one actor; the router stamps what it sees (arrival, routing decision, admission, the transfer
-call, tokens, finish) and the prefill worker reports what only it sees (queue wait, compute,
-staging) as `PrefillTiming`, durations anchored at the moment it returned.
+Timestamps are the router's wall clock (`time.time()`): a stage is a span [start, end] on one
+actor; the router stamps what it sees (arrival, routing decision, admission, the transfer call,
+tokens, finish) and the prefill worker reports durations only it can measure (compute, staging,
+its engine's queue wait) as `PrefillTiming`; the router lays them back from the moment P's
+answer arrived, so no span depends on another node's clock. `prefill_queue` is everything
+between admission on D and P starting to compute (P's routing decision, the call reaching P,
+P's lock and engine queue); `staging` includes P's answer travelling back.
 
 Invariants: spans have end >= start; `stage_seconds()` has one entry per stage that happened.
 """
@@ -22,23 +24,21 @@ ROUTER = "router"
 
 @dataclass(frozen=True)
 class PrefillTiming:
-    """What the prefill worker measured for one request (seconds; `returned_at` wall clock)."""
+    """What the prefill worker measured for one request (seconds, its own perf_counter)."""
 
-    queue_wait_s: float          # arrival in P's engine -> first scheduled
+    engine_queue_s: float        # arrival in P's engine -> first scheduled
     compute_s: float             # first scheduled -> first token sampled
-    staging_s: float             # exposing the pages D lacks under a lease
-    returned_at: float           # time.time() when P answered
+    staging_s: float             # first token -> P answers (exposing pages under a lease)
 
     @staticmethod
     def measure(arrival: float, first_scheduled: float | None, first_token: float | None,
-                staging_s: float, now_perf: float, now_wall: float) -> PrefillTiming:
-        """From the engine's perf_counter stamps of one request (`now_*`: one instant on both
-        clocks, taken when P answers)."""
-        first_token = first_token if first_token is not None else now_perf
+                now: float) -> PrefillTiming:
+        """From the engine's perf_counter stamps of one request, `now` when P answers."""
+        first_token = first_token if first_token is not None else now
         first_scheduled = first_scheduled if first_scheduled is not None else arrival
-        return PrefillTiming(queue_wait_s=max(0.0, first_scheduled - arrival),
+        return PrefillTiming(engine_queue_s=max(0.0, first_scheduled - arrival),
                              compute_s=max(0.0, first_token - first_scheduled),
-                             staging_s=max(0.0, staging_s), returned_at=now_wall)
+                             staging_s=max(0.0, now - first_token))
 
 
 @dataclass
@@ -69,6 +69,7 @@ class RequestTrace:
     prefill_worker: str | None = None
     decode_worker: str | None = None
     local_prefill: bool = False  # D prefilled it itself (no handoff)
+    prefill_engine_queue_s: float = 0.0   # of prefill_queue, the part in P's engine queue
     attempts: int = 1
     spans: list[StageSpan] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
@@ -80,14 +81,17 @@ class RequestTrace:
     def span(self, stage: str, actor: str, start: float, end: float) -> None:
         self.spans.append(StageSpan(stage, actor, start, end))
 
-    def add_prefill(self, worker: str, t: PrefillTiming) -> None:
-        """P's own three stages, laid back from the moment it answered."""
+    def add_prefill(self, worker: str, t: PrefillTiming, sent: float, answered: float) -> None:
+        """P's stages between `sent` (D admitted it) and `answered` (the router has P's
+        answer): compute and staging as P measured them, laid back from `answered`; the rest
+        of the round trip before them is the queue."""
         self.prefill_worker = worker
-        staging_start = t.returned_at - t.staging_s
-        compute_start = staging_start - t.compute_s
-        self.span("prefill_queue", worker, compute_start - t.queue_wait_s, compute_start)
+        self.prefill_engine_queue_s += t.engine_queue_s
+        staging_start = max(sent, answered - t.staging_s)
+        compute_start = max(sent, staging_start - t.compute_s)
+        self.span("prefill_queue", worker, sent, compute_start)
         self.span("prefill_compute", worker, compute_start, staging_start)
-        self.span("staging", worker, staging_start, t.returned_at)
+        self.span("staging", worker, staging_start, answered)
 
     def add_tokens(self, n: int, at: float) -> None:
         self.token_times.extend([at] * n)

@@ -79,7 +79,7 @@ class TraceStore:
                 return
             t.prefill_worker = prefill_worker
             if timing is not None:
-                t.add_prefill(prefill_worker, timing)
+                t.add_prefill(prefill_worker, timing, sent=t.admitted_at or now, answered=now)
             self._open.setdefault(rid, {})["transfer"] = now
 
     def transferred(self, rid: str, decode_worker: str, result: Any = None) -> None:

@@ -55,7 +55,7 @@ cleanup() {
   set +e
   if [ "$UP_DONE" = 1 ]; then
     say "cleanup: ray down"
-    RAY_TMPDIR="$WORK/driver" ray down -y "$WORK/cluster.yaml" >>"$WORK/ray-down.log" 2>&1
+    RAY_TMPDIR="$WORK/driver" TMPDIR="$WORK/driver" ray down -y "$WORK/cluster.yaml" >>"$WORK/ray-down.log" 2>&1
   fi
   [ -n "$PROM_PID" ] && kill "$PROM_PID" 2>/dev/null && wait "$PROM_PID" 2>/dev/null
   [ -n "$SSHD_PID" ] && kill "$SSHD_PID" 2>/dev/null && wait "$SSHD_PID" 2>/dev/null
@@ -86,8 +86,8 @@ install -d -m 700 -o "$SMOKE_USER" "$WORK/home/.ssh"
 ssh-keygen -q -t ed25519 -N '' -C "raypd-smoke" -f "$WORK/id_ed25519"
 ssh-keygen -q -t ed25519 -N '' -f "$WORK/host_key"
 install -m 600 -o "$SMOKE_USER" "$WORK/id_ed25519.pub" "$WORK/home/.ssh/authorized_keys"
-install -d -m 755 -o "$SMOKE_USER" "$WORK/rt"         # the head's RAY_TMPDIR
-mkdir -p "$WORK/driver"                              # the driver's (ray up's lock and state)
+install -d -m 755 -o "$SMOKE_USER" "$WORK/rt" "$WORK/rt/tmp"   # the head's RAY_TMPDIR, TMPDIR
+mkdir -p "$WORK/driver"                # the driver's (ray up's lock, state and config cache)
 
 read -r P_SSH P_GCS P_METRICS P_ROUTER P_CLIENT P_DASH P_AGENT_HTTP P_AGENT_GRPC P_NM P_OM P_RTE \
   P_PROM P_WMIN < <("$PY" - <<'EOF'
@@ -135,6 +135,7 @@ say "sshd on 127.0.0.1:$P_SSH, user $SMOKE_USER"
 # settings (package index, local wheels) for scripts/setup.sh, which uses the system python3.
 {
   echo "export RAY_TMPDIR=$WORK/rt"
+  echo "export TMPDIR=$WORK/rt/tmp"                   # torch's caches too, not in /tmp
   echo "export RAY_ADDRESS=127.0.0.1:$P_GCS"
   echo "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"   # Ray's one-node mode: it binds loopback only
   echo "export PYTHON=/usr/bin/python3"
@@ -158,7 +159,7 @@ cd "$ROOT"
 say "ray up (log $WORK/ray-up.log)"
 t=$(date +%s)
 UP_DONE=1
-RAY_TMPDIR="$WORK/driver" ray up -y --no-config-cache "$WORK/cluster.yaml" >"$WORK/ray-up.log" 2>&1 \
+RAY_TMPDIR="$WORK/driver" TMPDIR="$WORK/driver" ray up -y --no-config-cache "$WORK/cluster.yaml" >"$WORK/ray-up.log" 2>&1 \
   || { tail -30 "$WORK/ray-up.log" >&2; fail "ray up failed"; }
 T[ray_up]=$(( $(date +%s) - t ))
 
@@ -206,7 +207,7 @@ kill "$PROM_PID"; wait "$PROM_PID" 2>/dev/null || true; PROM_PID=""
 # ---- down, and nothing left ----------------------------------------------------------------------
 NODES=$("$PY" -c 'import json,sys; print(len({w.get("node_id") for w in json.load(open(sys.argv[1]))["actors"]}))' "$WORK/status.json")
 t=$(date +%s)
-RAY_TMPDIR="$WORK/driver" ray down -y "$WORK/cluster.yaml" >"$WORK/ray-down.log" 2>&1 \
+RAY_TMPDIR="$WORK/driver" TMPDIR="$WORK/driver" ray down -y "$WORK/cluster.yaml" >"$WORK/ray-down.log" 2>&1 \
   || { tail -30 "$WORK/ray-down.log" >&2; fail "ray down failed"; }
 UP_DONE=0
 T[ray_down]=$(( $(date +%s) - t ))
@@ -221,6 +222,8 @@ for p in "$P_GCS" "$P_ROUTER" "$P_METRICS" "$P_DASH"; do
   if (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then fail "port $p still answers after ray down"; fi
 done
 kill "$SSHD_PID"; wait "$SSHD_PID" 2>/dev/null || true; SSHD_PID=""
+stray="$(find /tmp -maxdepth 1 -user "$SMOKE_USER" 2>/dev/null || true)"   # outside $WORK
+[ -z "$stray" ] || fail "the run left files in /tmp: $stray"
 
 TOTAL=$(lap)
 printf '{"ray_up_s": %s, "router_ready_s": %s, "submit_s": %s, "prometheus_s": %s, "ray_down_s": %s, "total_s": %s, "nodes": %s, "requests_ok": %s, "requests": %s, "model": "tiny"}\n' \

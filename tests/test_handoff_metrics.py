@@ -40,7 +40,7 @@ def test_finished_traces_feed_stage_histograms_and_pair_transfer(metrics_port):
     store.routed("r", "decode-1")
     store.admitted("r", "decode-1", local=False)
     t[0] += 0.05
-    store.prefilled("r", "prefill-2", PrefillTiming(0.01, 0.03, 0.005, returned_at=t[0]))
+    store.prefilled("r", "prefill-2", PrefillTiming(0.01, 0.03, 0.005))
     t[0] += 0.02
     store.transferred("r", "decode-1", {"transfer_bytes": 2_000_000})
     store.tokens("r", 1)

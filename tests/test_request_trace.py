@@ -31,8 +31,8 @@ def one_request(store: TraceStore, clock: Clock, rid: str = "r1", tokens: int = 
     store.routed(rid, "decode-0")
     clock.tick(0.005)
     store.admitted(rid, "decode-0", local=False)
-    clock.tick(0.100)                       # P: queue 0.02 + compute 0.07 + staging 0.01
-    store.prefilled(rid, "prefill-0", PrefillTiming(0.02, 0.07, 0.01, returned_at=clock()))
+    clock.tick(0.100)          # P round trip: queue 0.02 (0.005 in its engine) + compute 0.07 + staging 0.01
+    store.prefilled(rid, "prefill-0", PrefillTiming(0.005, 0.07, 0.01))
     clock.tick(0.030)
     store.transferred(rid, "decode-0", {"transfer_bytes": 4096})
     for _ in range(tokens):
@@ -58,9 +58,12 @@ def test_hooks_build_each_stage_with_its_actor_and_duration():
     assert actors["prefill_compute"] == "prefill-0" and actors["transfer"] == "decode-0"
     assert (t.prefill_worker, t.decode_worker, t.status) == ("prefill-0", "decode-0", 200)
     assert t.ttft_s == pytest.approx(0.149) and t.transfer_bytes == 4096
+    assert t.prefill_engine_queue_s == pytest.approx(0.005)
     assert len(t.token_times) == 4 and t.e2e_s == pytest.approx(0.162)
-    # P's stages are laid back from the moment it answered, contiguous up to it
+    # P's stages fill the round trip from admission to its answer, contiguous
     spans = {s.stage: s for s in t.spans}
+    assert spans["admit"].end == pytest.approx(spans["prefill_queue"].start)
+    assert spans["prefill_queue"].end == pytest.approx(spans["prefill_compute"].start)
     assert spans["prefill_compute"].end == pytest.approx(spans["staging"].start)
     assert spans["staging"].end == pytest.approx(spans["transfer"].start)
 

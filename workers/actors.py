@@ -254,7 +254,6 @@ class PrefillHost(_EngineHost):
         if req.lifecycle.finish_reason == "abort" or not tokens:
             raise RequestError(f"request {req.request_id} was aborted during prefill")
         skip = int(spec.get("skip_blocks", 0))
-        staging_t0 = time.perf_counter()  # trace hook
         with self._lock:
             block_ids = self.engine.kv.block_table(req.request_id)
             n_prompt_blocks = -(-len(req.prompt_token_ids) // self.engine.cfg.block_size)
@@ -270,9 +269,8 @@ class PrefillHost(_EngineHost):
             else:
                 self.engine.release_held(req.request_id)
         lc = req.lifecycle
-        now = time.perf_counter()  # trace hook (3 lines): P's queue wait, compute, staging
-        timing = PrefillTiming.measure(req.arrival_time, req.first_scheduled_time,
-                                       req.first_token_time, now - staging_t0, now, time.time())
+        timing = PrefillTiming.measure(req.arrival_time, req.first_scheduled_time,  # trace hook
+                                       req.first_token_time, time.perf_counter())
         return {"first_token": tokens[0], "handle": handle, "prefill_worker": self.worker_id,
                 "timing": timing,
                 "prefill_cached_tokens": lc.cached_tokens, "prefill_computed_tokens":
