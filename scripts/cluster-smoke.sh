@@ -222,7 +222,8 @@ for p in "$P_GCS" "$P_ROUTER" "$P_METRICS" "$P_DASH"; do
   if (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then fail "port $p still answers after ray down"; fi
 done
 kill "$SSHD_PID"; wait "$SSHD_PID" 2>/dev/null || true; SSHD_PID=""
-stray="$(find /tmp -maxdepth 1 -user "$SMOKE_USER" 2>/dev/null || true)"   # outside $WORK
+# files of this run outside $WORK (uids are reused: only those made since it started)
+stray="$(find /tmp -maxdepth 1 -user "$SMOKE_USER" -newer "$WORK/sshd_config" 2>/dev/null || true)"
 [ -z "$stray" ] || fail "the run left files in /tmp: $stray"
 
 TOTAL=$(lap)
