@@ -9,7 +9,11 @@ answer arrived, so no span depends on another node's clock. `prefill_queue` is e
 between admission on D and P starting to compute (P's routing decision, the call reaching P,
 P's lock and engine queue); `staging` includes P's answer travelling back.
 
-Invariants: spans have end >= start; `stage_seconds()` has one entry per stage that happened.
+Invariants: spans have end >= start; `stage_seconds()` has one entry per stage that happened;
+on the disaggregated path the stages tile the request (each starts where the one before it
+ended), so they sum to arrival -> last token: route, admit, prefill_queue, prefill_compute,
+staging, transfer, first_decode (D has the pages -> its first decode step's token reached the
+router), decode (-> the last token).
 """
 
 from __future__ import annotations
@@ -101,7 +105,9 @@ class RequestTrace:
         actor = self.decode_worker or ROUTER
         ts = self.token_times
         if len(ts) >= 2:             # ts[0]: P's token (or D's first, when local)
-            self.span("first_decode", actor, ts[0], ts[1])
+            pages_in = max((s.end for s in self.spans if s.stage == "transfer"), default=None)
+            start = pages_in if pages_in is not None and pages_in <= ts[1] else ts[0]
+            self.span("first_decode", actor, start, ts[1])
             self.span("decode", actor, ts[1], ts[-1])
 
     # ---- read ---------------------------------------------------------------------------------
