@@ -10,7 +10,7 @@
 # custom resources on the one node, model tiny); `ray up -y`; wait for the router on the head;
 # `raypd status`; Prometheus (Debian) on Ray's own scrape config and service-discovery file,
 # one query per actor role; `raypd submit` of 20 requests of the shared Mooncake trace (read in
-# place); check the report; `ray down -y`; check nothing of the run is left. Everything it
+# place); check the report; `raypd trace-request` of one of them; `ray down -y`; check nothing of the run is left. Everything it
 # starts it stops (also on failure, from the EXIT trap); it talks only to 127.0.0.1.
 #
 # Env: RAYPD_SMOKE_KEEP=1 keeps the work folder (logs, report) after the run;
@@ -68,7 +68,8 @@ cleanup() {
   done
   if [ -n "${RAYPD_SMOKE_OUT:-}" ]; then
     mkdir -p "$RAYPD_SMOKE_OUT"
-    cp "$WORK"/*.log "$WORK"/*.json "$WORK/cluster.yaml" "$RAYPD_SMOKE_OUT"/ 2>/dev/null
+    cp "$WORK"/*.log "$WORK"/*.json "$WORK"/*.jsonl "$WORK/cluster.yaml" "$RAYPD_SMOKE_OUT"/ \
+      2>/dev/null
   fi
   if [ "${RAYPD_SMOKE_KEEP:-0}" = 1 ]; then say "kept $WORK"; else rm -rf "$WORK"; fi
   exit $rc
@@ -189,12 +190,17 @@ PROM_PID=$!
 # ---- 20 requests of the shared trace, then the report ------------------------------------------
 t=$(date +%s)
 raypd submit "$TRACE" --limit "$REQUESTS" --url "$URL" --max-output-tokens 16 --vocab-size 250 --concurrency 4 \
-  --no-progress --out "$WORK/report.json" >"$WORK/submit.log" 2>&1 \
+  --no-progress --out "$WORK/report.json" --outputs "$WORK/outputs.jsonl" \
+  --perfetto "$WORK/perfetto.json" >"$WORK/submit.log" 2>&1 \
   || { cat "$WORK/submit.log" >&2; fail "raypd submit failed"; }
 T[submit]=$(( $(date +%s) - t ))
 cat "$WORK/submit.log" >&2
 OK=$("$PY" -m cluster.smoke_checks report "$WORK/report.json" --requests "$REQUESTS") \
   || fail "the report does not hold: $OK"
+RID=$("$PY" -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["request_id"])' \
+  "$WORK/outputs.jsonl")
+raypd trace-request "$RID" --url "$URL" | tee "$WORK/trace-request.log" >&2 \
+  || fail "raypd trace-request $RID failed"
 
 t=$(date +%s)
 "$PY" -m cluster.smoke_checks prometheus --url "http://127.0.0.1:$P_PROM" \

@@ -36,6 +36,8 @@ def test_ray_up_serves_the_shared_trace_and_ray_down_leaves_nothing():
     assert timings["requests_ok"] == timings["requests"] == 20
     checks = json.loads(open(os.path.join(out_dir, "prometheus-check.json")).read())
     assert {c["role"] for c in checks if c["ok"]} == {"prefill", "decode", "router"}
+    timeline = open(os.path.join(out_dir, "trace-request.log")).read()
+    assert "prefill-0 -> decode-0" in timeline and "transfer" in timeline
 
 
 def test_the_smoke_config_is_the_template_rendered_for_one_loopback_node():
