@@ -10,8 +10,9 @@
 # custom resources on the one node, model tiny); `ray up -y`; wait for the router on the head;
 # `raypd status`; Prometheus (Debian) on Ray's own scrape config and service-discovery file,
 # one query per actor role; `raypd submit` of 20 requests of the shared Mooncake trace (read in
-# place); check the report; `raypd trace-request` of one of them; `ray down -y`; check nothing of the run is left. Everything it
-# starts it stops (also on failure, from the EXIT trap); it talks only to 127.0.0.1.
+# place); check the report; `raypd trace-request` of one of them; `ray down -y`; check nothing
+# of the run is left. Everything it starts it stops (also on failure, from the EXIT trap); it
+# talks only to 127.0.0.1.
 #
 # Env: RAYPD_SMOKE_KEEP=1 keeps the work folder (logs, report) after the run;
 # RAYPD_SMOKE_OUT=DIR copies report.json, the logs and the timings there.
