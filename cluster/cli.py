@@ -141,12 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.serve import add_serve_parser
     from router.cli_commands import add_bench_routing_parser, add_route_sim_parser
     from router.submit import add_submit_parser
+    from router.trace_views import add_trace_request_parser
     from router.workload import add_trace_parser
     add_run_parser(sub)
     add_serve_parser(sub)
     add_submit_parser(sub)
     add_trace_parser(sub)
     add_ops_parsers(sub)
+    add_trace_request_parser(sub)
     add_route_sim_parser(sub)
     add_bench_routing_parser(bsub)
     add_bench_transfer_parser(bsub)

@@ -107,6 +107,8 @@ def _run(cfg, items, opts: SubmitOptions, trace_path: Path, args) -> tuple[dict,
     from cluster.serve import connect_ray, start_server
     from kvcache.sampling import SamplingParams
     from router.report import build_report
+    from router.request_traces import stage_breakdown
+    from router.trace_views import write_chrome_trace
 
     w = cfg.workers
     print(f"raypd run: starting {w.prefill.count} prefill + {w.decode.count} decode workers "
@@ -126,6 +128,8 @@ def _run(cfg, items, opts: SubmitOptions, trace_path: Path, args) -> tuple[dict,
               f"{handle.url}", file=sys.stderr, flush=True)
         result = replay(items, opts, cfg.served_model_name)
         after = cluster.stats()
+        traces = [t for r in result.records if r.ok
+                  and (t := cluster.orchestrator.traces.get(r.request_id)) is not None]
         for r in result.records:
             got = backend.results.get(r.request_id)
             if got is not None:
@@ -148,7 +152,10 @@ def _run(cfg, items, opts: SubmitOptions, trace_path: Path, args) -> tuple[dict,
         report = build_report(result.records, params=params, wall_s=result.wall_s,
                               stats_before=before, stats_after=after,
                               slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                              concurrency=opts.concurrency, stats_source="in-process")
+                              concurrency=opts.concurrency, stats_source="in-process",
+                              stage_breakdown=stage_breakdown(traces) if traces else None)
+        if args.perfetto:
+            write_chrome_trace(traces, args.perfetto)
         return report, result.records
     finally:
         if handle is not None:

@@ -185,8 +185,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # through the `finally` below like Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     started_ray = backend = grpc = app = None
+    gone = threading.Event()
     try:
         started_ray = connect_ray(cfg.ray)
+        if cfg.ray.address is not None:      # joined a cluster: do not outlive it
+            gone = _watch_cluster(ray.get_runtime_context().gcs_address)
         from cluster.pd import PDCluster
         w = cfg.workers
         print(f"raypd: launching {w.prefill.count} prefill + {w.decode.count} decode workers "
@@ -209,6 +212,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         print("raypd: shutting down", file=sys.stderr, flush=True)
+        if gone.is_set():      # nothing to release: the cluster took the workers with it
+            print("raypd: the Ray cluster is gone (ray down / ray stop); exiting",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
         if grpc is not None:
             grpc.stop()
         if app is not None:
@@ -218,6 +225,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if started_ray:
             ray.shutdown()
     return 0
+
+
+CLUSTER_CHECK_S = 2.0
+CLUSTER_MISSES = 3
+
+
+def _watch_cluster(gcs_address: str) -> threading.Event:
+    """A joined cluster's GCS stops answering (`ray down` stops Ray under the router): SIGTERM
+    ourselves so the router does not outlive its cluster. Returns the event set when it did."""
+    import socket
+    host, _, port = gcs_address.rpartition(":")
+    gone = threading.Event()
+
+    def watch() -> None:
+        misses = 0
+        while misses < CLUSTER_MISSES:
+            time.sleep(CLUSTER_CHECK_S)
+            try:
+                socket.create_connection((host, int(port)), timeout=CLUSTER_CHECK_S).close()
+                misses = 0
+            except OSError:
+                misses += 1
+        gone.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="raypd-cluster-watch").start()
+    return gone
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:

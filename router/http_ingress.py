@@ -67,6 +67,7 @@ from router.openai_protocol import (
     refuse_unsupported,
     sampling_params,
 )
+from router.trace_routes import add_trace_routes  # trace hook
 
 DISCONNECT_POLL_S = 0.25
 HEALTH_TIMEOUT_S = 10.0
@@ -671,6 +672,8 @@ def build_app(backend: Any, model_name: str, *, api_key: str | None = None,
     app.add_api_route("/dashboard", ing.dashboard, methods=["GET"])
     app.add_api_route("/admin/status", route("admin_status", ing.admin_status), methods=["GET"])
     app.add_api_route("/admin/scale", route("admin_scale", ing.admin_scale), methods=["POST"])
+    add_trace_routes(app, route, ing.check_auth,  # trace hook: /v1/requests/{id}/trace, /api/traces
+                     lambda: getattr(getattr(backend, "orchestrator", None), "traces", None))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -29,6 +29,7 @@ import ray
 from kvcache.sampling import RequestError, SamplingParams
 from router.policies import RoutingRejected, RoutingRequest, WorkerState, make_policy
 from router.prefix_index import ApproxPrefixIndex, PrefixIndex
+from router.request_traces import TraceStore  # trace hook
 
 FAILURE_POLICIES = ("recompute", "fail")
 CLEANUP_WAIT_S = 10.0   # how long a request thread waits for workers to confirm a release
@@ -93,6 +94,7 @@ class Orchestrator:
         self.retries = 0                         # request re-runs after a worker failure
         self.metrics = metrics or _NoMetrics()
         self._flights: dict[str, _Flight] = {}
+        self.traces = TraceStore(on_finish=getattr(self.metrics, "record_trace", None))  # trace hook
         self._lock = threading.Lock()
         # RDT: one transfer at a time per actor. Ray matches sends to receives by order only
         # (no tags) and does not promise threaded actors run tasks in submission order, so two
@@ -237,6 +239,7 @@ class Orchestrator:
                 raise RequestError(f"request id {rid!r} is already in flight")
             self._flights[rid] = flight
             self.metrics.set_in_flight(len(self._flights))
+        self.traces.start(rid)  # trace hook
         t0, status = time.monotonic(), 500
         try:
             result = self._run_with_retries(flight, prompt, sampling, chat, tenant, lora_id,
@@ -257,6 +260,7 @@ class Orchestrator:
                 self._flights.pop(rid, None)
                 self.metrics.set_in_flight(len(self._flights))
             self.metrics.record_request(status, time.monotonic() - t0)
+            self.traces.finish(rid, status)  # trace hook
 
     def _run_with_retries(self, flight, prompt, sampling, chat, tenant, lora_id, on_delta):
         """A worker that dies (or is restarting) fails only the attempt: what the other side
@@ -286,6 +290,7 @@ class Orchestrator:
                     raise RequestError(f"request {flight.request_id} was aborted") from None
                 with self._lock:
                     self.retries += 1
+                self.traces.retried(flight.request_id)  # trace hook
                 if attempt == self.cfg.max_retries:
                     raise WorkerFailed(f"request {flight.request_id} failed: its workers died "
                                        f"{attempt + 1} times (last: {type(e).__name__})") from e
@@ -315,6 +320,7 @@ class Orchestrator:
             if item.get("done"):
                 result = item
             else:
+                self.traces.tokens(flight.request_id, len(item["token_ids"]))  # trace hook
                 on_delta(item)
         if flight.aborted or len(result) <= 1:
             raise RequestError(f"request {flight.request_id} was aborted")
@@ -327,6 +333,7 @@ class Orchestrator:
             live = self.live("decode")
             try:
                 first = self._decide("decode", req)
+                self.traces.routed(flight.request_id, self._id.get(first, "?"))  # trace hook
                 order = [first] + [d for d in live if d is not first]
             except RoutingRejected:
                 order = live                 # the view may be stale: ask them all
@@ -337,6 +344,7 @@ class Orchestrator:
                     continue                 # died or restarting: the reporter will notice
                 if res["admitted"]:
                     flight.decode = d
+                    self.traces.admitted(flight.request_id, self._id.get(d, "?"), res["local"])  # trace hook
                     if flight.aborted:       # aborted while being admitted
                         d.abort.remote(spec["request_id"])
                         raise RequestError(f"request {flight.request_id} was aborted")
@@ -364,6 +372,7 @@ class Orchestrator:
         except BaseException:
             flight.decode.abort.remote(rid)
             raise
+        self.traces.prefilled(flight.request_id, self._id.get(p, "?"), pre.get("timing"))  # trace hook
         handle = pre["handle"]
         flight.transfer_id = handle.transfer_id if handle else None
         if flight.aborted:
@@ -374,10 +383,11 @@ class Orchestrator:
                 with self._rdt_exclusive(p, flight.decode):
                     send = p.kv_send.options(tensor_transport=self.cfg.rdt_backend)
                     pages = send.remote(handle.transfer_id)
-                    ray.get(flight.decode.kv_recv.remote(handle, pages, rid, pre["first_token"],
-                                                         pre, sent_at=time.time()))
+                    got = ray.get(flight.decode.kv_recv.remote(handle, pages, rid, pre["first_token"],
+                                                               pre, sent_at=time.time()))
             else:
-                ray.get(flight.decode.receive.remote(rid, handle, pre["first_token"], pre))
+                got = ray.get(flight.decode.receive.remote(rid, handle, pre["first_token"], pre))
+            self.traces.transferred(flight.request_id, self._id.get(flight.decode, "?"), got)  # trace hook
         except Exception as e:
             released = [p.abort_transfer.remote(handle.transfer_id)] if handle is not None else []
             if flight.aborted:

@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from kvcache.request_trace import PrefillTiming  # trace hook
 from kvtransfer import rdt
 from kvtransfer.base import TransferError, TransferHandle
 from kvtransfer.endpoint import KVConsumer, KVProducer
@@ -268,7 +269,10 @@ class PrefillHost(_EngineHost):
             else:
                 self.engine.release_held(req.request_id)
         lc = req.lifecycle
+        timing = PrefillTiming.measure(req.arrival_time, req.first_scheduled_time,  # trace hook
+                                       req.first_token_time, time.perf_counter())
         return {"first_token": tokens[0], "handle": handle, "prefill_worker": self.worker_id,
+                "timing": timing,
                 "prefill_cached_tokens": lc.cached_tokens, "prefill_computed_tokens":
                 lc.computed_tokens, "prefill_ttft_s": lc.ttft_s, "blocks_sent": len(send_ids)}
 
