@@ -170,12 +170,14 @@ def long_stream(server) -> requests.Response:
 
 
 def actor(server, worker_id: str) -> dict:
-    doc = requests.get(server.url + "/api/stats", timeout=30).json()
+    doc = requests.get(server.url + "/api/stats", headers={"Authorization": f"Bearer {KEY}"},
+                        timeout=30).json()
     return next(a for a in doc["actors"] if a["worker_id"] == worker_id)
 
 
 def _requests(server) -> list[dict]:
-    return requests.get(server.url + "/api/stats", timeout=30).json()["requests"]
+    return requests.get(server.url + "/api/stats", headers={"Authorization": f"Bearer {KEY}"},
+                        timeout=30).json()["requests"]
 
 
 def test_scale_with_a_wrong_key_is_refused(server, capsys):
