@@ -101,3 +101,18 @@ def test_bench_badinput_command_writes_the_counts(served, tmp_path):
     doc = json.loads(out.read_text())
     assert rc == 0
     assert (doc["cases"], doc["clean"], doc["wrong_status"], doc["server_broken"]) == (4, 4, 0, 0)
+
+
+def test_keys_bind_tenants_cached_prefixes_stay_inside_one(served):
+    from cluster.bench_badinput import http_request
+    prompt = " ".join(f"w{i}" for i in range(40))
+
+    def cached(key: str) -> int:
+        status, text = http_request(served, "POST", "/v1/completions",
+                                    json.dumps({"prompt": prompt, "max_tokens": 2}).encode(),
+                                    {**served.auth(key), "Content-Type": "application/json"})
+        assert status == 200, text
+        return json.loads(text)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached("acme")
+    assert cached("acme") > 0          # acme's second request hits acme's cache
+    assert cached("globex") == 0       # globex's identical prompt sees none of it
