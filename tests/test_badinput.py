@@ -105,7 +105,7 @@ def test_bench_badinput_command_writes_the_counts(served, tmp_path):
 
 def test_keys_bind_tenants_cached_prefixes_stay_inside_one(served):
     from cluster.bench_badinput import http_request
-    prompt = " ".join(f"w{i}" for i in range(40))
+    prompt = [7 + i for i in range(40)]          # token ids: 2 full blocks
 
     def cached(key: str) -> int:
         status, text = http_request(served, "POST", "/v1/completions",
