@@ -135,6 +135,21 @@ class IngressCore:
                                        first_of_prompt=(j == 0)))
         return base, subs
 
+    # ---- the backend ----
+    def run(self, sub: SubRequest, tenant: str, lora: str, on_delta=None) -> dict:
+        """Run one sub-request (blocking). A chat prompt travels as its message list: the
+        worker applies the chat template to it."""
+        return self.backend.run_request(sub.prompt, sub.sampling, chat=False, tenant=tenant,
+                                        lora_id=lora, request_id=sub.request_id,
+                                        on_delta=on_delta)
+
+    def abort(self, request_id: str) -> bool:
+        """Release a sub-request everywhere; False when it already ended or is unknown."""
+        try:
+            return bool(self.backend.abort(request_id))
+        except Exception:   # noqa: BLE001 - it ended meanwhile, or the backend is going away
+            return False
+
     def acquire_check(self, n: int) -> None:
         if n > self.max_inflight:
             raise IngressError(400, f"this request needs {n} concurrent sequences (prompts x "

@@ -81,7 +81,6 @@ def usage_pb(result: dict) -> pb.Usage:
 class RaypdServicer(pb_grpc.RaypdServicer):
     def __init__(self, core: IngressCore) -> None:
         self.core = core
-        self.backend = core.backend
         self._pool = futures.ThreadPoolExecutor(max_workers=core.max_inflight,
                                                 thread_name_prefix="raypd-grpc-req")
 
@@ -99,17 +98,12 @@ class RaypdServicer(pb_grpc.RaypdServicer):
 
     def _run(self, g: GenerationRequest, sub: SubRequest, on_delta=None) -> dict:
         try:
-            return self.backend.run_request(sub.prompt, sub.sampling, chat=g.chat,
-                                            tenant=g.tenant, lora_id=g.lora,
-                                            request_id=sub.request_id, on_delta=on_delta)
+            return self.core.run(sub, g.tenant, g.lora, on_delta)
         finally:
             self.core.release(1)
 
     def _abort(self, request_id: str) -> None:
-        try:
-            self.backend.abort(request_id)
-        except Exception:   # the request already ended, or the backend is going away
-            pass
+        self.core.abort(request_id)
 
     @staticmethod
     def _fail(context: grpc.ServicerContext, e: IngressError) -> None:

@@ -75,7 +75,6 @@ class HttpIngress:
                  metrics: IngressMetrics | None, core: IngressCore | None = None) -> None:
         self.core = core or IngressCore(backend, settings)
         self.settings = settings
-        self.backend = backend
         self.metrics = metrics or IngressMetrics(backend)
         self.core.on_inflight = self.metrics.inflight.set
         self.ops = Operations(self.core, self.metrics)
@@ -130,7 +129,7 @@ class HttpIngress:
             finally:
                 self.core.release(1)
 
-        job = RequestJob(self.backend, self.executor, [SubState(s) for s in subs], req.tenant,
+        job = RequestJob(self.core, self.executor, [SubState(s) for s in subs], req.tenant,
                          req.lora, self.settings.limits.stream_queue_events, on_finish,
                          return_token_ids=req.return_token_ids,
                          client_request_id=req.client_request_id)

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import Request
 
-from ingress.core import SubRequest
+from ingress.core import IngressCore, SubRequest
 from ingress.errors import IngressError, classify
 from kvcache.sampling import RequestError
 
@@ -48,7 +48,7 @@ class RequestJob:
     """One HTTP request's sub-requests. `on_finish(job, state, status, result, error)` runs in
     the worker thread once per sub-request (timeline, metrics, capacity release)."""
 
-    backend: Any
+    core: IngressCore
     executor: ThreadPoolExecutor
     states: list[SubState]
     tenant: str
@@ -97,19 +97,14 @@ class RequestJob:
                 st.ttft_s = time.perf_counter() - self.started
             if st.cancelled and not st.abort_sent:   # the abort raced its registration
                 st.abort_sent = True
-                self.backend.abort(sub.request_id)
+                self.core.abort(sub.request_id)
             put(JobEvent(sub.index, "delta", delta))
 
         status, result, error = 500, None, None
         try:
             if st.cancelled:
                 raise RequestError(f"request {sub.request_id} was aborted")
-            # A chat prompt is a list of message dicts, which the worker recognises (and
-            # templates) by itself: chat=True would also be applied again to the token ids
-            # the orchestrator passes on after tokenizing, which fails.
-            result = self.backend.run_request(
-                sub.prompt, sub.sampling, chat=False, tenant=self.tenant,
-                lora_id=self.lora, request_id=sub.request_id, on_delta=on_delta)
+            result = self.core.run(sub, self.tenant, self.lora, on_delta)
             status = 200
             put(JobEvent(sub.index, "done", result))
         except BaseException as e:      # noqa: BLE001 - every failure goes to the client
@@ -155,10 +150,7 @@ class RequestJob:
         for s in self.states:
             if not s.done and not s.cancelled:
                 s.cancelled = True
-                try:
-                    s.abort_sent = bool(self.backend.abort(s.sub.request_id))
-                except Exception:
-                    pass
+                s.abort_sent = self.core.abort(s.sub.request_id)
 
     def usage(self) -> dict:
         prompt = cached = completion = 0

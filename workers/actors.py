@@ -125,8 +125,10 @@ class _EngineHost:
                 self.engine.abort(req.request_id)
             except Exception:   # noqa: BLE001 - free what can be freed, fail every caller
                 pass
-            q = self._queues.get(req.request_id)
-            if q is not None:
+        # the step's requests, and any it finished before raising (their output is lost);
+        # a caller that already has its end stops there and never reads this
+        for rid, q in list(self._queues.items()):
+            if rid not in self.engine.requests:
                 q.put(StepFailed(msg))
         return []
 
