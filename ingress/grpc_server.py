@@ -92,6 +92,8 @@ class RaypdServicer(pb_grpc.RaypdServicer):
                                                                              SubRequest]:
         g = parse_request(req, self.core)
         g.tenant = self.core.tenant(principal, g.tenant)
+        if g.client_request_id:          # a label only, scoped to the key
+            g.client_request_id = f"{principal.key_id}/{g.client_request_id}"
         _, (sub,) = self.core.sub_requests(g, "grpc")
         self.core.acquire(1)
         return g, sub

@@ -90,3 +90,21 @@ def test_a_key_runs_in_its_tenant_and_cannot_claim_another(tmp_path):
         tenant_of(p, "globex")
     assert e.value.status == 403 and e.value.code == "tenant_mismatch"
     assert tenant_of(Principal("legacy", None, frozenset({"inference"})), "any") == "any"
+
+
+def test_connections_beyond_the_cap_get_503():
+    cfg = load_config(None, {"model.name": "tiny", "server.limits.max_connections": 2})
+    with start_server(cfg, "127.0.0.1", 0, api_key="", backend=FloodingBackend()) as srv:
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 10     # until the server has accepted both
+            while len(srv.server.server_state.connections) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(b"GET /dashboard HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).split(b"\r\n")[0].split()[1] == b"503"
+            s.close()
+        finally:
+            for c in idle:
+                c.close()
