@@ -44,7 +44,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", help="server.host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="server.port (default 8000)")
     p.add_argument("--grpc-port", type=int, help="server.grpc_port: also serve gRPC")
-    p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* "
+    p.add_argument("--api-key", help=f"one key with every scope: 'Authorization: Bearer KEY' "
                    f"(default: server.api_key, else ${API_KEY_ENV})")
     p.add_argument("--api-keys-file", metavar="FILE",
                    help="server.api_keys_file: keys with tenants and scopes (ingress/auth.py)")
