@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--json", metavar="PATH")
     bc.set_defaults(func=cmd_bench_chaos)
 
+    from cluster.bench_badinput import add_bench_badinput_parser
     from cluster.bench_disagg import add_bench_disagg_parser
     from cluster.bench_transfer import add_bench_transfer_parser
     from cluster.ops import add_ops_parsers
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_routing_parser(bsub)
     add_bench_transfer_parser(bsub)
     add_bench_disagg_parser(bsub)
+    add_bench_badinput_parser(bsub)
     return parser
 
 

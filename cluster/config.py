@@ -20,6 +20,9 @@ from typing import Any
 
 import yaml
 
+from ingress.limits import IngressLimits
+from kvcache.request_checks import RequestLimits
+
 BUILTIN_MODELS = ("smollm2", "tiny")
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -99,7 +102,11 @@ class ServerSection:
     host: str = "127.0.0.1"
     port: int = _opt(8000, min=0, max=65535)    # 0: any free port
     grpc_port: int | None = _opt(None, min=0, max=65535)
-    api_key: str | None = None                  # bearer token required on /v1/* when set
+    api_key: str | None = None                  # one bearer token with every scope
+    api_keys_file: str | None = None            # keys -> tenant, scopes (ingress/auth.py)
+    protect_metrics: bool = True                # /metrics needs an admin key when keys are set
+    limits: IngressLimits = field(default_factory=IngressLimits)
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 @dataclass
@@ -294,6 +301,15 @@ class _Validator:
                       f"folder; {m!r} is neither")
         if cfg.server.grpc_port is not None and cfg.server.grpc_port == cfg.server.port != 0:
             self.fail("server.grpc_port", f"must differ from server.port ({cfg.server.port})")
+        if cfg.server.api_keys_file is not None:
+            if cfg.server.api_key is not None:
+                self.fail("server.api_keys_file", "give server.api_key or server.api_keys_file, "
+                          "not both")
+            from ingress.auth import KeyRing
+            try:
+                KeyRing.load(cfg.server.api_keys_file)
+            except ValueError as e:
+                self.fail("server.api_keys_file", str(e))
 
 
 def _join(path: str, key: Any) -> str:

@@ -7,6 +7,7 @@ colocated mode: every decode worker prefills its own requests.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -74,8 +75,11 @@ class PDCluster:
         engine = {**cfg.engine, "num_threads": cfg.threads_per_actor}
         common = dict(num_cpus=0, max_concurrency=256, num_gpus=cfg.num_gpus_per_worker,
                       max_restarts=cfg.max_restarts, max_task_retries=0)
+        transport_cfg = dict(cfg.transport_cfg)
+        if cfg.transport == "grpc":     # the page server answers this cluster's actors only
+            transport_cfg.setdefault("secret", secrets.token_hex(16))
         self._args = dict(engine_cfg=engine, transport=cfg.transport,
-                          transport_cfg=cfg.transport_cfg, lease_s=cfg.lease_s)
+                          transport_cfg=transport_cfg, lease_s=cfg.lease_s)
         self._classes = {
             "prefill": prefill_actor_class(**common, resources=cfg.prefill_resources or None),
             "decode": decode_actor_class(**common, resources=cfg.decode_resources or None)}

@@ -9,6 +9,7 @@ summary and write report.json / report.html / outputs.jsonl / trace.jsonl into -
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -104,7 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run(cfg, items, opts: SubmitOptions, trace_path: Path, args) -> tuple[dict, list]:
     from cluster.pd import PDCluster
-    from cluster.serve import connect_ray, start_server
+    from cluster.serve import API_KEY_ENV, connect_ray, start_server
     from kvcache.sampling import SamplingParams
     from router.report import build_report
     from router.request_traces import stage_breakdown
@@ -120,9 +121,10 @@ def _run(cfg, items, opts: SubmitOptions, trace_path: Path, args) -> tuple[dict,
         pd_cfg = cfg.to_pd_config()
         cluster = PDCluster(pd_cfg)
         backend = RecordingBackend(cluster)
-        handle = start_server(cfg, "127.0.0.1", 0, backend=backend)
+        handle = start_server(cfg, "127.0.0.1", 0, backend=backend)   # keys as `raypd serve`
         cluster.run_request("warm-up", SamplingParams(max_tokens=2))  # first-call costs
         opts.url = handle.url
+        opts.api_key = cfg.server.api_key or os.environ.get(API_KEY_ENV) or None
         before = cluster.stats()
         print(f"raypd run: replaying {len(items)} requests from {trace_path} through "
               f"{handle.url}", file=sys.stderr, flush=True)

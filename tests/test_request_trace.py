@@ -189,7 +189,8 @@ def test_a_served_request_has_every_handoff_stage_in_its_trace(server, tmp_path,
     assert staging.start <= transfer.start and transfer.end <= t.token_times[0] + 1e-3
     assert t.transfer_bytes > 0
 
-    summary = requests.get(server.url + "/api/traces", timeout=30).json()
+    assert requests.get(server.url + "/api/traces", timeout=30).status_code == 401
+    summary = requests.get(server.url + "/api/traces", headers=auth, timeout=30).json()
     assert summary["requests"] >= 1 and summary["breakdown"]["transfer"]["n"] >= 1
 
     out = tmp_path / "one.json"

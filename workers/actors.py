@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import asdict
@@ -24,6 +25,7 @@ from typing import Any
 import ray
 
 from kvcache.request_trace import PrefillTiming  # trace hook
+from kvcache.sampling import StepFailed
 from kvtransfer import rdt
 from kvtransfer.base import TransferError, TransferHandle
 from kvtransfer.endpoint import KVConsumer, KVProducer
@@ -59,6 +61,9 @@ class _EngineHost:
         self._snapshot: dict = {"worker_id": worker_id}  # load as of the last step
         self._step_started: float | None = None       # monotonic start of the running step
         self._stall_s = 0.0                            # injected: stall the next step (tests)
+        self._step_errors = 0                          # injected: fail the next steps (tests)
+        self._crash_loop = False                       # injected: break the loop (tests)
+        self._step_failures = 0                        # steps that raised (their requests failed)
 
     def _start_loop(self) -> None:
         """Called last by each subclass constructor, once every field the loop reads exists."""
@@ -70,10 +75,15 @@ class _EngineHost:
 
     # ---- loop --------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop:
-            self._work.wait(timeout=0.1)
-            try:
+        """Step the engine while there is work. A step that raises fails its own requests
+        (`_fail_step`) and the loop goes on; if the loop itself breaks, the process exits so
+        that Ray restarts the actor and the router retries its requests elsewhere."""
+        try:
+            while not self._stop:
+                self._work.wait(timeout=0.1)
                 with self._lock:
+                    if self._crash_loop:               # injected (fault-tolerance tests)
+                        raise RuntimeError("injected engine loop failure")
                     self._housekeeping()
                     self.metrics.maybe_update(self.stats)
                     self._publish()
@@ -85,7 +95,12 @@ class _EngineHost:
                         if self._stall_s:          # injected hang (fault-tolerance tests)
                             time.sleep(self._stall_s)
                             self._stall_s = 0.0
+                        if self._step_errors:      # injected step failure (tests)
+                            self._step_errors -= 1
+                            raise RuntimeError("injected engine step failure")
                         outputs = self.engine.step()
+                    except Exception as e:   # noqa: BLE001 - only this step's requests fail
+                        outputs = self._fail_step(e)
                     finally:
                         self._step_started = None
                     if self.engine.scheduler.stalled:   # blocks held by reservations / leases:
@@ -93,11 +108,30 @@ class _EngineHost:
                     self._publish()
                 for out in outputs:
                     self._deliver(out)
-            except Exception as e:  # a broken step must not hang every caller
-                self._loop_error = f"{type(e).__name__}: {e}"
-                for q in list(self._queues.values()):
-                    q.put(RuntimeError(f"{self.worker_id} engine loop failed: {self._loop_error}"))
-                raise
+        except BaseException as e:   # noqa: BLE001 - the loop is gone: let Ray restart us
+            self._loop_error = f"{type(e).__name__}: {e}"
+            print(f"{self.worker_id}: engine loop failed ({self._loop_error}); exiting so "
+                  f"that the actor restarts", file=sys.stderr, flush=True)
+            os._exit(70)
+
+    def _fail_step(self, error: Exception) -> list[StepOutput]:
+        """Under the lock, after engine.step() raised: the requests of that step (the running
+        batch) end with StepFailed and their blocks are freed; nothing else is touched."""
+        msg = (f"{self.worker_id}: engine step failed ({type(error).__name__}: {error}); "
+               f"the requests of this step were ended")
+        print(msg, file=sys.stderr, flush=True)
+        self._step_failures += 1
+        for req in list(self.engine.scheduler.running):
+            try:
+                self.engine.abort(req.request_id)
+            except Exception:   # noqa: BLE001 - free what can be freed, fail every caller
+                pass
+        # the step's requests, and any it finished before raising (their output is lost);
+        # a caller that already has its end stops there and never reads this
+        for rid, q in list(self._queues.items()):
+            if rid not in self.engine.requests:
+                q.put(StepFailed(msg))
+        return []
 
     def _housekeeping(self) -> None:
         """Periodic work under the lock (lease expiry on prefill workers)."""
@@ -131,6 +165,7 @@ class _EngineHost:
                 "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "num_blocks": e.kv.pool.num_blocks, "block_size": e.cfg.block_size,
                 "kv_bytes_per_token": e.kv_bytes_per_token, "model_id": e.info.model_id,
+                "vocab_size": e.info.vocab_size, "max_model_len": e.max_model_len,
                 "namespace": asdict(e.namespace), "transport": self.transport_name}
 
     def tokenize(self, prompt: Any, chat: bool = False) -> list[int]:
@@ -140,7 +175,8 @@ class _EngineHost:
         with self._lock:
             d = self.engine.get_stats()
             d.update(self.engine.kv.pool.counts())
-            d.update(worker_id=self.worker_id, role=self.role, loop_error=self._loop_error)
+            d.update(worker_id=self.worker_id, role=self.role, loop_error=self._loop_error,
+                     step_failures=self._step_failures)
             return d
 
     def check_invariants(self) -> dict:
@@ -203,6 +239,15 @@ class _EngineHost:
     def stall_next_step(self, seconds: float) -> None:
         """Make the next engine step hang for `seconds` (to test hung-worker detection)."""
         self._stall_s = seconds
+
+    def fail_next_steps(self, n: int = 1) -> None:
+        """Make the next `n` engine steps raise (to test that only their requests fail)."""
+        self._step_errors = n
+
+    def crash_loop(self) -> None:
+        """Break the engine loop (to test that the actor restarts)."""
+        self._crash_loop = True
+        self._work.set()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (blocks in use stay); publishes an AllBlocksCleared event."""
