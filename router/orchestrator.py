@@ -91,6 +91,7 @@ class _Flight:
     aborted: bool = False
     deadline: float | None = None   # wall clock
     ack: Any = None                 # P's ack in flight (settled when the request ends)
+    clock: Any = None               # the attempt's _Clock (cleanup waits count as waiting)
 
 
 @dataclass
@@ -109,6 +110,20 @@ class _Clock:
             return ray.get(ref, timeout=timeout)
         finally:
             self.waited_s += time.perf_counter() - t0
+
+    def first(self, gen: Any, timeout: float | None = None) -> Any:
+        """The first item of an actor's stream (waiting for it to be produced, then for it)."""
+        t0 = time.perf_counter()
+        try:
+            ref = next(gen)
+        finally:
+            self.waited_s += time.perf_counter() - t0
+        return self.get(ref, timeout)
+
+    def sleep(self, seconds: float) -> None:
+        """Waiting for capacity is queueing, not the router's own work."""
+        time.sleep(seconds)
+        self.waited_s += seconds
 
     def overhead_ms(self) -> float:
         return max(0.0, time.perf_counter() - self.started - self.waited_s) * 1e3
@@ -373,7 +388,7 @@ class Orchestrator:
 
     def _run(self, flight: _Flight, request: RequestInput | AdmittedRequest,
              on_delta: Callable[[dict], None]) -> dict:
-        clock = _Clock()
+        clock = flight.clock = _Clock()
         admission = self._admit(flight, request, clock)
         admitted = admission.request
         try:
@@ -455,7 +470,7 @@ class Orchestrator:
                 raise RoutingRejected("no_decode_capacity", "no decode worker has room for "
                                       f"this request (waited {self.cfg.admit_timeout_s:.0f} s)",
                                       retry_after_s=5)
-            time.sleep(0.02)
+            clock.sleep(0.02)
 
     def _prefill_and_stream(self, flight: _Flight, admission: Admission, clock: _Clock):
         """Round trips 2 and 3: P prefills and stages the plan, D pulls, verifies, lands and
@@ -547,7 +562,7 @@ class Orchestrator:
                                       sent_at=time.time(), timeout=timeout)
             else:
                 gen = d.stream.remote(flight.request_id, flight.epoch, result, timeout=timeout)
-            first = _unwrap(lambda: clock.get(next(gen), timeout=timeout))
+            first = _unwrap(lambda: clock.first(gen, timeout=timeout))
         if result is not None:
             did = self._id.get(d, "?")
             self.ledger.release(did, L.RESERVED, rid, L.FILLED)
@@ -605,12 +620,13 @@ class Orchestrator:
         pid = self._id.get(flight.prefill, "?")
         ref = flight.prefill.abort_transfer.remote(flight.transfer_id)
         flight.transfer_id = None
-        self._confirm(ref, pid, L.STAGED, flight.attempt_id, reason)
+        self._confirm(ref, pid, L.STAGED, flight.attempt_id, reason, flight.clock)
 
-    def _confirm(self, ref: Any, wid: str, kind: str, rid: str, reason: str) -> None:
+    def _confirm(self, ref: Any, wid: str, kind: str, rid: str, reason: str,
+                 flight_clock: _Clock | None = None) -> None:
         """Close a ledger hold once the worker answered the release (a dead worker: died)."""
         try:
-            ray.get(ref, timeout=CLEANUP_WAIT_S)
+            (flight_clock or _Clock()).get(ref, timeout=CLEANUP_WAIT_S)
         except ray.exceptions.RayActorError:
             self.ledger.release(wid, kind, rid, L.WORKER_DIED)
             return
@@ -628,7 +644,8 @@ class Orchestrator:
             self._release_staged(flight, L.ABORTED)
         if flight.decode is not None:
             did = self._id.get(flight.decode, "?")
-            self._confirm(flight.decode.abort.remote(rid), did, L.RESERVED, rid, L.ABORTED)
+            self._confirm(flight.decode.abort.remote(rid), did, L.RESERVED, rid, L.ABORTED,
+                          flight.clock)
 
     def abort(self, request_id: str) -> bool:
         """Client abort at any stage: every block on both sides is released."""

@@ -256,7 +256,7 @@ class PrefillHost(_EngineHost):
         """Chaos: `corrupt` flips bytes of the next n staged copies (after their checksums were
         taken); `drop_ack` ignores the next n acks (the lease has to expire)."""
         assert kind in self._faults, kind
-        self._faults[kind] += n
+        self._faults[kind] = max(0, self._faults[kind] + n)
 
     def prefill(self, admitted: AdmittedRequest, plan: TransferPlan) -> PrefillResult:
         """Compute the prompt's KV (reusing this worker's prefix cache), sample the first token,

@@ -192,7 +192,7 @@ class DecodeHandoff:
 
 def stage_plan(engine: LLMEngine, producer, ledger: HandoffLedger, worker_id: str,
                req: Request, plan: TransferPlan, first_token: int,
-               corrupt: bool = False) -> PrefillResult:
+               corrupt: bool = False, clock: Callable[[], float] = time.time) -> PrefillResult:
     """P, under its engine lock, after prefilling `req` (kept with hold_kv): stage the plan's
     blocks under a lease and let P's own blocks go (they stay in its prefix cache).
     `corrupt` flips bytes of the staged copy after the checksums were taken (chaos)."""
@@ -217,7 +217,7 @@ def stage_plan(engine: LLMEngine, producer, ledger: HandoffLedger, worker_id: st
         except BaseException:
             ledger.release(worker_id, L.STAGED, rid, L.PREFILL_FAILED)
             raise
-        staged_at = time.time()
+        staged_at = clock()
     finally:
         engine.release(rid)
     lc = req.lifecycle
