@@ -162,7 +162,7 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
         d = rng.choice(decode)
         try:
             ray.get(d.inject_pull_delay.remote(lease_s + 0.5, 1), timeout=10)
-            log["delays_injected"] += 1
+            log["delays_armed"] += 1
         except Exception:
             pass
     elif kind == "drop_ack":
@@ -208,7 +208,7 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
     rng = random.Random(seed + 1)
     events = [k for k in faults for _ in range(kills)]
     rng.shuffle(events)
-    log: dict = {"killed": [], "corrupt_transfers_injected": 0, "delays_injected": 0,
+    log: dict = {"killed": [], "corrupt_transfers_injected": 0, "delays_armed": 0,
                  "acks_dropped": 0, "client_aborts": 0}
     replay = _Replay(cluster, prompts, sampling, deadline_s, concurrency)
     t0 = time.monotonic()
@@ -250,7 +250,7 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
            "corrupt_transfers_injected": log["corrupt_transfers_injected"],
            "corrupt_transfers_detected": orch.rejected.get("corrupt", 0),
            "leaked_blocks": leaked, "greedy_mismatches": mismatches,
-           "killed": log["killed"], "delays_injected": log["delays_injected"],
+           "killed": log["killed"], "delays_armed": log["delays_armed"],
            "acks_dropped": log["acks_dropped"], "client_aborts": log["client_aborts"],
            "transfers_rejected": dict(orch.rejected), "retries": orch.retries,
            "prefill_retries": orch.prefill_retries, "ledger": orch.ledger.counters(),

@@ -292,3 +292,43 @@ def test_seeded_sampling_is_the_same_single_engine_and_disaggregated(tiny_loaded
         _clean(cluster)
     finally:
         cluster.shutdown()
+
+
+def test_corrupt_pages_are_refused_and_prefilled_again_on_another_prefill_worker(reference):
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, policy="round_robin"))
+    try:
+        ray.get(cluster.prefill[0].inject_fault.remote("corrupt", 1))   # round robin: first
+        r = cluster.run_request(PROMPTS[2], GREEDY)
+        assert r["token_ids"] == reference([PROMPTS[2]])[0]
+        assert r["lifecycle"]["transfer_bytes"] > 0              # not recomputed on D
+        assert r["lifecycle"]["handoff_round_trips"] > 3         # the retry shows
+        assert cluster.orchestrator.rejected == {"corrupt": 1}
+        assert ray.get(cluster.decode[0].stats.remote())["rejected_corrupt"] == 1
+        injected = [ray.get(p.stats.remote())["corrupt_injected"] for p in cluster.prefill]
+        assert injected == [1, 0]
+        assert r["lifecycle"]["prefill_worker"] == "prefill-1"   # the other prefill worker
+        counters = cluster.orchestrator.ledger.counters()
+        assert counters["released_transfer_failed"] == 1 and counters["open_holds"] == 0
+        _clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_a_lost_ack_is_closed_by_the_lease_in_both_ledgers():
+    cluster = PDCluster(PDConfig(engine=ENGINE, lease_s=0.5))
+    try:
+        p = cluster.prefill[0]
+        ray.get(p.inject_fault.remote("drop_ack", 1))
+        assert cluster.run_request(PROMPTS[2], GREEDY).get("token_ids")
+        ledger = cluster.orchestrator.ledger
+        assert [h.kind for h in ledger.open_holds()] == ["staged"]   # left to the lease
+        deadline = time.time() + 20
+        while ledger.open_holds() and time.time() < deadline:
+            ray.get(p.expire_leases.remote())
+            cluster.orchestrator.refresh()        # P's report says the lease expired
+        assert ledger.open_holds() == []
+        assert ledger.counters()["released_expired"] == 1
+        assert cluster.leaked_blocks() == 0
+        _clean(cluster)
+    finally:
+        cluster.shutdown()

@@ -333,6 +333,7 @@ class DecodeHost(_EngineHost):
         self.handoff = DecodeHandoff(self.engine, self.worker_id, self.ledger)
         self._faults_left = 0                  # injected transfer failures (tests)
         self._pull_delay = (0.0, 0)            # injected: (seconds, pulls) to delay (chaos)
+        self.pull_delays_applied = 0
         self._start_loop()
 
     def _num_reserved(self) -> int:
@@ -346,13 +347,17 @@ class DecodeHost(_EngineHost):
         self._faults_left = n
 
     def inject_pull_delay(self, seconds: float, n: int = 1) -> None:
-        """Chaos: the next `n` pulls start `seconds` late (a pull slower than the lease)."""
-        self._pull_delay = (seconds, n)
+        """Chaos: `n` more pulls start late, by the longest delay asked for so far (a pull
+        slower than the lease)."""
+        with self._lock:
+            delay, left = self._pull_delay
+            self._pull_delay = (max(delay, seconds) if left else seconds, left + n)
 
     def stats(self) -> dict:
         d = super().stats()
         d.update({f"transfer_{k}": v for k, v in asdict(self.consumer.stats()).items()})
         d["transfer_failures"] = self._transfer_failures
+        d["pull_delays_applied"] = self.pull_delays_applied
         with self._lock:
             d.update({f"rejected_{k}": v for k, v in self.handoff.rejected.items()})
         d.update({f"ledger_{k}": v for k, v in self.ledger.counters().items()})
@@ -408,9 +413,11 @@ class DecodeHost(_EngineHost):
             res = self.handoff.begin_pull(result)
         handle = result.handle
         try:
-            delay, n = self._pull_delay
+            with self._lock:
+                delay, n = self._pull_delay
+                self._pull_delay = (delay, max(0, n - 1))
+                self.pull_delays_applied += n > 0
             if n > 0:
-                self._pull_delay = (delay, n - 1)
                 time.sleep(delay)
             if self._faults_left > 0:
                 self._faults_left -= 1
