@@ -33,6 +33,7 @@ from workers.request import SamplingParams
 
 FAULT_KINDS = ("kill", "corrupt", "delay", "drop_ack", "abort")
 EXPLICIT_ERRORS = (RequestError, RoutingRejected, TransferFailed, WorkerFailed)
+_TALLY = threading.Lock()   # the injector threads' counts
 
 
 def _workload(n: int, seed: int, vocab: int) -> list[list[int]]:
@@ -80,6 +81,7 @@ class _Replay:
         self.streaming: set[int] = set()          # requests with a token delivered, not ended
         self.cond = threading.Condition()
         self.finished = 0
+        self.allowed = len(prompts)   # requests the feeder may start so far (fault pacing)
         self._slots = threading.Semaphore(concurrency)
 
     def rid(self, i: int) -> str:
@@ -88,8 +90,15 @@ class _Replay:
     def start(self) -> None:
         threading.Thread(target=self._feed, daemon=True, name="chaos-feed").start()
 
+    def allow(self, n: int) -> None:
+        with self.cond:
+            self.allowed = min(len(self.prompts), max(self.allowed, n))
+            self.cond.notify_all()
+
     def _feed(self) -> None:
         for i in range(len(self.prompts)):
+            with self.cond:
+                self.cond.wait_for(lambda i=i: i < self.allowed)
             self._slots.acquire()
             threading.Thread(target=self._one, args=(i,), daemon=True).start()
 
@@ -142,34 +151,46 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
         except Exception:
             pass
         time.sleep(0.3)
-        log["killed"].append(orch._id.get(victim, "?"))
+        with _TALLY:
+            log["killed"].append(orch._id.get(victim, "?"))
         ray.kill(victim, no_restart=False)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:   # restarted (model loaded) and answering again
+            try:
+                ray.get(victim.ping.remote(), timeout=5)
+                break
+            except Exception:
+                time.sleep(0.2)
     elif kind == "corrupt":
         p = rng.choice(prefill)
         try:
-            before = ray.get(p.stats.remote(), timeout=10)["corrupt_injected"]
-            ray.get(p.inject_fault.remote("corrupt", 1), timeout=10)
+            fid = ray.get(p.arm_corruption.remote(), timeout=10)
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:   # injected once P has staged it
-                if ray.get(p.stats.remote(), timeout=10)["corrupt_injected"] > before:
-                    log["corrupt_transfers_injected"] += 1
+                if ray.get(p.corruption_applied.remote(fid), timeout=10):
+                    with _TALLY:
+                        log["corrupt_transfers_injected"] += 1
                     return
                 time.sleep(0.05)
-            ray.get(p.inject_fault.remote("corrupt", -1), timeout=10)   # not used: disarm
+            if ray.get(p.corruption_applied.remote(fid, disarm=True), timeout=10):
+                with _TALLY:
+                    log["corrupt_transfers_injected"] += 1
         except Exception:
             pass   # P died meanwhile: whatever it staged died with it
     elif kind == "delay":
         d = rng.choice(decode)
         try:
             ray.get(d.inject_pull_delay.remote(lease_s + 0.5, 1), timeout=10)
-            log["delays_armed"] += 1
+            with _TALLY:
+                log["delays_armed"] += 1
         except Exception:
             pass
     elif kind == "drop_ack":
         p = rng.choice(prefill)
         try:
             ray.get(p.inject_fault.remote("drop_ack", 1), timeout=10)
-            log["acks_dropped"] += 1
+            with _TALLY:
+                log["acks_dropped"] += 1
         except Exception:
             pass
     elif kind == "abort":
@@ -180,7 +201,8 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
             if streaming:
                 i = rng.choice(streaming)
                 if cluster.abort(replay.rid(i)):
-                    log["client_aborts"] += 1
+                    with _TALLY:
+                        log["client_aborts"] += 1
                     return
             time.sleep(0.02)
 
@@ -211,16 +233,35 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
     log: dict = {"killed": [], "corrupt_transfers_injected": 0, "delays_armed": 0,
                  "acks_dropped": 0, "client_aborts": 0}
     replay = _Replay(cluster, prompts, sampling, deadline_s, concurrency)
+
+    def threshold(j: int) -> int:     # fault j fires once this many requests have finished
+        return (j + 1) * len(prompts) // (len(events) + 2)
+    # the feeder keeps requests coming only up to a little past the next fault, so that every
+    # fault meets requests in flight however long the previous one took (a restart, say)
+    replay.allowed = threshold(0) + 2 * concurrency
     t0 = time.monotonic()
     replay.start()
     kill_no = 0
+    injectors: list[threading.Thread] = []
     for j, kind in enumerate(events):   # each fault once another slice of requests finished
-        if not replay.wait_progress((j + 1) * len(prompts) // (len(events) + 2),
-                                    deadline_s):
+        if not replay.wait_progress(threshold(j), deadline_s):
             break
-        _inject(kind, cluster, replay, rng, kill_no, lease_s, log)
-        kill_no += kind == "kill"
+        args = (kind, cluster, replay, random.Random(rng.random()), kill_no, lease_s, log)
+        if kind == "kill":    # one worker down at a time: the next fault waits for its restart
+            _inject(*args)
+            kill_no += 1
+            replay.allow(threshold(j + 1) + 2 * concurrency)
+            continue
+        # in its own thread: a fault that waits to land (a corrupt staging, a streaming
+        # request to abort) does not hold back the next one
+        t = threading.Thread(target=_inject, args=args, daemon=True)
+        t.start()
+        injectors.append(t)
+        replay.allow(threshold(j + 1) + 2 * concurrency)
+    replay.allow(len(prompts))
     replay.wait_all(t0 + deadline_s * 2 + 30)    # the last request starts late: own deadline
+    for t in injectors:
+        t.join(30)
     wall = time.monotonic() - t0
 
     ok, explicit, lost = [], [], []
@@ -251,7 +292,7 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
            "corrupt_transfers_detected": orch.rejected.get("corrupt", 0),
            "leaked_blocks": leaked, "greedy_mismatches": mismatches,
            "killed": log["killed"], "delays_armed": log["delays_armed"],
-           "acks_dropped": log["acks_dropped"], "client_aborts": log["client_aborts"],
+           "acks_dropped": log["acks_dropped"], "acks_lost_seen": orch.acks_lost, "client_aborts": log["client_aborts"],
            "transfers_rejected": dict(orch.rejected), "retries": orch.retries,
            "prefill_retries": orch.prefill_retries, "ledger": orch.ledger.counters(),
            "handoff_round_trips_p50": trips["p50"], "handoff_round_trips_max":

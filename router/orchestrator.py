@@ -148,6 +148,7 @@ class Orchestrator:
         self.unhealthy: set[str] = set()         # worker ids that failed their last report
         self.retries = 0                         # request re-runs after a worker failure
         self.prefill_retries = 0                 # prefills re-run on another prefill worker
+        self.acks_lost = 0                       # acks P did not confirm (lease frees it)
         self.rejected: dict[str, int] = {}       # TransferRejected reason -> count (router view)
         self.ledger = HandoffLedger()            # both sides' handoff holds, router's view
         self._incarnation: dict[str, str] = {}   # worker id -> incarnation last reported
@@ -598,6 +599,7 @@ class Orchestrator:
             self.ledger.release(*key, L.ACKED)
         else:                                # ack lost: the lease frees it; P reports that
             with self._lock:
+                self.acks_lost += 1
                 if self.ledger.is_open(*key):
                     self._lease_pending.add(key)
         flight.transfer_id = None

@@ -247,6 +247,8 @@ class PrefillHost(_EngineHost):
                                    **self._transport_cfg)
         self._faults = {"corrupt": 0, "drop_ack": 0}   # injected (chaos): next n stagings / acks
         self.corrupt_injected = 0
+        self._corrupt_armed: list[int] = []      # chaos: ids of armed corruptions, in order
+        self._corrupt_applied: set[int] = set()
         self._start_loop()
 
     def _housekeeping(self) -> None:
@@ -257,6 +259,21 @@ class PrefillHost(_EngineHost):
         taken); `drop_ack` ignores the next n acks (the lease has to expire)."""
         assert kind in self._faults, kind
         self._faults[kind] = max(0, self._faults[kind] + n)
+
+    def arm_corruption(self) -> int:
+        """Chaos: the next staged copy gets corrupted; returns an id for `corruption_applied`."""
+        with self._lock:
+            fid = len(self._corrupt_applied) + len(self._corrupt_armed) + self.corrupt_injected
+            fid = max([fid, *self._corrupt_armed, *self._corrupt_applied]) + 1
+            self._corrupt_armed.append(fid)
+            return fid
+
+    def corruption_applied(self, fid: int, disarm: bool = False) -> bool:
+        """Whether that armed corruption hit a staged copy; `disarm`: cancel it if not."""
+        with self._lock:
+            if disarm and fid in self._corrupt_armed:
+                self._corrupt_armed.remove(fid)
+            return fid in self._corrupt_applied
 
     def prefill(self, admitted: AdmittedRequest, plan: TransferPlan) -> PrefillResult:
         """Compute the prompt's KV (reusing this worker's prefix cache), sample the first token,
@@ -283,10 +300,12 @@ class PrefillHost(_EngineHost):
             if req.lifecycle.finish_reason == "abort" or not tokens:
                 self.engine.release(req.request_id)
                 raise RequestError(f"request {req.request_id} was aborted during prefill")
-            corrupt = self._faults["corrupt"] > 0
-            if corrupt:
+            corrupt = self._faults["corrupt"] > 0 or bool(self._corrupt_armed)
+            if self._faults["corrupt"] > 0:
                 self._faults["corrupt"] -= 1
-                self.corrupt_injected += 1
+            elif corrupt:
+                self._corrupt_applied.add(self._corrupt_armed.pop(0))
+            self.corrupt_injected += corrupt
             return stage_plan(self.engine, self.producer, self.ledger, self.worker_id, req,
                               plan, tokens[0], corrupt=corrupt)
 
