@@ -75,12 +75,17 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
     from cluster.bench_chaos import run_chaos_bench
-    result = run_chaos_bench(kills=args.kills, model=args.model, requests=args.requests,
-                             max_tokens=args.max_tokens, transport=args.transport,
-                             seed=args.seed)
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    result = run_chaos_bench(kills=args.kills, faults=faults, model=args.model,
+                             requests=args.requests, max_tokens=args.max_tokens,
+                             transport=args.transport, seed=args.seed,
+                             deadline_s=args.deadline_s)
     _emit(result, args)
-    return 0 if result["requests_lost"] == 0 and result["leaked_blocks"] == 0 \
-        and result["greedy_mismatches"] == 0 else 1
+    met = (result["requests_lost"] == 0 and result["leaked_blocks"] == 0
+           and result["greedy_mismatches"] == 0
+           and result["corrupt_transfers_detected"] >= result["corrupt_transfers_injected"]
+           and result["requests_ok"] >= 0.9 * result["requests_total"])
+    return 0 if met else 1
 
 
 def _emit(result: dict, args: argparse.Namespace) -> int:
@@ -124,11 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", metavar="PATH")
     be.set_defaults(func=cmd_bench_engine)
 
-    bc = bsub.add_parser("chaos", help="kill random workers during a replay; count losses")
-    bc.add_argument("--kills", type=int, default=5)
+    bc = bsub.add_parser("chaos", help="inject faults during a replay; count losses and leaks "
+                         "(exit 1 unless: 0 lost, 0 leaked, 0 mismatches, every corrupt "
+                         "transfer detected, >= 90%% ok)")
+    bc.add_argument("--kills", type=int, default=5,
+                    help="how many faults of each kind (kills included)")
+    bc.add_argument("--faults", default="kill",
+                    help="comma-separated: kill,corrupt,delay,drop_ack,abort")
+    bc.add_argument("--deadline-s", type=float, default=120.0,
+                    help="every request must have ended by this many seconds after it started")
     bc.add_argument("--model", default="tiny")
     bc.add_argument("--requests", type=int, default=100)
-    bc.add_argument("--max-tokens", type=int, default=64)
+    bc.add_argument("--max-tokens", type=int, default=32)
     bc.add_argument("--transport", default="object_store")
     bc.add_argument("--seed", type=int, default=0)
     bc.add_argument("--json", metavar="PATH")

@@ -158,7 +158,7 @@ class PDCluster:
         while time.monotonic() < deadline and not self._closed.is_set():
             try:
                 idle = not self.orchestrator.busy(worker_id) and \
-                    ray.get(w.load_report.remote(), timeout=30)["num_requests"] == 0
+                    ray.get(w.load_report.remote(), timeout=30).num_requests == 0
             except Exception:
                 idle = True                  # dead already
             if idle:
@@ -199,6 +199,25 @@ class PDCluster:
     def check_invariants(self) -> list[dict]:
         """Ledger counts of every worker (each asserts free + cached + referenced == total)."""
         return ray.get([w.check_invariants.remote() for w in self.workers])
+
+    def leaked_blocks(self, timeout_s: float = 10.0) -> int:
+        """Blocks still held once nothing is in flight: per worker, the larger of the router
+        ledger's open handoff holds (these count for workers that died too: nobody closed
+        them) and the blocks the live worker still references."""
+        with self._lock:
+            workers = list(self.workers)
+        referenced: dict[str, int] = {}
+        refs = [w.check_invariants.remote() for w in workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for w, ref in zip(workers, refs, strict=True):
+            try:
+                if ref in ready:
+                    referenced[self.orchestrator._id.get(w, "?")] = ray.get(ref)["referenced"]
+            except Exception:
+                pass
+        ledger = self.orchestrator.ledger
+        wids = set(referenced) | {h.worker_id for h in ledger.open_holds()}
+        return sum(max(ledger.held_blocks(wid), referenced.get(wid, 0)) for wid in wids)
 
     def expire_leases(self) -> list[list[str]]:
         return ray.get([p.expire_leases.remote() for p in self.prefill])

@@ -93,6 +93,11 @@ class TraceStore:
             if isinstance(result, dict):
                 t.transfer_bytes += int(result.get("transfer_bytes") or 0)
 
+    def add_transfer_bytes(self, rid: str, n: int) -> None:
+        with self._lock:
+            if (t := self._traces.get(rid)) is not None:
+                t.transfer_bytes += int(n)
+
     def tokens(self, rid: str, n: int) -> None:
         now = self.clock()
         with self._lock:
