@@ -22,6 +22,7 @@ import yaml
 
 BUILTIN_MODELS = ("smollm2", "tiny")
 DTYPES = ("auto", "float32", "bfloat16")
+KV_DTYPES = (*DTYPES, "int8", "fp8")        # int8 / fp8: quantized pool (workers/kv_quant.py)
 
 
 class ConfigError(ValueError):
@@ -39,7 +40,7 @@ def _opt(default: Any = MISSING, **rules: Any) -> Any:
 class ModelSection:
     name: str = "smollm2"                       # smollm2, tiny, or a local HF folder
     dtype: str = _opt("auto", choices=DTYPES)
-    kv_dtype: str = _opt("auto", choices=DTYPES)
+    kv_dtype: str = _opt("auto", choices=KV_DTYPES)
     served_model_name: str | None = None        # the name clients send (default: `name`)
     max_model_len: int | None = _opt(None, min=1)   # default: the model's context
 
