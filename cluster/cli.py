@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--json", metavar="PATH")
     bc.set_defaults(func=cmd_bench_chaos)
 
+    from cluster.bench_capacity import add_bench_capacity_parser
     from cluster.bench_disagg import add_bench_disagg_parser
     from cluster.bench_kv_quality import add_bench_kv_quality_parser
     from cluster.bench_transfer import add_bench_transfer_parser
@@ -157,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_transfer_parser(bsub)
     add_bench_disagg_parser(bsub)
     add_bench_kv_quality_parser(bsub)
+    add_bench_capacity_parser(bsub)
     return parser
 
 
