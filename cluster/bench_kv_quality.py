@@ -11,7 +11,7 @@ Both engines share the same loaded weights; only the pool differs. Figures:
   capacity_ratio        bytes_per_token_ref / bytes_per_token_quant
 The gate passes when ppl_delta_pct <= max_ppl_delta_pct and greedy_agreement >=
 min_greedy_agreement; every run is recorded (raypd's cache, kv_gates.json) under the model's
-revision and the KV dtype, and `raypd serve` refuses a quantized KV dtype whose recorded gate
+revision and the KV dtype (the latest run wins; it names the weights' dtype it ran with), and `raypd serve` refuses a quantized KV dtype whose recorded gate
 fails under its configured thresholds.
 """
 
@@ -174,7 +174,7 @@ def record_gate(result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     gates = json.loads(path.read_text()) if path.is_file() else {}
     gates[_gate_key(result["model"], result["revision"], result["kv_dtype"])] = {
-        k: result[k] for k in ("ppl_ref", "ppl_quant", "ppl_delta_pct", "greedy_agreement",
+        k: result[k] for k in ("dtype", "ppl_ref", "ppl_quant", "ppl_delta_pct", "greedy_agreement",
                                "mean_kl", "capacity_ratio", "decode_tok_s_ratio", "evidence",
                                "text", "text_tokens")}
     path.write_text(json.dumps(gates, indent=2) + "\n")

@@ -20,6 +20,7 @@ def gates_file(tmp_path, monkeypatch):
 
 def _record(model: str, kv_dtype: str, ppl_delta_pct: float, agreement: float) -> None:
     kvq.record_gate({"model": model, "revision": kvq._revision(model), "kv_dtype": kv_dtype,
+                     "dtype": "float32",
                      "ppl_ref": 10.0, "ppl_quant": 10.0 * (1 + ppl_delta_pct / 100),
                      "ppl_delta_pct": ppl_delta_pct, "greedy_agreement": agreement,
                      "mean_kl": 0.01, "capacity_ratio": 1.9, "decode_tok_s_ratio": 0.8,
