@@ -3,6 +3,8 @@ paged pool vs paged pool with prefix sharing, and where a budget's capacity boun
 
   plain          what transformers' own cache (DynamicCache) holds for a batch of N sequences of
                  C tokens: N x C x bytes_per_token (equal lengths, so no padding)
+  plain_static   a contiguous cache preallocated per request to the model's context
+                 (transformers' StaticCache with max_cache_len = max_position_embeddings)
   paged          blocks the real KV manager (kvcache/manager.py) allocates for the same batch
   paged_prefix   the same with prefix caching, the N requests sharing a system prompt of
                  shared_frac x C tokens (its full blocks are stored once)
@@ -28,7 +30,7 @@ from kvcache.hashing import block_hashes
 from kvcache.kv_plan import KV_DTYPE_BYTES, plan
 from kvcache.manager import KVCacheManager, cdiv
 
-SCHEMES = ("plain", "paged", "paged_prefix")
+SCHEMES = ("plain_static", "plain", "paged", "paged_prefix")
 BLOCK_SIZES = (8, 16, 32, 64)
 
 
@@ -52,7 +54,9 @@ def admit(kv: KVCacheManager, n: int, context: int, shared: int, prefix: bool) -
 
 
 def peak_bytes(scheme: str, n: int, context: int, shared: int, bytes_per_token_plain: float,
-               bytes_per_block: int, block_size: int) -> int:
+               bytes_per_block: int, block_size: int, max_len: int = 0) -> int:
+    if scheme == "plain_static":
+        return int(n * max(max_len, context) * bytes_per_token_plain)
     if scheme == "plain":
         return int(n * context * bytes_per_token_plain)
     kv = KVCacheManager(n * cdiv(context, block_size) + 1, block_size,
@@ -63,7 +67,9 @@ def peak_bytes(scheme: str, n: int, context: int, shared: int, bytes_per_token_p
 
 def max_concurrency(scheme: str, budget: int, context: int, shared: int,
                     bytes_per_token_plain: float, bytes_per_block: int, block_size: int,
-                    limit: int = 100_000) -> int:
+                    max_len: int = 0, limit: int = 100_000) -> int:
+    if scheme == "plain_static":
+        return int(budget // (max(max_len, context) * bytes_per_token_plain))
     if scheme == "plain":
         return int(budget // (context * bytes_per_token_plain))
     num_blocks = budget // bytes_per_block
@@ -129,7 +135,7 @@ def run_capacity(model: str = "smollm2", kv_dtype: str = "auto", budget_gb: floa
     plain_bpt = plan(hf.config, info.dtype, block_size).bytes_per_token
     budget = int(budget_gb * 2**30)
     args = dict(bytes_per_token_plain=plain_bpt, bytes_per_block=p.bytes_per_block,
-                block_size=block_size)
+                block_size=block_size, max_len=max_len)
 
     def shared(c: int) -> int:
         return int(c * shared_frac)
@@ -149,7 +155,7 @@ def run_capacity(model: str = "smollm2", kv_dtype: str = "auto", budget_gb: floa
     for c in [256, 1024] if tpot_contexts is None else tpot_contexts:
         if c not in contexts:
             continue
-        for s in SCHEMES:
+        for s in SCHEMES[1:]:   # plain_static decodes like plain (same batch); not re-timed
             n = min(64, max_conc[s][contexts.index(c)])
             if n >= 1:
                 tpot.append({"scheme": s, "context": c, "concurrency": n,

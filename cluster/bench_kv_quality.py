@@ -140,7 +140,7 @@ def run_kv_quality(model: str = "smollm2", kv_dtype: str = "int8", dtype: str = 
         "capacity_ratio": ref.kv_bytes_per_token / quant.kv_bytes_per_token,
         "decode_tok_s_ref": tps_ref, "decode_tok_s_quant": tps_q,
         "decode_tok_s_ratio": tps_q / tps_ref,
-        "attention_kernel_quant": "torch (quantized pools dequantize in the PyTorch path)",
+        "attention_kernel_quant": quant.runner.attention_kernel,
         "attention_kernel_ref": ref.runner.attention_kernel,
         "evidence": "gpu-measured" if torch.cuda.is_available() else "cpu-measured",
         "thresholds": asdict(thresholds),

@@ -27,6 +27,7 @@ def test_paged_rounds_up_to_blocks_and_prefix_sharing_stores_shared_blocks_once(
     # 40 shared tokens = 2 full shared blocks + 3 own blocks per request (64 tokens)
     assert peak_bytes("paged_prefix", 4, 64, 40, **args) == (2 + 4 * 2) * bpb
     assert peak_bytes("plain", 4, 64, 40, **args) == 4 * 64 * 100
+    assert peak_bytes("plain_static", 4, 64, 40, **args, max_len=2048) == 4 * 2048 * 100
     budget = 10 * bpb
     assert max_concurrency("paged", budget, 64, 40, **args) == 2            # 4 blocks each
     assert max_concurrency("paged_prefix", budget, 64, 40, **args) == 4     # 2 + 2 each
@@ -35,7 +36,7 @@ def test_paged_rounds_up_to_blocks_and_prefix_sharing_stores_shared_blocks_once(
 def test_run_and_html_on_tiny(tmp_path):
     r = run_capacity("tiny", contexts=[256, 512], concurrencies=[1, 8], tpot_contexts=[],
                      budget_gb=0.001)
-    for s in ("plain", "paged", "paged_prefix"):
+    for s in ("plain_static", "plain", "paged", "paged_prefix"):
         assert len(r["peak_bytes_vs_context"][s]) == 2
     assert r["max_concurrency_in_budget"]["paged_prefix"][0] > \
         r["max_concurrency_in_budget"]["paged"][0]

@@ -77,6 +77,8 @@ class ModelRunner:
         self.model = model
         self.last_forward_s = 0.0   # the model's share of the last execute()
         self.attention_kernel = decode_kernel_name(self.device)   # builds it once, up front
+        if self.kv_quant:   # the native kernel reads float pools; quantized ones dequantize in torch
+            self.attention_kernel = f"torch-dequant-{self.kv_quant}"
 
     @property
     def linear_kernel(self) -> str:
