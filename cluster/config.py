@@ -25,6 +25,7 @@ from kvcache.request_checks import RequestLimits
 
 BUILTIN_MODELS = ("smollm2", "tiny")
 DTYPES = ("auto", "float32", "bfloat16")
+KV_DTYPES = (*DTYPES, "int8", "fp8")        # int8 / fp8: quantized pool (workers/kv_quant.py)
 
 
 class ConfigError(ValueError):
@@ -42,7 +43,10 @@ def _opt(default: Any = MISSING, **rules: Any) -> Any:
 class ModelSection:
     name: str = "smollm2"                       # smollm2, tiny, or a local HF folder
     dtype: str = _opt("auto", choices=DTYPES)
-    kv_dtype: str = _opt("auto", choices=DTYPES)
+    kv_dtype: str = _opt("auto", choices=KV_DTYPES)
+    # `raypd serve` refuses a quantized kv_dtype whose recorded `bench kv-quality` gate fails these
+    kv_gate_max_ppl_delta_pct: float = _opt(1.0, min=0)
+    kv_gate_min_greedy_agreement: float = _opt(0.95, min=0, max=1)
     served_model_name: str | None = None        # the name clients send (default: `name`)
     max_model_len: int | None = _opt(None, min=1)   # default: the model's context
 

@@ -38,6 +38,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE",
                    help="YAML config (default: built-in defaults = configs/local.yaml)")
     p.add_argument("--model", help="model.name: smollm2, tiny or a local HF folder")
+    p.add_argument("--kv-dtype", help="model.kv_dtype: auto, float32, bfloat16, int8, fp8 "
+                   "(a quantized dtype must not have failed its recorded kv-quality gate)")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     p.add_argument("--address", help="ray.address: auto or host:port joins a running cluster "
                    "(default: start a local Ray)")
@@ -62,7 +64,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Command-line flags as dotted config keys (None: not given)."""
     g = lambda name: getattr(args, name, None)  # noqa: E731
-    return {"model.name": g("model"), "model.served_model_name": g("served_model_name"),
+    return {"model.name": g("model"), "model.kv_dtype": g("kv_dtype"),
+            "model.served_model_name": g("served_model_name"),
             "ray.address": g("address"), "server.host": g("host"), "server.port": g("port"),
             "server.grpc_port": g("grpc_port"), "server.api_key": g("api_key"),
             "server.api_keys_file": g("api_keys_file"),
@@ -131,6 +134,7 @@ def start_server(cfg: RaypdConfig, host: str | None = None, port: int | None = N
     started_ray = False
     owns = backend is None
     if owns:
+        check_kv_quality_gate(cfg)
         started_ray = connect_ray(cfg.ray)
         try:
             from cluster.pd import PDCluster
@@ -163,6 +167,16 @@ def start_server(cfg: RaypdConfig, host: str | None = None, port: int | None = N
     shown = f"[{host}]" if ":" in host else host
     return ServerHandle(f"http://{shown}:{bound}", host, bound, app, backend, server, thread,
                         grpc, owns, started_ray)
+
+
+def check_kv_quality_gate(cfg: RaypdConfig) -> dict | None:
+    """The recorded kv-quality gate of a quantized model.kv_dtype (None: float pool or never
+    measured); raises ValueError (a clear CLI error) when the recorded gate fails the config's
+    model.kv_gate_* thresholds."""
+    from cluster.bench_kv_quality import GateThresholds, check_kv_gate
+    m = cfg.model
+    return check_kv_gate(m.name, m.kv_dtype, GateThresholds(m.kv_gate_max_ppl_delta_pct,
+                                                            m.kv_gate_min_greedy_agreement))
 
 
 def model_limits(cfg: RaypdConfig, backend: Any) -> ModelLimits:
@@ -204,6 +218,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # through the `finally` below like Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     started_ray = backend = grpc = app = None
+    gate = check_kv_quality_gate(cfg)
+    if gate is not None:
+        print(f"raypd: kv_dtype {cfg.model.kv_dtype} quality gate ({gate['evidence']}): "
+              f"ppl_delta_pct {gate['ppl_delta_pct']:.3f}, greedy_agreement "
+              f"{gate['greedy_agreement']:.3f}, mean_kl {gate['mean_kl']:.2e}",
+              file=sys.stderr, flush=True)
     gone = threading.Event()
     try:
         started_ray = connect_ray(cfg.ray)

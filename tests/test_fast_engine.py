@@ -11,7 +11,7 @@ from conftest import hf_greedy, make_engine, random_prompt
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from workers import kernels
-from workers.attention import DecodeGroup, _decode_attention_torch
+from workers.attention import DecodeGroup, LayerKV, _decode_attention_torch
 from workers.model_loader import load_model
 from workers.request import SamplingParams
 
@@ -148,7 +148,8 @@ def test_native_decode_kernel_agrees_with_torch_path(dtype, window):
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
     group = DecodeGroup(0, len(lens), tables, lens, int(lens.max()))
     native = kernels.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, window)
-    torch_out = _decode_attention_torch(q, k_cache, v_cache, group, head_dim ** -0.5, window)
+    torch_out = _decode_attention_torch(q, LayerKV(k_cache, v_cache), group, head_dim ** -0.5,
+                                        window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(native.float(), torch_out.float(), atol=tol, rtol=tol)
 

@@ -15,20 +15,25 @@ import torch
 
 from kvcache.handoff import AdmittedRequest
 from kvcache.hashing import CacheNamespace
+from kvcache.kv_plan import bytes_per_layer_block, kv_layout
 from kvcache.lifecycle import EngineStats
 from kvcache.manager import KVCacheManager, cdiv
 from workers.device import DTYPES
+from workers.kv_quant import QUANT_FORMATS, is_quantized
 from workers.model_runner import MODEL_IMPLS, ModelRunner
 from workers.request import Request, RequestError, RequestStatus, SamplingParams
 from workers.sampler import sample
 from workers.scheduler import Scheduler, SchedulerConfig
+
+KV_DTYPES = ("auto", *DTYPES, *QUANT_FORMATS)
 
 
 @dataclass
 class EngineConfig:
     model: str = "smollm2"
     dtype: str = "auto"                 # model weights: auto | float32 | bfloat16
-    kv_dtype: str = "auto"              # KV pool: auto (= model dtype) | float32 | bfloat16
+    kv_dtype: str = "auto"              # KV pool: auto (= model dtype) | float32 | bfloat16 |
+                                        # int8 | fp8 (quantized, workers/kv_quant.py)
     block_size: int = 16
     num_blocks: int | None = None       # overrides kv_cache_gb
     kv_cache_gb: float = 1.0
@@ -43,8 +48,9 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.kv_dtype not in ("auto", *DTYPES):
-            raise ValueError(f"kv_dtype must be auto, float32 or bfloat16, got {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, "
+                             f"got {self.kv_dtype!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
@@ -76,17 +82,20 @@ class LLMEngine:
         self.cfg = cfg
         kv_dtype = self.info.dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
         self.kv_dtype = kv_dtype
-        self.kv_bytes_per_token = (2 * self.info.num_layers * self.info.num_kv_heads
-                                   * self.info.head_dim * DTYPES[kv_dtype].itemsize)
-        num_blocks = cfg.num_blocks or int(cfg.kv_cache_gb * 2**30
-                                           // (cfg.block_size * self.kv_bytes_per_token))
+        layout = kv_layout(self.model.config)   # the planner's figures are what the pool holds
+        self.kv_bytes_per_block = layout.num_layers * bytes_per_layer_block(layout, kv_dtype,
+                                                                            cfg.block_size)
+        per_token = self.kv_bytes_per_block / cfg.block_size
+        self.kv_bytes_per_token = int(per_token) if per_token.is_integer() else per_token
+        num_blocks = cfg.num_blocks or int(cfg.kv_cache_gb * 2**30 // self.kv_bytes_per_block)
         self.max_model_len = cfg.max_model_len or self.info.max_position_embeddings
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=cfg.block_size,
                                  kv_bytes_per_token=self.kv_bytes_per_token)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs),
                                    self.kv, self.stats)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, DTYPES[kv_dtype],
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size,
+                                  kv_dtype if is_quantized(kv_dtype) else DTYPES[kv_dtype],
                                   cfg.model_impl, self.max_model_len)
         self.namespace = CacheNamespace(self.info.model_id, self.info.revision,
                                         self.info.tokenizer_fingerprint, kv_dtype)
