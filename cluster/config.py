@@ -20,8 +20,12 @@ from typing import Any
 
 import yaml
 
+from ingress.limits import IngressLimits
+from kvcache.request_checks import RequestLimits
+
 BUILTIN_MODELS = ("smollm2", "tiny")
 DTYPES = ("auto", "float32", "bfloat16")
+KV_DTYPES = (*DTYPES, "int8", "fp8")        # int8 / fp8: quantized pool (workers/kv_quant.py)
 
 
 class ConfigError(ValueError):
@@ -39,7 +43,10 @@ def _opt(default: Any = MISSING, **rules: Any) -> Any:
 class ModelSection:
     name: str = "smollm2"                       # smollm2, tiny, or a local HF folder
     dtype: str = _opt("auto", choices=DTYPES)
-    kv_dtype: str = _opt("auto", choices=DTYPES)
+    kv_dtype: str = _opt("auto", choices=KV_DTYPES)
+    # `raypd serve` refuses a quantized kv_dtype whose recorded `bench kv-quality` gate fails these
+    kv_gate_max_ppl_delta_pct: float = _opt(1.0, min=0)
+    kv_gate_min_greedy_agreement: float = _opt(0.95, min=0, max=1)
     served_model_name: str | None = None        # the name clients send (default: `name`)
     max_model_len: int | None = _opt(None, min=1)   # default: the model's context
     lora_adapters: dict[str, str] = _opt({})    # LoRA name -> PEFT folder; each is a model id
@@ -101,7 +108,11 @@ class ServerSection:
     host: str = "127.0.0.1"
     port: int = _opt(8000, min=0, max=65535)    # 0: any free port
     grpc_port: int | None = _opt(None, min=0, max=65535)
-    api_key: str | None = None                  # bearer token required on /v1/* when set
+    api_key: str | None = None                  # one bearer token with every scope
+    api_keys_file: str | None = None            # keys -> tenant, scopes (ingress/auth.py)
+    protect_metrics: bool = True                # /metrics needs an admin key when keys are set
+    limits: IngressLimits = field(default_factory=IngressLimits)
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 @dataclass
@@ -309,6 +320,15 @@ class _Validator:
                 self.fail(f"model.lora_adapters.{e.name}", str(e))
         if cfg.server.grpc_port is not None and cfg.server.grpc_port == cfg.server.port != 0:
             self.fail("server.grpc_port", f"must differ from server.port ({cfg.server.port})")
+        if cfg.server.api_keys_file is not None:
+            if cfg.server.api_key is not None:
+                self.fail("server.api_keys_file", "give server.api_key or server.api_keys_file, "
+                          "not both")
+            from ingress.auth import KeyRing
+            try:
+                KeyRing.load(cfg.server.api_keys_file)
+            except ValueError as e:
+                self.fail("server.api_keys_file", str(e))
 
 
 def _join(path: str, key: Any) -> str:

@@ -7,6 +7,7 @@ colocated mode: every decode worker prefills its own requests.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -74,8 +75,11 @@ class PDCluster:
         engine = {**cfg.engine, "num_threads": cfg.threads_per_actor}
         common = dict(num_cpus=0, max_concurrency=256, num_gpus=cfg.num_gpus_per_worker,
                       max_restarts=cfg.max_restarts, max_task_retries=0)
+        transport_cfg = dict(cfg.transport_cfg)
+        if cfg.transport == "grpc":     # the page server answers this cluster's actors only
+            transport_cfg.setdefault("secret", secrets.token_hex(16))
         self._args = dict(engine_cfg=engine, transport=cfg.transport,
-                          transport_cfg=cfg.transport_cfg, lease_s=cfg.lease_s)
+                          transport_cfg=transport_cfg, lease_s=cfg.lease_s)
         self._classes = {
             "prefill": prefill_actor_class(**common, resources=cfg.prefill_resources or None),
             "decode": decode_actor_class(**common, resources=cfg.decode_resources or None)}
@@ -154,7 +158,7 @@ class PDCluster:
         while time.monotonic() < deadline and not self._closed.is_set():
             try:
                 idle = not self.orchestrator.busy(worker_id) and \
-                    ray.get(w.load_report.remote(), timeout=30)["num_requests"] == 0
+                    ray.get(w.load_report.remote(), timeout=30).num_requests == 0
             except Exception:
                 idle = True                  # dead already
             if idle:
@@ -195,6 +199,25 @@ class PDCluster:
     def check_invariants(self) -> list[dict]:
         """Ledger counts of every worker (each asserts free + cached + referenced == total)."""
         return ray.get([w.check_invariants.remote() for w in self.workers])
+
+    def leaked_blocks(self, timeout_s: float = 10.0) -> int:
+        """Blocks still held once nothing is in flight: per worker, the larger of the router
+        ledger's open handoff holds (these count for workers that died too: nobody closed
+        them) and the blocks the live worker still references."""
+        with self._lock:
+            workers = list(self.workers)
+        referenced: dict[str, int] = {}
+        refs = [w.check_invariants.remote() for w in workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for w, ref in zip(workers, refs, strict=True):
+            try:
+                if ref in ready:
+                    referenced[self.orchestrator._id.get(w, "?")] = ray.get(ref)["referenced"]
+            except Exception:
+                pass
+        ledger = self.orchestrator.ledger
+        wids = set(referenced) | {h.worker_id for h in ledger.open_holds()}
+        return sum(max(ledger.held_blocks(wid), referenced.get(wid, 0)) for wid in wids)
 
     def expire_leases(self) -> list[list[str]]:
         return ray.get([p.expire_leases.remote() for p in self.prefill])

@@ -9,6 +9,7 @@ summary and write report.json / report.html / outputs.jsonl / trace.jsonl into -
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -107,9 +108,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run(cfg, items, opts: SubmitOptions, trace_path: Path, args) -> tuple[dict, list]:
     from cluster.pd import PDCluster
-    from cluster.serve import connect_ray, start_server
+    from cluster.serve import API_KEY_ENV, connect_ray, start_server
     from kvcache.sampling import SamplingParams
     from router.report import build_report
+    from router.request_traces import stage_breakdown
+    from router.trace_views import write_chrome_trace
 
     w = cfg.workers
     print(f"raypd run: starting {w.prefill.count} prefill + {w.decode.count} decode workers "
@@ -121,14 +124,17 @@ def _run(cfg, items, opts: SubmitOptions, trace_path: Path, args) -> tuple[dict,
         pd_cfg = cfg.to_pd_config()
         cluster = PDCluster(pd_cfg)
         backend = RecordingBackend(cluster)
-        handle = start_server(cfg, "127.0.0.1", 0, backend=backend)
+        handle = start_server(cfg, "127.0.0.1", 0, backend=backend)   # keys as `raypd serve`
         cluster.run_request("warm-up", SamplingParams(max_tokens=2))  # first-call costs
         opts.url = handle.url
+        opts.api_key = cfg.server.api_key or os.environ.get(API_KEY_ENV) or None
         before = cluster.stats()
         print(f"raypd run: replaying {len(items)} requests from {trace_path} through "
               f"{handle.url}", file=sys.stderr, flush=True)
         result = replay(items, opts, cfg.served_model_name)
         after = cluster.stats()
+        traces = [t for r in result.records if r.ok
+                  and (t := cluster.orchestrator.traces.get(r.request_id)) is not None]
         for r in result.records:
             got = backend.results.get(r.request_id)
             if got is not None:
@@ -151,7 +157,10 @@ def _run(cfg, items, opts: SubmitOptions, trace_path: Path, args) -> tuple[dict,
         report = build_report(result.records, params=params, wall_s=result.wall_s,
                               stats_before=before, stats_after=after,
                               slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                              concurrency=opts.concurrency, stats_source="in-process")
+                              concurrency=opts.concurrency, stats_source="in-process",
+                              stage_breakdown=stage_breakdown(traces) if traces else None)
+        if args.perfetto:
+            write_chrome_trace(traces, args.perfetto)
         return report, result.records
     finally:
         if handle is not None:

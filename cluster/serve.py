@@ -23,7 +23,11 @@ import uvicorn
 
 from cluster.cli import add_lora_arg, lora_adapters_from_args
 from cluster.config import RaypdConfig, RaySection, load_config
-from router.http_ingress import build_app
+from ingress.auth import KeyRing
+from ingress.core import IngressCore, IngressSettings
+from ingress.http_app import build_app
+from ingress.http_server import uvicorn_config
+from kvcache.request_checks import ModelLimits
 
 API_KEY_ENV = "RAYPD_API_KEY"
 
@@ -35,6 +39,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE",
                    help="YAML config (default: built-in defaults = configs/local.yaml)")
     p.add_argument("--model", help="model.name: smollm2, tiny or a local HF folder")
+    p.add_argument("--kv-dtype", help="model.kv_dtype: auto, float32, bfloat16, int8, fp8 "
+                   "(a quantized dtype must not have failed its recorded kv-quality gate)")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     add_lora_arg(p)
     p.add_argument("--address", help="ray.address: auto or host:port joins a running cluster "
@@ -42,8 +48,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", help="server.host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="server.port (default 8000)")
     p.add_argument("--grpc-port", type=int, help="server.grpc_port: also serve gRPC")
-    p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* "
+    p.add_argument("--api-key", help=f"one key with every scope: 'Authorization: Bearer KEY' "
                    f"(default: server.api_key, else ${API_KEY_ENV})")
+    p.add_argument("--api-keys-file", metavar="FILE",
+                   help="server.api_keys_file: keys with tenants and scopes (ingress/auth.py)")
     p.add_argument("--prefill", type=int, metavar="N", help="workers.prefill.count")
     p.add_argument("--decode", type=int, metavar="M", help="workers.decode.count")
     p.add_argument("--transport", help="transfer.transport")
@@ -58,9 +66,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Command-line flags as dotted config keys (None: not given)."""
     g = lambda name: getattr(args, name, None)  # noqa: E731
-    return {"model.name": g("model"), "model.served_model_name": g("served_model_name"),
+    return {"model.name": g("model"), "model.kv_dtype": g("kv_dtype"),
+            "model.served_model_name": g("served_model_name"),
             "ray.address": g("address"), "server.host": g("host"), "server.port": g("port"),
             "server.grpc_port": g("grpc_port"), "server.api_key": g("api_key"),
+            "server.api_keys_file": g("api_keys_file"),
             "workers.prefill.count": g("prefill"), "workers.decode.count": g("decode"),
             "transfer.transport": g("transport"), "router.policy": g("policy"),
             "router.max_inflight": g("max_inflight"),
@@ -128,6 +138,7 @@ def start_server(cfg: RaypdConfig, host: str | None = None, port: int | None = N
     started_ray = False
     owns = backend is None
     if owns:
+        check_kv_quality_gate(cfg)
         started_ray = connect_ray(cfg.ray)
         try:
             from cluster.pd import PDCluster
@@ -137,13 +148,10 @@ def start_server(cfg: RaypdConfig, host: str | None = None, port: int | None = N
                 ray.shutdown()
             raise
     try:
-        app = build_app(backend, cfg.served_model_name,
-                        api_key=api_key if api_key is not None else cfg.server.api_key,
-                        max_inflight=max_inflight or cfg.router.max_inflight,
-                        max_model_len=_max_model_len(cfg, backend),
-                        lora_names=tuple(cfg.model.lora_adapters))
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                               lifespan="off", timeout_graceful_shutdown=5))
+        settings = ingress_settings(cfg, backend, api_key, max_inflight)
+        core = IngressCore(backend, settings)
+        app = build_app(backend, settings, core=core)
+        server = uvicorn.Server(uvicorn_config(app, host, port, settings.limits, log_level))
         thread = threading.Thread(target=server.run, name="raypd-http", daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
@@ -153,7 +161,7 @@ def start_server(cfg: RaypdConfig, host: str | None = None, port: int | None = N
                 raise OSError(f"the HTTP server did not start on {host}:{port}")
             time.sleep(0.02)
         bound = server.servers[0].sockets[0].getsockname()[1]
-        grpc = _start_grpc(cfg, backend, host)
+        grpc = _start_grpc(cfg, backend, host, core)
     except BaseException:
         if owns:
             backend.shutdown()
@@ -165,56 +173,92 @@ def start_server(cfg: RaypdConfig, host: str | None = None, port: int | None = N
                         grpc, owns, started_ray)
 
 
-def _max_model_len(cfg: RaypdConfig, backend: Any) -> int | None:
-    """The context length, when the config or the workers' info says it."""
-    if cfg.model.max_model_len:
-        return cfg.model.max_model_len
-    lens = [i.get("max_model_len") for i in getattr(backend, "info", None) or []
-            if isinstance(i, dict) and i.get("max_model_len")]
-    return min(lens) if lens else None
+def check_kv_quality_gate(cfg: RaypdConfig) -> dict | None:
+    """The recorded kv-quality gate of a quantized model.kv_dtype (None: float pool or never
+    measured); raises ValueError (a clear CLI error) when the recorded gate fails the config's
+    model.kv_gate_* thresholds."""
+    from cluster.bench_kv_quality import GateThresholds, check_kv_gate
+    m = cfg.model
+    return check_kv_gate(m.name, m.kv_dtype, GateThresholds(m.kv_gate_max_ppl_delta_pct,
+                                                            m.kv_gate_min_greedy_agreement))
 
 
-def _start_grpc(cfg: RaypdConfig, backend: Any, host: str) -> Any:
+def model_limits(cfg: RaypdConfig, backend: Any) -> ModelLimits:
+    """The vocabulary and context length, from the config or the workers' info."""
+    infos = [i for i in getattr(backend, "info", None) or [] if isinstance(i, dict)]
+    lens = [i["max_model_len"] for i in infos if i.get("max_model_len")]
+    vocabs = [i["vocab_size"] for i in infos if i.get("vocab_size")]
+    max_len = cfg.model.max_model_len or (min(lens) if lens else None)
+    return ModelLimits(vocab_size=min(vocabs) if vocabs else None, max_model_len=max_len)
+
+
+def ingress_settings(cfg: RaypdConfig, backend: Any, api_key: str | None = None,
+                     max_inflight: int | None = None) -> IngressSettings:
+    """The ingress's settings: keys (file, else `api_key`, else server.api_key, else
+    $RAYPD_API_KEY; an empty string: none), limits, the model's vocabulary and context."""
+    s = cfg.server
+    if s.api_keys_file:
+        keys = KeyRing.load(s.api_keys_file)
+    else:
+        key = api_key if api_key is not None else (s.api_key or os.environ.get(API_KEY_ENV))
+        keys = KeyRing.single(key) if key else None
+    return IngressSettings(model_name=cfg.served_model_name,
+                           max_inflight=max_inflight or cfg.router.max_inflight,
+                           limits=s.limits, request_limits=s.request_limits,
+                           model=model_limits(cfg, backend), keys=keys,
+                           protect_metrics=s.protect_metrics,
+                           lora_names=tuple(cfg.model.lora_adapters))
+
+
+def _start_grpc(cfg: RaypdConfig, backend: Any, host: str, core: IngressCore) -> Any:
     if cfg.server.grpc_port is None:
         return None
-    from router.grpc_ingress import start_grpc_server
-    return start_grpc_server(backend, host, cfg.server.grpc_port,
-                             model_name=cfg.served_model_name,
-                             max_in_flight=cfg.router.max_inflight)
+    from ingress.grpc_server import start_grpc_server
+    return start_grpc_server(backend, host, cfg.server.grpc_port, core=core)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides_from_args(args))
-    api_key = cfg.server.api_key or os.environ.get(API_KEY_ENV) or None
     # SIGTERM: uvicorn handles it while serving (graceful stop); before or after, it unwinds
     # through the `finally` below like Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     started_ray = backend = grpc = app = None
+    gate = check_kv_quality_gate(cfg)
+    if gate is not None:
+        print(f"raypd: kv_dtype {cfg.model.kv_dtype} quality gate ({gate['evidence']}): "
+              f"ppl_delta_pct {gate['ppl_delta_pct']:.3f}, greedy_agreement "
+              f"{gate['greedy_agreement']:.3f}, mean_kl {gate['mean_kl']:.2e}",
+              file=sys.stderr, flush=True)
+    gone = threading.Event()
     try:
         started_ray = connect_ray(cfg.ray)
+        if cfg.ray.address is not None:      # joined a cluster: do not outlive it
+            gone = _watch_cluster(ray.get_runtime_context().gcs_address)
         from cluster.pd import PDCluster
         w = cfg.workers
         print(f"raypd: launching {w.prefill.count} prefill + {w.decode.count} decode workers "
               f"({cfg.model.name}, transport {cfg.transfer.transport}, policy "
               f"{cfg.router.policy})", file=sys.stderr, flush=True)
         backend = PDCluster(cfg.to_pd_config())
-        app = build_app(backend, cfg.served_model_name, api_key=api_key,
-                        max_inflight=cfg.router.max_inflight,
-                        max_model_len=_max_model_len(cfg, backend),
-                        lora_names=tuple(cfg.model.lora_adapters))
-        grpc = _start_grpc(cfg, backend, cfg.server.host)
+        settings = ingress_settings(cfg, backend)
+        core = IngressCore(backend, settings)
+        app = build_app(backend, settings, core=core)
+        grpc = _start_grpc(cfg, backend, cfg.server.host, core)
         if grpc is not None:
             print(f"raypd: gRPC ingress on {grpc.address}", file=sys.stderr, flush=True)
         print(f"raypd: serving {cfg.served_model_name!r} on "
               f"http://{cfg.server.host}:{cfg.server.port}", file=sys.stderr, flush=True)
-        uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
-                                      log_level=args.log_level, lifespan="off",
-                                      timeout_graceful_shutdown=5)).run()
+        uvicorn.Server(uvicorn_config(app, cfg.server.host, cfg.server.port, settings.limits,
+                                      args.log_level)).run()
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         print("raypd: shutting down", file=sys.stderr, flush=True)
+        if gone.is_set():      # nothing to release: the cluster took the workers with it
+            print("raypd: the Ray cluster is gone (ray down / ray stop); exiting",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
         if grpc is not None:
             grpc.stop()
         if app is not None:
@@ -224,6 +268,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if started_ray:
             ray.shutdown()
     return 0
+
+
+CLUSTER_CHECK_S = 2.0
+CLUSTER_MISSES = 3
+
+
+def _watch_cluster(gcs_address: str) -> threading.Event:
+    """A joined cluster's GCS stops answering (`ray down` stops Ray under the router): SIGTERM
+    ourselves so the router does not outlive its cluster. Returns the event set when it did."""
+    import socket
+    host, _, port = gcs_address.rpartition(":")
+    gone = threading.Event()
+
+    def watch() -> None:
+        misses = 0
+        while misses < CLUSTER_MISSES:
+            time.sleep(CLUSTER_CHECK_S)
+            try:
+                socket.create_connection((host, int(port)), timeout=CLUSTER_CHECK_S).close()
+                misses = 0
+            except OSError:
+                misses += 1
+        gone.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="raypd-cluster-watch").start()
+    return gone
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:

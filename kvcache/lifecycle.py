@@ -28,6 +28,8 @@ class RequestLifecycle:
     skipped_blocks: int = 0       # blocks the decode side already held (delta transfer)
     prefill_worker: str | None = None
     decode_worker: str | None = None
+    handoff_round_trips: int = 0  # router -> worker calls awaited before the first token
+    router_overhead_ms: float | None = None   # router's own time before the first token
 
     def to_dict(self) -> dict:
         return asdict(self)

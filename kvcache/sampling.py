@@ -8,9 +8,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
 
 class RequestError(ValueError):
     """A request the system refuses, with a message fit for the client (HTTP 400)."""
+
+
+class StepFailed(RuntimeError):
+    """An engine step raised; the requests of that step end with this (HTTP 500), the worker
+    goes on serving the others."""
 
 
 @dataclass
@@ -40,7 +47,11 @@ class SamplingParams:
             bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not INT64_MIN <= self.seed <= INT64_MAX):
+            bad("seed", f"must be a 64-bit signed integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+               for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be token ids (integers >= 0)")

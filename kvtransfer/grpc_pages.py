@@ -13,6 +13,7 @@ A failed transfer only ends its own stream; the server keeps serving the others.
 
 from __future__ import annotations
 
+import hmac
 from concurrent import futures
 from dataclasses import replace
 
@@ -36,6 +37,7 @@ WIRE_VERSION = 1
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 MAX_HEADER_BYTES = 1 << 20
+SECRET_HEADER = "x-raypd-kv-secret"
 
 
 def _default_host() -> str:
@@ -65,9 +67,11 @@ class GrpcTransport(KVTransport):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         server_threads: int = 4,
         checksum: bool = True,
+        secret: str | None = None,
         **cfg,
     ):
         super().__init__(checksum=checksum, **cfg)
+        self.secret = secret   # per cluster: a Fetch without it is refused (PERMISSION_DENIED)
         self.host = host
         self.port = int(port)
         self.chunk_bytes = min(int(chunk_bytes), int(max_frame_bytes))
@@ -126,6 +130,11 @@ class GrpcTransport(KVTransport):
             self._server, self._address = server, f"{host}:{port}"
 
     def _serve(self, request: bytes, context: grpc.ServicerContext):
+        if self.secret is not None:
+            sent = dict(context.invocation_metadata() or ()).get(SECRET_HEADER, "")
+            if not hmac.compare_digest(sent.encode(), self.secret.encode()):
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, "KV page server: wrong or "
+                              "missing cluster secret")
         try:
             transfer_id = str(msgpack.unpackb(request)["transfer_id"])
         except Exception:
@@ -169,7 +178,9 @@ class GrpcTransport(KVTransport):
     def fetch(self, handle: TransferHandle) -> torch.Tensor:
         self._check_handle(handle)
         fetch = self._channel(handle.address).unary_stream(FETCH_METHOD)
-        call = fetch(msgpack.packb({"transfer_id": handle.transfer_id}), timeout=self.timeout_s)
+        md = ((SECRET_HEADER, self.secret),) if self.secret is not None else None
+        call = fetch(msgpack.packb({"transfer_id": handle.transfer_id}), timeout=self.timeout_s,
+                     metadata=md)
         try:
             return self._receive(handle, call)
         except grpc.RpcError as exc:

@@ -193,9 +193,11 @@ def build_report(records: Sequence, *, params: dict, wall_s: float,
                  stats_after: Sequence[dict] | None = None,
                  slo_ttft_s: float = 2.0, slo_tpot_s: float = 0.25,
                  concurrency: int | None = None, stats_source: str | None = None,
-                 evidence_level: str | None = None) -> dict:
+                 evidence_level: str | None = None,
+                 stage_breakdown: dict | None = None) -> dict:
     """The report dict (JSON-ready) of one replay's RequestRecords and the server's per-worker
-    stats before and after it."""
+    stats before and after it; `stage_breakdown` (router/request_traces.stage_breakdown of the
+    replayed requests' handoff traces) goes in as is."""
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -267,6 +269,7 @@ def build_report(records: Sequence, *, params: dict, wall_s: float,
     report = {"params": params, **m, "per_actor": per_actor,
               "stats_source": stats_source,
               "diagnosis": diagnose(m, records, per_actor),
+              "stage_breakdown": stage_breakdown,
               "evidence_level": evidence_level,
               "errors": [{"id": r.id, "status": r.status, "error": r.error}
                          for r in failed[:20]]}
@@ -323,6 +326,10 @@ def summary_lines(report: dict) -> list[str]:
         f"KV transfer: {_num(r['transfer_bytes'])} bytes"
         + (f" in {r['transfer_s']:.2f} s" if r.get("transfer_s") is not None else ""),
     ]
+    if r.get("stage_breakdown"):
+        lines.append("handoff stages p50/p99: " + ", ".join(
+            f"{s} {_ms(p, 'p50').removesuffix(' ms')}/{_ms(p, 'p99')}"
+            for s, p in r["stage_breakdown"].items() if s not in ("ttft", "e2e")))
     for d in r["diagnosis"]:
         because = ", ".join(f"{k}={v}" for k, v in d["because"].items()
                             if not k.startswith("threshold") and v is not None)
@@ -410,6 +417,28 @@ def _plots(report: dict, records: Sequence) -> list[str]:
     return out
 
 
+def _pairs(d: dict, columns: int = 3) -> str:
+    """A one-row record as name / value pairs, in side-by-side columns (fits any width)."""
+    items = list(d.items())
+    if not items:
+        return "<p>(none)</p>"
+    per = -(-len(items) // columns)
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            v = f"{v:.4g}"
+        elif isinstance(v, dict | list):
+            v = ", ".join(f"{k}: {x}" for k, x in v.items()) if isinstance(v, dict) else \
+                ", ".join(map(str, v))
+        return html.escape("" if v is None else str(v))
+    tables = []
+    for i in range(0, len(items), per):
+        rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{cell(v)}</td></tr>"
+                       for k, v in items[i:i + per])
+        tables.append(f"<table>{rows}</table>")
+    return f"<div class='pairs'>{''.join(tables)}</div>"
+
+
 def _table(rows: Sequence[dict], cols: Sequence[str] | None = None) -> str:
     if not rows:
         return "<p>(none)</p>"
@@ -422,7 +451,7 @@ def _table(rows: Sequence[dict], cols: Sequence[str] | None = None) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
     body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c))}</td>" for c in cols) + "</tr>"
                    for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f"<div class='scroll'><table><tr>{head}</tr>{body}</table></div>"
 
 
 def render_html(report: dict, records: Sequence) -> str:
@@ -438,15 +467,22 @@ def render_html(report: dict, records: Sequence) -> str:
     style = ("body{font-family:sans-serif;margin:24px;max-width:1300px}"
              "table{border-collapse:collapse;margin:8px 0}"
              "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:right}"
-             "th{background:#f0f0f0}pre{background:#f7f7f7;padding:8px}img{max-width:100%}")
+             "th{background:#f0f0f0}img{max-width:100%}"
+             "pre{background:#f7f7f7;padding:8px;white-space:pre-wrap;overflow-wrap:anywhere}"
+             ".scroll{overflow-x:auto;max-width:100%}"
+             ".pairs{display:flex;flex-wrap:wrap;gap:0 24px;align-items:flex-start}"
+             ".pairs td:first-child{text-align:left;color:#555}"
+             ".pairs td{overflow-wrap:anywhere;max-width:360px}")
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>raypd report</title>",
         f"<style>{style}</style></head><body>",
         f"<h1>raypd replay report <small>({html.escape(r['evidence_level'])})</small></h1>",
         f"<pre>{summary}</pre>",
-        "<h2>Parameters</h2>", _table([r["params"]]),
+        "<h2>Parameters</h2>", _pairs(r["params"]),
         "<h2>Latency</h2>", _table(metrics),
-        "<h2>Figures</h2>", _table([flat]),
+        "<h2>Handoff stages <small>(per request, from the router's traces)</small></h2>",
+        _table(_stage_rows(r.get("stage_breakdown"))),
+        "<h2>Figures</h2>", _pairs(flat),
         "<h2>Diagnosis</h2>", f"<ul>{diag}</ul>",
         "<h2>Plots</h2>", *_plots(r, records),
         "<h2>Per worker (KV usage)</h2>", _table(r["per_actor"]),
@@ -454,6 +490,16 @@ def render_html(report: dict, records: Sequence) -> str:
         "</body></html>",
     ]
     return "\n".join(parts)
+
+
+def _stage_rows(breakdown: dict | None) -> list[dict]:
+    """One row per stage: p50 / p90 / p99 / mean in ms and how many requests had it."""
+    rows = []
+    for stage, p in (breakdown or {}).items():
+        ms = {k: None if p.get(k) is None else round(p[k] * 1e3, 3)
+              for k in ("p50", "p90", "p99", "mean")}
+        rows.append({"stage": stage, **{f"{k} ms": v for k, v in ms.items()}, "n": p.get("n")})
+    return rows
 
 
 def write_html(report: dict, records: Sequence, path: str | Path) -> None:

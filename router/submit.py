@@ -25,7 +25,9 @@ from typing import Any
 
 import aiohttp
 
+from router.request_traces import stage_breakdown
 from router.trace import TraceError
+from router.trace_views import fetch_traces, write_chrome_trace
 from router.workload import DEFAULT_VOCAB_SIZE, WorkItem, load_workload, repeated_prefix_shares
 
 DEFAULT_CONCURRENCY = 16
@@ -349,6 +351,18 @@ def server_stats(url: str, api_key: str | None = None) -> dict | None:
 
 
 # ---- output files --------------------------------------------------------------------------
+def request_traces(url: str, records: Sequence[RequestRecord],
+                   api_key: str | None = None) -> list:
+    """The server's handoff traces of the replayed requests that succeeded (GET
+    /v1/requests/{id}/trace each; empty when the server keeps none)."""
+    ids = [r.request_id for r in records if r.ok and r.request_id]
+    try:
+        return fetch_traces(url, ids, api_key)
+    except (OSError, PermissionError) as e:
+        print(f"warning: no request traces from {url}: {e}", file=sys.stderr)
+        return []
+
+
 def write_outputs(records: Sequence[RequestRecord], path: str | Path) -> None:
     """One JSON line a request: id, ok, token ids, text, lifecycle (and error when failed)."""
     p = Path(path)
@@ -409,6 +423,9 @@ def add_replay_options(p: argparse.ArgumentParser, timestamps_default: bool = Fa
     p.add_argument("--slo-tpot", type=float, default=DEFAULT_SLO_TPOT_S, metavar="S",
                    help="TPOT SLO for goodput, seconds (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of --rate arrivals")
+    p.add_argument("--perfetto", type=Path, default=None, metavar="PATH",
+                   help="also write the replayed requests' handoff traces as Chrome trace / "
+                        "Perfetto JSON (one track per actor)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -455,6 +472,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     before = server_stats(opts.url, opts.api_key)
     result = replay(items, opts, model)
     after = server_stats(opts.url, opts.api_key)
+    traces = request_traces(opts.url, result.records, opts.api_key)
     params = {"model": model, "url": opts.url, "trace": str(args.trace),
               "requests": len(items), "rate": opts.rate,
               "arrivals": "timestamps" if opts.timestamps else
@@ -467,9 +485,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
                           stats_after=(after or {}).get("workers"),
                           slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                           concurrency=opts.concurrency,
-                          stats_source=(after or {}).get("source"))
+                          stats_source=(after or {}).get("source"),
+                          stage_breakdown=stage_breakdown(traces) if traces else None)
     write_reports(report, result.records, args.out, args.html, args.outputs)
-    print_summary(report, files=[f for f in (args.out, args.html, args.outputs) if f])
+    if args.perfetto:
+        write_chrome_trace(traces, args.perfetto)
+    print_summary(report, files=[f for f in (args.out, args.html, args.outputs, args.perfetto)
+                                 if f])
     return 0
 
 

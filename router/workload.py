@@ -24,12 +24,19 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvcache.request_checks import (
+    ModelLimits,
+    RequestLimits,
+    check_label,
+    check_messages,
+    check_prompt,
+)
 from router.trace import TraceError, load_trace, scaled_tokens
 
 DEFAULT_VOCAB_SIZE = 49152      # SmolLM2
 MIN_TOKEN_ID = 100              # expanded ids stay clear of the special tokens at the bottom
 DEFAULT_MAX_TOKENS = 64
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+SUBMIT_LIMITS = RequestLimits()     # the server's defaults (server.request_limits)
 RAYPD_KEYS = ("id", "timestamp", "prompt", "messages", "max_tokens", "tenant", "session",
               "ignore_eos")
 REUSE_CHARS = 64                # text prompts: characters per unit when measuring repeated prefixes
@@ -95,26 +102,18 @@ def parse_raypd_line(obj: object, lineno: int) -> WorkItem:
     if ("prompt" in obj) == ("messages" in obj):
         raise ValueError("give exactly one of 'prompt' or 'messages'")
     prompt, messages = obj.get("prompt"), obj.get("messages")
+    # the ingress's own checks (kvcache.request_checks): a line the server would refuse is
+    # refused here, before anything is sent
     if "prompt" in obj:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("'prompt' is empty")
-        elif isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            prompt = list(prompt)
-        else:
-            raise ValueError("'prompt' must be a non-empty string or list of token ids >= 0")
+        check_prompt(prompt, SUBMIT_LIMITS, ModelLimits())
+        prompt = prompt if isinstance(prompt, str) else list(prompt)
     else:
         if not isinstance(messages, list) or not messages:
             raise ValueError("'messages' must be a non-empty list")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or set(m) != {"role", "content"}:
                 raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
-            if m["role"] not in CHAT_ROLES:
-                raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
-                                 f"got {m['role']!r}")
-            if not isinstance(m["content"], str):
-                raise ValueError(f"messages[{i}].content must be a string")
+        check_messages(messages, SUBMIT_LIMITS)
     ts = obj.get("timestamp", 0.0)
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
         raise ValueError(f"'timestamp' must be a finite number >= 0 (seconds), got {ts!r}")
@@ -124,6 +123,7 @@ def parse_raypd_line(obj: object, lineno: int) -> WorkItem:
     for key in ("id", "tenant", "session"):
         if key in obj and not isinstance(obj[key], str):
             raise ValueError(f"{key!r} must be a string, got {type(obj[key]).__name__}")
+    check_label("tenant", obj.get("tenant"), SUBMIT_LIMITS)
     ignore_eos = obj.get("ignore_eos", True)
     if not isinstance(ignore_eos, bool):
         raise ValueError(f"'ignore_eos' must be true or false, got {ignore_eos!r}")

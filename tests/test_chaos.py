@@ -1,19 +1,28 @@
-"""A short chaos run: random workers killed mid-replay; nothing lost, leaked or wrong."""
+"""A short chaos run, each fault kind once: nothing lost, leaked or wrong; corruption detected."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster.bench_chaos import run_chaos_bench
+from cluster.bench_chaos import FAULT_KINDS, run_chaos_bench
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-def test_chaos_kills_lose_nothing_and_leak_nothing():
-    r = run_chaos_bench(kills=3, requests=40, max_tokens=48, seed=1)
-    assert r["requests_total"] == 40
-    assert r["requests_lost"] == 0
-    assert r["requests_ok"] + r["requests_failed_explicit"] == 40
-    assert r["leaked_blocks"] == 0
+def test_chaos_each_fault_once_loses_nothing_and_leaks_nothing():
+    r = run_chaos_bench(kills=1, faults=FAULT_KINDS, requests=30, max_tokens=24, seed=1,
+                        deadline_s=60.0)
+    assert r["requests_total"] == 30
+    assert r["requests_ok"] > 0
+    assert r["requests_lost"] == 0, r["lost_errors"]
+    assert r["requests_ok"] + r["requests_failed_explicit"] == 30
+    assert r["leaked_blocks"] == 0, r["ledger"]
     assert r["greedy_mismatches"] == 0
-    assert len(r["killed"]) == 3          # each kill lands while requests are in flight
+    assert r["corrupt_transfers_detected"] >= r["corrupt_transfers_injected"]
+    assert len(r["killed"]) == 1          # the kill landed while requests were in flight
+    assert r["ledger"]["open_holds"] == 0
+
+
+def test_unknown_fault_kind_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown fault kinds \\['meteor'\\]"):
+        run_chaos_bench(faults=("kill", "meteor"))

@@ -47,7 +47,7 @@ def server(ray_session):
 
 
 def stats(server) -> dict:
-    r = requests.get(server.url + "/api/stats", timeout=30)
+    r = requests.get(server.url + "/api/stats", headers=AUTH, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -81,7 +81,7 @@ def test_api_stats_keeps_each_finished_requests_lifecycle_timeline(server):
         assert q["output_tokens"] == 6 and q["prompt_tokens"] > 0 and q["transfer_bytes"] > 0
     assert reqs[-1]["cached_tokens"] > 0                         # the shared prefix hit
     assert [q["arrival"] for q in reqs] == sorted(q["arrival"] for q in reqs)
-    assert len(requests.get(server.url + "/api/stats?requests=2", timeout=30)
+    assert len(requests.get(server.url + "/api/stats?requests=2", headers=AUTH, timeout=30)
                .json()["requests"]) == 2
 
 
@@ -154,7 +154,7 @@ def same(shown: str, value) -> bool:
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary: apt-get install -y chromium")
 def test_chromium_renders_every_actor_with_the_numbers_of_api_stats(server, tmp_path):
-    dom = chromium(server.url + "/dashboard", tmp_path, "--dump-dom")
+    dom = chromium(server.url + f"/dashboard#key={KEY}", tmp_path, "--dump-dom")
     s = stats(server)                      # idle server: the stable numbers did not move
     page = _Fields()
     page.feed(dom)
@@ -177,6 +177,6 @@ def test_chromium_renders_every_actor_with_the_numbers_of_api_stats(server, tmp_
     assert page.timeline == [q["request_id"] for q in s["requests"]][-40:]
 
     shot = Path(os.environ.get("RAYPD_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
-    chromium(server.url + "/dashboard", tmp_path, f"--screenshot={shot}",
+    chromium(server.url + f"/dashboard#key={KEY}", tmp_path, f"--screenshot={shot}",
              "--window-size=1400,1000")
     assert shot.stat().st_size > 10_000

@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode gives the single engine's greedy output, on every path."""
+"""Disaggregated prefill/decode gives stock transformers generate()'s greedy output, on every path."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import time
 
 import pytest
 import ray
-from conftest import make_engine, random_prompt
+from conftest import hf_greedy, random_prompt
 
 from cluster.pd import PDCluster, PDConfig
+from kvcache.handoff import RequestInput
 from workers.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -24,11 +25,11 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_loaded):
-    """Single-engine greedy outputs, computed in this process."""
+def reference(tiny_reference):
+    """Greedy outputs of stock transformers generate() on an independently loaded copy of
+    the model (stock attention, no paged KV), computed in this process."""
     def run(prompts):
-        engine = make_engine(tiny_loaded, num_blocks=128)
-        return [r.output_token_ids for r in engine.generate(prompts, GREEDY)]
+        return [hf_greedy(tiny_reference, p, GREEDY.max_tokens) for p in prompts]
     return run
 
 
@@ -38,7 +39,7 @@ def _clean(cluster: PDCluster) -> None:
 
 
 @pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "rdt"])
-def test_disagg_matches_single_engine_for_every_transport(transport, reference):
+def test_disagg_matches_transformers_generate_for_every_transport(transport, reference):
     cluster = PDCluster(PDConfig(engine=ENGINE, transport=transport))
     try:
         results = cluster.generate(PROMPTS, GREEDY)
@@ -49,6 +50,8 @@ def test_disagg_matches_single_engine_for_every_transport(transport, reference):
             assert lc["transferred_blocks"] == -(-len(p) // 16) - lc["skipped_blocks"]
             assert lc["transfer_bytes"] > 0 and lc["transfer_s"] > 0
             assert lc["prefill_worker"] == "prefill-0" and lc["decode_worker"] == "decode-0"
+            assert lc["handoff_round_trips"] == 3      # admit, prefill, stream (pull + decode)
+            assert lc["router_overhead_ms"] >= 0
         _clean(cluster)
     finally:
         cluster.shutdown()
@@ -70,10 +73,11 @@ def test_rdt_many_concurrent_transfers_of_different_sizes(reference):
         cluster.shutdown()
 
 
-def test_prefix_hits_on_prefill_decode_and_both(reference):
+@pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "rdt"])
+def test_prefix_hits_on_prefill_decode_and_both(transport, reference):
     first, second = SHARED + random_prompt(7, seed=5), SHARED + random_prompt(13, seed=6)
     expected = reference([first, second])
-    cluster = PDCluster(PDConfig(engine=ENGINE))
+    cluster = PDCluster(PDConfig(engine=ENGINE, transport=transport))
     p, d = cluster.prefill[0], cluster.decode[0]
     try:
         # forget the other side's cache between the two requests: a hit on P only, D only, both
@@ -116,23 +120,31 @@ def test_conditional_local_prefill(reference):
 
 def _stage_without_pull(cluster: PDCluster, prompt: list[int], rid: str):
     d, p = cluster.decode[0], cluster.prefill[0]
-    spec = {"request_id": rid, "prompt_token_ids": prompt, "sampling": {"max_tokens": 8}}
-    adm = ray.get(d.admit.remote(spec))
-    assert adm["admitted"] and not adm["local"]
-    pre = ray.get(p.prefill.remote({**spec, "skip_blocks": adm["skip_blocks"]}))
+    request = RequestInput(rid, tuple(prompt), SamplingParams(max_tokens=8), time.time() + 60)
+    adm = ray.get(d.admit.remote(request))
+    assert adm.admitted and not adm.local
+    pre = ray.get(p.prefill.remote(adm.request, adm.plan))
     return d, p, pre
+
+
+def _land(d, rid: str, pre):
+    """D's third round trip: land the staged pages and take the first streamed item."""
+    return ray.get(next(d.stream.remote(rid, 0, pre)))
 
 
 def test_abort_mid_transfer_releases_both_sides():
     cluster = PDCluster(PDConfig(engine=ENGINE))
     try:
         d, p, pre = _stage_without_pull(cluster, PROMPTS[2], "abort-me")
-        held = cluster.check_invariants()
-        assert held[0]["referenced"] > 0 and held[1]["referenced"] > 0   # pinned / reserved
-        assert ray.get(p.abort_transfer.remote(pre["handle"].transfer_id))
+        assert [h.kind for h in ray.get(p.ledger_holds.remote())] == ["staged"]
+        assert [h.kind for h in ray.get(d.ledger_holds.remote())] == ["reserved"]
+        assert ray.get(d.check_invariants.remote())["referenced"] > 0      # reserved
+        assert ray.get(p.abort_transfer.remote(pre.handle.transfer_id))
         assert ray.get(d.abort.remote("abort-me"))
-        with pytest.raises(ray.exceptions.RayTaskError, match="no reservation|aborted"):
-            ray.get(d.receive.remote("abort-me", pre["handle"], pre["first_token"], pre))
+        with pytest.raises(ray.exceptions.RayTaskError, match="unknown: no reservation"):
+            _land(d, "abort-me", pre)
+        assert ray.get(p.ledger_holds.remote()) == [] == ray.get(d.ledger_holds.remote())
+        assert ray.get(d.stats.remote())["rejected_unknown"] == 1
         _clean(cluster)
         # a client abort while decoding, through the cluster API
         import threading
@@ -162,13 +174,14 @@ def test_lease_expires_when_decode_never_pulls(transport):
     try:
         d, p, pre = _stage_without_pull(cluster, PROMPTS[3], "never-pulled")
         time.sleep(0.6)
-        assert pre["handle"].transfer_id in ray.get(p.expire_leases.remote()) or \
+        assert pre.handle.transfer_id in ray.get(p.expire_leases.remote()) or \
             ray.get(p.stats.remote())["transfer_expired"] == 1
         stats = ray.get(p.stats.remote())
         assert stats["transfer_expired"] == 1 and stats["transfer_active"] == 0
+        assert stats["ledger_released_expired"] == 1 and stats["ledger_open_holds"] == 0
         assert ray.get(p.check_invariants.remote())["referenced"] == 0   # nothing pinned
-        with pytest.raises(ray.exceptions.RayTaskError, match="TransferError"):
-            ray.get(d.receive.remote("never-pulled", pre["handle"], pre["first_token"], pre))
+        with pytest.raises(ray.exceptions.RayTaskError, match="late: the lease"):
+            _land(d, "never-pulled", pre)
         ray.get(d.abort.remote("never-pulled"))
         _clean(cluster)
     finally:
@@ -256,6 +269,66 @@ def test_colocated_mode_without_prefill_workers(reference):
         results = cluster.generate(PROMPTS, GREEDY)
         assert [r["token_ids"] for r in results] == reference(PROMPTS)
         assert all(r["lifecycle"]["transfer_bytes"] == 0 for r in results)
+        _clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_seeded_sampling_is_the_same_single_engine_and_disaggregated(tiny_loaded):
+    """P draws the first token from the request's seeded generator; its state travels in
+    the PrefillResult and D draws the rest from it: the same tokens as one engine."""
+    from conftest import make_engine
+    sampling = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234,
+                              ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    engine = make_engine(tiny_loaded, num_blocks=128)
+    expected = [r.output_token_ids for r in engine.generate(prompts, sampling)]
+    assert expected[0] != expected[1]
+    cluster = PDCluster(PDConfig(engine=ENGINE))
+    try:
+        results = [cluster.run_request(p, sampling) for p in prompts]
+        assert [r["token_ids"] for r in results] == expected
+        assert all(r["lifecycle"]["transferred_blocks"] > 0 for r in results)
+        _clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_corrupt_pages_are_refused_and_prefilled_again_on_another_prefill_worker(reference):
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, policy="round_robin"))
+    try:
+        ray.get(cluster.prefill[0].inject_fault.remote("corrupt", 1))   # round robin: first
+        r = cluster.run_request(PROMPTS[2], GREEDY)
+        assert r["token_ids"] == reference([PROMPTS[2]])[0]
+        assert r["lifecycle"]["transfer_bytes"] > 0              # not recomputed on D
+        assert r["lifecycle"]["handoff_round_trips"] > 3         # the retry shows
+        assert cluster.orchestrator.rejected == {"corrupt": 1}
+        assert ray.get(cluster.decode[0].stats.remote())["rejected_corrupt"] == 1
+        injected = [ray.get(p.stats.remote())["corrupt_injected"] for p in cluster.prefill]
+        assert injected == [1, 0]
+        assert r["lifecycle"]["prefill_worker"] == "prefill-1"   # the other prefill worker
+        counters = cluster.orchestrator.ledger.counters()
+        assert counters["released_transfer_failed"] == 1 and counters["open_holds"] == 0
+        _clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_a_lost_ack_is_closed_by_the_lease_in_both_ledgers():
+    cluster = PDCluster(PDConfig(engine=ENGINE, lease_s=0.5))
+    try:
+        p = cluster.prefill[0]
+        ray.get(p.inject_fault.remote("drop_ack", 1))
+        assert cluster.run_request(PROMPTS[2], GREEDY).get("token_ids")
+        ledger = cluster.orchestrator.ledger
+        assert [h.kind for h in ledger.open_holds()] == ["staged"]   # left to the lease
+        deadline = time.time() + 20
+        while ledger.open_holds() and time.time() < deadline:
+            ray.get(p.expire_leases.remote())
+            cluster.orchestrator.refresh()        # P's report says the lease expired
+        assert ledger.open_holds() == []
+        assert ledger.counters()["released_expired"] == 1
+        assert cluster.leaked_blocks() == 0
         _clean(cluster)
     finally:
         cluster.shutdown()

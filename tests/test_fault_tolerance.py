@@ -11,6 +11,7 @@ import ray
 from conftest import make_engine, random_prompt
 
 from cluster.pd import PDCluster, PDConfig
+from kvcache.handoff import RequestInput
 from workers.request import SamplingParams
 
 ENGINE = dict(model="tiny", num_blocks=256, block_size=16)
@@ -103,16 +104,18 @@ def test_pages_pinned_for_a_dead_decode_worker_expire():
     cluster = PDCluster(PDConfig(engine=ENGINE, lease_s=0.5, max_restarts=0))
     try:
         d, p = cluster.decode[0], cluster.prefill[0]
-        spec = {"request_id": "orphan", "prompt_token_ids": random_prompt(40, seed=3),
-                "sampling": {"max_tokens": 4}}
-        adm = ray.get(d.admit.remote(spec))
-        ray.get(p.prefill.remote({**spec, "skip_blocks": adm["skip_blocks"]}))
-        assert ray.get(p.check_invariants.remote())["referenced"] > 0
+        request = RequestInput("orphan", tuple(random_prompt(40, seed=3)),
+                               SamplingParams(max_tokens=4), time.time() + 60)
+        adm = ray.get(d.admit.remote(request))
+        ray.get(p.prefill.remote(adm.request, adm.plan))
+        assert [h.kind for h in ray.get(p.ledger_holds.remote())] == ["staged"]
         ray.kill(d, no_restart=True)
         time.sleep(0.8)
         ray.get(p.expire_leases.remote())
         assert ray.get(p.check_invariants.remote())["referenced"] == 0
-        assert ray.get(p.stats.remote())["transfer_expired"] == 1
+        assert ray.get(p.ledger_holds.remote()) == []
+        stats = ray.get(p.stats.remote())
+        assert stats["transfer_expired"] == 1 and stats["ledger_released_expired"] == 1
     finally:
         cluster.shutdown()
 

@@ -10,10 +10,12 @@ import pytest
 from conftest import random_prompt
 
 from cluster.pd import PDCluster, PDConfig
+from ingress import raypd_pb2 as pb
+from ingress import raypd_pb2_grpc as pb_grpc
+from ingress.core import IngressSettings
+from ingress.grpc_server import start_grpc_server
+from kvcache.request_checks import ModelLimits
 from kvcache.sampling import SamplingParams
-from router import raypd_pb2 as pb
-from router import raypd_pb2_grpc as pb_grpc
-from router.grpc_ingress import start_grpc_server
 
 ENGINE = dict(model="tiny", num_blocks=128, block_size=16)
 PROMPTS = [random_prompt(21, seed=1), random_prompt(40, seed=2), random_prompt(7, seed=3)]
@@ -28,7 +30,10 @@ def cluster(ray_session):
 
 @pytest.fixture(scope="module")
 def stub(cluster):
-    server = start_grpc_server(cluster, "127.0.0.1", 0, model_name="tiny")
+    info = cluster.info[0]
+    model = ModelLimits(vocab_size=info["vocab_size"], max_model_len=info["max_model_len"])
+    server = start_grpc_server(cluster, "127.0.0.1", 0,
+                               IngressSettings(model_name="tiny", model=model))
     channel = grpc.insecure_channel(server.address)
     yield pb_grpc.RaypdStub(channel)
     channel.close()
@@ -37,7 +42,8 @@ def stub(cluster):
 
 def _req(prompt: list[int], max_tokens: int = 10, **kw) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompt_token_ids=prompt,
-                              sampling=pb.Sampling(max_tokens=max_tokens, ignore_eos=True), **kw)
+                              sampling=pb.Sampling(max_tokens=max_tokens, ignore_eos=True,
+                                                   temperature=0.0), **kw)
 
 
 def _direct(cluster, prompt, max_tokens=10) -> list[int]:

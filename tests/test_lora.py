@@ -178,32 +178,24 @@ def test_bench_engine_lora_reports_the_mixed_batch_throughput_ratio():
     assert out["lora_throughput_ratio"] > 0 and out["lora_output_tokens"] > 0
 
 
-def test_decode_worker_refuses_pages_of_another_namespace(adapters):
-    """P's pages carry their chained block hashes (rooted in P's namespace): D compares them
-    with its own request's before writing anything and refuses another adapter's pages."""
-    from kvcache.hashing import block_hashes
-    from kvtransfer.base import TransferError, TransferHandle
-    from workers.actors import DecodeHost
-    host = DecodeHost("decode-t", dict(model="tiny", num_blocks=64, lora_adapters=adapters),
-                      transport="shm")
-    try:
-        prompt = random_prompt(40, seed=5)
-        spec = {"prompt_token_ids": prompt, "request_id": "r1", "sampling": {"max_tokens": 4}}
-        assert host.admit({**spec, "lora_id": "all"})["admitted"]
-        ns = host.engine.namespace
-        base_hashes = block_hashes(prompt, 16, ns.with_request())          # the base model's
-        handle = TransferHandle("t1", "r1", "shm", "prefill-x", "node", (*base_hashes, 0),
-                                (2, 2, 3, 16, 2, 16), "float32", 0)
-        before = host.engine.runner.kv_cache.clone()
-        with pytest.raises(TransferError, match="another cache namespace"):
-            host.receive("r1", handle, 5)
-        assert torch.equal(host.engine.runner.kv_cache, before)   # nothing written
-        assert host.stats()["transfer_failures"] == 1
-        assert host.abort("r1")
-        host.engine.check_invariants()
-        assert host.engine.kv.pool.counts()["referenced"] == 0
-    finally:
-        host.shutdown()
+def test_a_worker_refuses_a_request_admitted_under_another_adapter_namespace(adapters):
+    """The admitted request that crosses to the prefill worker carries the namespace root it
+    was hashed under (the adapter's content hash): a worker whose adapter of that name has
+    other weights refuses it before computing or staging anything; the same files pass."""
+    from kvcache.handoff import AdmittedRequest
+    from workers.engine import RequestError
+    d = make_engine(load_model("tiny"), lora_adapters=adapters)
+    req = d.make_request(random_prompt(40, seed=5), SamplingParams(max_tokens=4),
+                         request_id="r1", lora_id="all")
+    admitted = AdmittedRequest("r1", 0, tuple(req.prompt_token_ids), tuple(req.block_hashes),
+                               req.block_size, req.namespace_root, req.sampling, 1e18, "",
+                               "all")
+    same = make_engine(load_model("tiny"), lora_adapters={"all": adapters["all"]})
+    assert same.admitted_request(admitted).lora_name == "all"
+    other = make_engine(load_model("tiny"), lora_adapters={"all": adapters["qv"]})
+    with pytest.raises(RequestError, match="another cache namespace"):
+        other.admitted_request(admitted)
+    assert other.kv.pool.counts()["referenced"] == 0
 
 
 def test_locality_prefers_the_worker_with_the_adapter_resident_and_counts_the_load():

@@ -116,7 +116,7 @@ def scrape(port: int, want: str, timeout: float = 20.0) -> dict[tuple, float]:
             break
         time.sleep(0.3)
     keep = ("role", "worker_id", "node", "finish_reason", "le", "router", "status", "policy",
-            "reason", "target")
+            "reason", "target", "stage", "prefill", "decode")
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

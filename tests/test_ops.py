@@ -44,7 +44,7 @@ def raypd(*argv: str) -> int:
 
 def status_table(server, capsys) -> dict[str, list[str]]:
     """worker id -> its row's columns, from `raypd status`."""
-    assert raypd("status", "--url", server.url) == 0
+    assert raypd("status", "--url", server.url, "--api-key", KEY) == 0   # /api/stats: admin
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split()[:4] == ["WORKER", "ROLE", "NODE", "STATE"]
@@ -76,7 +76,7 @@ def test_status_prints_a_row_per_actor(server, capsys):
         # WORKER ROLE NODE STATE QUEUE KV (pct) HIT
         assert cols[1] == wid.split("-")[0] and cols[3] == "active"
         assert cols[4] == "0/0" and cols[5] == "0/256" and cols[7].endswith("%")
-    assert raypd("status", "--url", server.url, "--json") == 0
+    assert raypd("status", "--url", server.url, "--api-key", KEY, "--json") == 0
     doc = json.loads(capsys.readouterr().out)
     assert [a["worker_id"] for a in doc["actors"]] == ["prefill-0", "decode-0"]
 
@@ -170,12 +170,14 @@ def long_stream(server) -> requests.Response:
 
 
 def actor(server, worker_id: str) -> dict:
-    doc = requests.get(server.url + "/api/stats", timeout=30).json()
+    doc = requests.get(server.url + "/api/stats", headers={"Authorization": f"Bearer {KEY}"},
+                        timeout=30).json()
     return next(a for a in doc["actors"] if a["worker_id"] == worker_id)
 
 
 def _requests(server) -> list[dict]:
-    return requests.get(server.url + "/api/stats", timeout=30).json()["requests"]
+    return requests.get(server.url + "/api/stats", headers={"Authorization": f"Bearer {KEY}"},
+                        timeout=30).json()["requests"]
 
 
 def test_scale_with_a_wrong_key_is_refused(server, capsys):

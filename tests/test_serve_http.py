@@ -311,7 +311,7 @@ def test_health_and_metrics(server):
     assert post(server, "/v1/completions", {"model": "tiny", "prompt": 7}).status_code == 400
     h = requests.get(server.url + "/health", timeout=10)
     assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["workers"] == 2
-    text = requests.get(server.url + "/metrics", timeout=10).text
+    text = requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
     assert 'raypd_kv_blocks_total{role="decode",worker="decode-0"} 256.0' in text
     assert 'raypd_kv_blocks_total{role="prefill",worker="prefill-0"} 256.0' in text
     assert 'raypd_http_requests_total{endpoint="completions",status="200"}' in text
@@ -390,5 +390,5 @@ def test_return_token_ids_adds_ids_and_lifecycle(server, backend):
             ids += c.get("token_ids", [])
             lifecycle = c.get("raypd_lifecycle") or lifecycle
     assert ids == full["token_ids"] and lifecycle["finish_reason"] == "length"
-    stats = requests.get(server.url + "/api/stats", timeout=30).json()
+    stats = requests.get(server.url + "/api/stats", headers=AUTH, timeout=30).json()
     assert stats["config"]["model"] == "tiny" and stats["config"]["decode"] == 1

@@ -72,8 +72,9 @@ def test_synth_trace_shares_system_prompts_and_repeats_conversations():
 @pytest.mark.parametrize("bad, words", [
     ('{"prompt": "hi", "max_token": 3}', "unknown key 'max_token'"),
     ('{"prompt": "hi", "messages": []}', "exactly one of"),
-    ('{"messages": [{"role": "robot", "content": "x"}]}', "messages[0].role"),
-    ('{"prompt": [1, -2]}', "'prompt' must be"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "messages.0.role"),  # the server's words
+    ('{"prompt": [1, -2]}', "prompt: token ids must be"),
+    ('{"prompt": "hi", "tenant": "' + "t" * 200 + '"}', "tenant: must be at most"),
     ('{"prompt": "hi", "timestamp": -1}', "'timestamp'"),
     ('{"prompt": "hi", "max_tokens": 0}', "'max_tokens'"),
     ('{"prompt": "hi"', "invalid JSON"),

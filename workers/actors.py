@@ -4,32 +4,52 @@ Actor methods run in Ray's thread pool (max_concurrency > 1); they touch the eng
 `self._lock`, and the loop thread steps the engine under the same lock. A request's progress
 reaches its caller through a per-request queue (decode tokens are streamed by a generator).
 
-The P/D flow for one request (driven by cluster/pd.py):
-  D.admit        decode-first: D reserves blocks for the prompt (taking its own prefix hit)
+The P/D flow for one request (driven by router/orchestrator.py; the messages are the typed ones
+of kvcache/handoff.py, the state machine is workers/handoff.py):
+  D.admit        decode-first: D tokenizes, validates and hashes the request once, reserves
+                 blocks for the prompt (taking its own prefix hit) and computes the TransferPlan
   P.prefill      P computes what its prefix cache lacks, samples the first token, and stages
-                 the pages D lacks under a lease (its blocks stay pinned until ack/expiry)
-  D.receive      D pulls the pages into its reserved blocks and starts decoding
-  P.ack          P unpins; the blocks stay in P's prefix cache
+                 exactly the plan's pages under a lease (with a checksum per page)
+  D.stream       D pulls the pages into a private buffer, verifies them and lands them in its
+                 reserved blocks only if it still owns them, then streams tokens
+  P.ack          (after D's first token, off the critical path) P drops the staged copy
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
-from dataclasses import asdict
+import uuid
+from dataclasses import asdict, replace
 from typing import Any
 
 import ray
 
+from kvcache import ledger as L
+from kvcache.handoff import (
+    Admission,
+    AdmittedRequest,
+    HoldRelease,
+    LoadReport,
+    PrefillResult,
+    RequestDone,
+    RequestInput,
+    TokenDelta,
+    TransferPlan,
+)
+from kvcache.ledger import HandoffLedger, Hold
+from kvcache.request_trace import PrefillTiming  # trace hook
+from kvcache.sampling import StepFailed
 from kvtransfer import rdt
-from kvtransfer.base import TransferError, TransferHandle
+from kvtransfer.base import TransferError
 from kvtransfer.endpoint import KVConsumer, KVProducer
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import EngineConfig, LLMEngine, RequestError, StepOutput
+from workers.handoff import DecodeHandoff, stage_plan
 from workers.metrics import WorkerMetrics
-from workers.request import RequestStatus, SamplingParams
 
 _DONE = object()
 
@@ -54,10 +74,16 @@ class _EngineHost:
         self.metrics = WorkerMetrics(self.role, worker_id)
         self._transfer_failures = 0
         self._report_lock = threading.Lock()          # guards the two fields below only
-        self._events_out: list[dict] = []             # KV events not yet reported
-        self._snapshot: dict = {"worker_id": worker_id}  # load as of the last step
+        self._events_out: list = []                   # KV events not yet reported
+        self._released_out: list[HoldRelease] = []    # ledger releases not yet reported
+        self._snapshot = LoadReport(worker_id)        # load as of the last step
+        self.incarnation = uuid.uuid4().hex[:8]       # a restarted actor has a new one
+        self.ledger = HandoffLedger(on_release=self._note_release)
         self._step_started: float | None = None       # monotonic start of the running step
         self._stall_s = 0.0                            # injected: stall the next step (tests)
+        self._step_errors = 0                          # injected: fail the next steps (tests)
+        self._crash_loop = False                       # injected: break the loop (tests)
+        self._step_failures = 0                        # steps that raised (their requests failed)
 
     def _start_loop(self) -> None:
         """Called last by each subclass constructor, once every field the loop reads exists."""
@@ -69,10 +95,15 @@ class _EngineHost:
 
     # ---- loop --------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop:
-            self._work.wait(timeout=0.1)
-            try:
+        """Step the engine while there is work. A step that raises fails its own requests
+        (`_fail_step`) and the loop goes on; if the loop itself breaks, the process exits so
+        that Ray restarts the actor and the router retries its requests elsewhere."""
+        try:
+            while not self._stop:
+                self._work.wait(timeout=0.1)
                 with self._lock:
+                    if self._crash_loop:               # injected (fault-tolerance tests)
+                        raise RuntimeError("injected engine loop failure")
                     self._housekeeping()
                     self.metrics.maybe_update(self.stats)
                     self._publish()
@@ -84,7 +115,12 @@ class _EngineHost:
                         if self._stall_s:          # injected hang (fault-tolerance tests)
                             time.sleep(self._stall_s)
                             self._stall_s = 0.0
+                        if self._step_errors:      # injected step failure (tests)
+                            self._step_errors -= 1
+                            raise RuntimeError("injected engine step failure")
                         outputs = self.engine.step()
+                    except Exception as e:   # noqa: BLE001 - only this step's requests fail
+                        outputs = self._fail_step(e)
                     finally:
                         self._step_started = None
                     if self.engine.scheduler.stalled:   # blocks held by reservations / leases:
@@ -92,11 +128,30 @@ class _EngineHost:
                     self._publish()
                 for out in outputs:
                     self._deliver(out)
-            except Exception as e:  # a broken step must not hang every caller
-                self._loop_error = f"{type(e).__name__}: {e}"
-                for q in list(self._queues.values()):
-                    q.put(RuntimeError(f"{self.worker_id} engine loop failed: {self._loop_error}"))
-                raise
+        except BaseException as e:   # noqa: BLE001 - the loop is gone: let Ray restart us
+            self._loop_error = f"{type(e).__name__}: {e}"
+            print(f"{self.worker_id}: engine loop failed ({self._loop_error}); exiting so "
+                  f"that the actor restarts", file=sys.stderr, flush=True)
+            os._exit(70)
+
+    def _fail_step(self, error: Exception) -> list[StepOutput]:
+        """Under the lock, after engine.step() raised: the requests of that step (the running
+        batch) end with StepFailed and their blocks are freed; nothing else is touched."""
+        msg = (f"{self.worker_id}: engine step failed ({type(error).__name__}: {error}); "
+               f"the requests of this step were ended")
+        print(msg, file=sys.stderr, flush=True)
+        self._step_failures += 1
+        for req in list(self.engine.scheduler.running):
+            try:
+                self.engine.abort(req.request_id)
+            except Exception:   # noqa: BLE001 - free what can be freed, fail every caller
+                pass
+        # the step's requests, and any it finished before raising (their output is lost);
+        # a caller that already has its end stops there and never reads this
+        for rid, q in list(self._queues.items()):
+            if rid not in self.engine.requests:
+                q.put(StepFailed(msg))
+        return []
 
     def _housekeeping(self) -> None:
         """Periodic work under the lock (lease expiry on prefill workers)."""
@@ -130,6 +185,7 @@ class _EngineHost:
                 "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "num_blocks": e.kv.pool.num_blocks, "block_size": e.cfg.block_size,
                 "kv_bytes_per_token": e.kv_bytes_per_token, "model_id": e.info.model_id,
+                "vocab_size": e.info.vocab_size, "max_model_len": e.max_model_len,
                 "namespace": asdict(e.namespace), "transport": self.transport_name}
 
     def tokenize(self, prompt: Any, chat: bool = False) -> list[int]:
@@ -139,7 +195,8 @@ class _EngineHost:
         with self._lock:
             d = self.engine.get_stats()
             d.update(self.engine.kv.pool.counts())
-            d.update(worker_id=self.worker_id, role=self.role, loop_error=self._loop_error)
+            d.update(worker_id=self.worker_id, role=self.role, loop_error=self._loop_error,
+                     step_failures=self._step_failures)
             return d
 
     def check_invariants(self) -> dict:
@@ -148,48 +205,51 @@ class _EngineHost:
             self.engine.check_invariants()
             return self.engine.kv.pool.counts()
 
-    def prepare(self, spec: dict) -> dict:
-        """Tokenize and hash a request (router side needs its block hashes to route it)."""
-        req = self.engine.make_request(spec.get("prompt_token_ids") or spec.get("prompt"),
-                                       None, request_id="prepare-probe",
-                                       chat=spec.get("chat", False),
-                                       tenant=spec.get("tenant", ""),
-                                       lora_id=spec.get("lora_id", ""))
-        return {"prompt_token_ids": req.prompt_token_ids, "block_hashes": req.block_hashes,
-                "block_size": req.block_size}
+    def _note_release(self, hold: Hold) -> None:
+        with self._report_lock:
+            self._released_out.append(HoldRelease(hold.worker_id, hold.kind, hold.request_id,
+                                                  hold.released or ""))
+
+    def ledger_holds(self) -> list[Hold]:
+        """This worker's open handoff holds."""
+        return self.ledger.open_holds()
 
     def _publish(self) -> None:
         """Under the engine lock: move KV events and a load snapshot to where `load_report`
         reads them, so a report never waits for an engine step (steps can take seconds)."""
-        from kvcache.events import event_to_dict
         e = self.engine
-        events = [event_to_dict(ev) for ev in e.take_kv_events()]
+        events = e.take_kv_events()
         sched, pool = e.scheduler, e.kv.pool
         queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
         if self.role == "decode":
             running = sum(r.num_tokens for r in sched.running)
         else:
             running = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
-        snap = {"worker_id": self.worker_id, "queued_tokens": queued, "running_tokens": running,
-                "num_requests": len(sched.waiting) + len(sched.running)
-                + len(getattr(self, "_reserved", ())),
-                "active_blocks": pool.num_used_blocks, "cached_blocks": pool.num_cached_blocks,
-                "free_blocks": pool.num_free_blocks, "total_blocks": pool.num_blocks,
-                "prefill_tok_s": e.stats.prefill_tok_s(), **e.lora_load_report()}
+        snap = LoadReport(self.worker_id, queued_tokens=queued, running_tokens=running,
+                          num_requests=len(sched.waiting) + len(sched.running)
+                          + self._num_reserved(),
+                          active_blocks=pool.num_used_blocks, cached_blocks=pool.num_cached_blocks,
+                          free_blocks=pool.num_free_blocks, total_blocks=pool.num_blocks,
+                          prefill_tok_s=e.stats.prefill_tok_s(), incarnation=self.incarnation,
+                          **e.lora_load_report())
         with self._report_lock:
             self._events_out.extend(events)
             self._snapshot = snap
 
-    def load_report(self) -> dict:
-        """KV events since the last report plus the load the router's policies look at, as of
-        the last step; `busy_for_s` says how long the current step has run (a hung loop shows
-        here, since this call never waits for the engine)."""
+    def _num_reserved(self) -> int:
+        return 0
+
+    def load_report(self) -> LoadReport:
+        """KV events and ledger releases since the last report plus the load the router's
+        policies look at, as of the last step; `busy_for_s` says how long the current step has
+        run (a hung loop shows here, since this call never waits for the engine)."""
         with self._report_lock:
             events, self._events_out = self._events_out, []
-            snap = dict(self._snapshot)
+            released, self._released_out = self._released_out, []
+            snap = self._snapshot
         started = self._step_started
-        return {**snap, "events": events,
-                "busy_for_s": time.monotonic() - started if started is not None else 0.0}
+        return replace(snap, events=tuple(events), released=tuple(released),
+                       busy_for_s=time.monotonic() - started if started is not None else 0.0)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -202,6 +262,15 @@ class _EngineHost:
     def stall_next_step(self, seconds: float) -> None:
         """Make the next engine step hang for `seconds` (to test hung-worker detection)."""
         self._stall_s = seconds
+
+    def fail_next_steps(self, n: int = 1) -> None:
+        """Make the next `n` engine steps raise (to test that only their requests fail)."""
+        self._step_errors = n
+
+    def crash_loop(self) -> None:
+        """Break the engine loop (to test that the actor restarts)."""
+        self._crash_loop = True
+        self._work.set()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (blocks in use stay); publishes an AllBlocksCleared event."""
@@ -223,71 +292,91 @@ class PrefillHost(_EngineHost):
         super().__init__(*args, **kw)
         self.producer = KVProducer(self.transport_name, kw.get("lease_s", 30.0),
                                    **self._transport_cfg)
-        self._held: dict[str, str] = {}   # transfer_id -> request_id whose blocks are pinned
+        self._faults = {"corrupt": 0, "drop_ack": 0}   # injected (chaos): next n stagings / acks
+        self.corrupt_injected = 0
+        self._corrupt_armed: list[int] = []      # chaos: ids of armed corruptions, in order
+        self._corrupt_applied: set[int] = set()
         self._start_loop()
 
     def _housekeeping(self) -> None:
         self.producer.expire()
 
-    def prefill(self, spec: dict, timeout: float = 600.0) -> dict:
-        """Compute the prompt's KV (reusing this worker's prefix cache), sample the first token,
-        and stage blocks [skip_blocks:] for the decode worker under a lease."""
-        asked = spec.get("sampling", {})
-        sampling = SamplingParams(**{**asked, "max_tokens": 1,
-                                     "min_tokens": min(asked.get("min_tokens", 0), 1)})
+    def inject_fault(self, kind: str, n: int = 1) -> None:
+        """Chaos: `corrupt` flips bytes of the next n staged copies (after their checksums were
+        taken); `drop_ack` ignores the next n acks (the lease has to expire)."""
+        assert kind in self._faults, kind
+        self._faults[kind] = max(0, self._faults[kind] + n)
+
+    def arm_corruption(self) -> int:
+        """Chaos: the next staged copy gets corrupted; returns an id for `corruption_applied`."""
         with self._lock:
-            req = self.engine.make_request(spec["prompt_token_ids"], sampling,
-                                           request_id=spec["request_id"],
-                                           tenant=spec.get("tenant", ""),
-                                           lora_id=spec.get("lora_id", ""))
+            fid = len(self._corrupt_applied) + len(self._corrupt_armed) + self.corrupt_injected
+            fid = max([fid, *self._corrupt_armed, *self._corrupt_applied]) + 1
+            self._corrupt_armed.append(fid)
+            return fid
+
+    def corruption_applied(self, fid: int, disarm: bool = False) -> bool:
+        """Whether that armed corruption hit a staged copy; `disarm`: cancel it if not."""
+        with self._lock:
+            if disarm and fid in self._corrupt_armed:
+                self._corrupt_armed.remove(fid)
+            return fid in self._corrupt_applied
+
+    def prefill(self, admitted: AdmittedRequest, plan: TransferPlan) -> PrefillResult:
+        """Compute the prompt's KV (reusing this worker's prefix cache), sample the first token,
+        and stage exactly the plan's blocks under a lease."""
+        assert plan.request_id == admitted.request_id and plan.epoch == admitted.epoch
+        with self._lock:
+            req = self.engine.admitted_request(admitted, max_tokens=1)
             req.hold_kv = True
             q = self._open_queue(req.request_id)
             self.engine.add_request(request=req, prompt=None)
         self._work.set()
         try:
             tokens: list[int] = []
-            while (item := self._next(q, timeout)) is not _DONE:
+            while (item := self._next(q, max(0.0, admitted.deadline - time.time()))) \
+                    is not _DONE:
                 tokens.extend(item)
+        except queue.Empty:
+            self.abort(req.request_id)
+            raise RequestError(f"request {admitted.request_id} passed its deadline in "
+                               "prefill") from None
         finally:
             self._queues.pop(req.request_id, None)
-        if req.lifecycle.finish_reason == "abort" or not tokens:
-            raise RequestError(f"request {req.request_id} was aborted during prefill")
-        skip = int(spec.get("skip_blocks", 0))
         with self._lock:
-            block_ids = self.engine.kv.block_table(req.request_id)
-            n_prompt_blocks = -(-len(req.prompt_token_ids) // self.engine.cfg.block_size)
-            send_ids = block_ids[skip:n_prompt_blocks]
-            hashes = list(req.block_hashes[skip:n_prompt_blocks])
-            hashes += [0] * (len(send_ids) - len(hashes))   # the trailing partial block
-            handle = None
-            if send_ids:
-                handle = self.producer.offer_blocks(
-                    req.request_id, self.engine.runner.kv_cache, send_ids, hashes,
-                    on_release=lambda tid, reason, rid=req.request_id: self._unpin(rid))
-                self._held[handle.transfer_id] = req.request_id
-            else:
-                self.engine.release_held(req.request_id)
-        lc = req.lifecycle
-        return {"first_token": tokens[0], "handle": handle, "prefill_worker": self.worker_id,
-                "prefill_cached_tokens": lc.cached_tokens, "prefill_computed_tokens":
-                lc.computed_tokens, "prefill_ttft_s": lc.ttft_s, "blocks_sent": len(send_ids)}
-
-    def _unpin(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.release_held(request_id)
+            if req.lifecycle.finish_reason == "abort" or not tokens:
+                self.engine.release(req.request_id)
+                raise RequestError(f"request {req.request_id} was aborted during prefill")
+            corrupt = self._faults["corrupt"] > 0 or bool(self._corrupt_armed)
+            if self._faults["corrupt"] > 0:
+                self._faults["corrupt"] -= 1
+            elif corrupt:
+                self._corrupt_applied.add(self._corrupt_armed.pop(0))
+            self.corrupt_injected += corrupt
+            result = stage_plan(self.engine, self.producer, self.ledger, self.worker_id, req,
+                                plan, tokens[0], corrupt=corrupt)
+        timing = PrefillTiming.measure(req.arrival_time, req.first_scheduled_time,  # trace hook
+                                       req.first_token_time, time.perf_counter())
+        return replace(result, timing=timing)
 
     def kv_send(self, transfer_id: str):
         """RDT producer method (called with .options(tensor_transport=...))."""
         return rdt.send_pages(self.producer, transfer_id)
 
-    def ack(self, transfer_id: str) -> bool:
+    def ack(self, transfer_id: str) -> str:
+        """D has the pages: drop the staged copy. Returns the ledger reason the staging ended
+        with ("acked", or "expired" / "aborted" when the lease had ended already), or
+        "dropped" when a chaos fault swallowed the ack."""
         with self._lock:
-            self._held.pop(transfer_id, None)
-            return self.producer.ack(transfer_id)
+            if self._faults["drop_ack"] > 0:
+                self._faults["drop_ack"] -= 1
+                return "dropped"
+            if self.producer.ack(transfer_id):
+                return L.ACKED
+            return "ended"
 
     def abort_transfer(self, transfer_id: str) -> bool:
         with self._lock:
-            self._held.pop(transfer_id, None)
             return self.producer.abort(transfer_id)
 
     def expire_leases(self) -> list[str]:
@@ -297,6 +386,8 @@ class PrefillHost(_EngineHost):
     def stats(self) -> dict:
         d = super().stats()
         d.update({f"transfer_{k}": v for k, v in asdict(self.producer.stats()).items()})
+        d.update({f"ledger_{k}": v for k, v in self.ledger.counters().items()})
+        d["corrupt_injected"] = self.corrupt_injected
         return d
 
 
@@ -304,173 +395,170 @@ class DecodeHost(_EngineHost):
     role = "decode"
 
     def __init__(self, *args, **kw) -> None:
-        self._finished: dict[str, dict] = {}  # request_id -> result, until its stream ends
+        self._finished: dict[str, RequestDone] = {}  # request_id -> result, until streamed
         self._stops: dict[str, tuple[str, ...]] = {}  # request_id -> stop strings (streaming)
         super().__init__(*args, **kw)
         self.consumer = KVConsumer(self.transport_name, **self._transport_cfg)
-        self._reserved: dict[str, Any] = {}   # request_id -> Request awaiting its pages
-        self._faults_left = 0                  # injected transfer failures (chaos tests)
+        self.handoff = DecodeHandoff(self.engine, self.worker_id, self.ledger)
+        self._faults_left = 0                  # injected transfer failures (tests)
+        self._pull_delay = (0.0, 0)            # injected: (seconds, pulls) to delay (chaos)
+        self.pull_delays_applied = 0
         self._start_loop()
+
+    def _num_reserved(self) -> int:
+        return len(self.handoff.reservations)
+
+    def _housekeeping(self) -> None:
+        self.handoff.expire()
 
     def inject_transfer_faults(self, n: int) -> None:
         """Make the next `n` transfers into this worker fail (for failure-policy tests)."""
         self._faults_left = n
 
+    def inject_pull_delay(self, seconds: float, n: int = 1) -> None:
+        """Chaos: `n` more pulls start late, by the longest delay asked for so far (a pull
+        slower than the lease)."""
+        with self._lock:
+            delay, left = self._pull_delay
+            self._pull_delay = (max(delay, seconds) if left else seconds, left + n)
+
     def stats(self) -> dict:
         d = super().stats()
         d.update({f"transfer_{k}": v for k, v in asdict(self.consumer.stats()).items()})
         d["transfer_failures"] = self._transfer_failures
+        d["pull_delays_applied"] = self.pull_delays_applied
+        with self._lock:
+            d.update({f"rejected_{k}": v for k, v in self.handoff.rejected.items()})
+        d.update({f"ledger_{k}": v for k, v in self.ledger.counters().items()})
         return d
 
-    def admit(self, spec: dict, local_prefill_max_tokens: int = 0) -> dict:
-        """Decode-first admission: reserve blocks for the whole prompt, or say it can't now.
+    def admit(self, request: RequestInput | AdmittedRequest,
+              local_prefill_max_tokens: int = 0) -> Admission:
+        """Decode-first admission: reserve blocks for the whole prompt and plan its transfer,
+        or say it can't now. A RequestInput is tokenized, validated and hashed here, once;
+        the Admission carries the AdmittedRequest on (a retry elsewhere re-admits that).
 
         If what this worker's prefix cache lacks is at most `local_prefill_max_tokens`, the
         request is prefilled right here instead (conditional disaggregation)."""
-        sampling = SamplingParams(**spec.get("sampling", {}))
         with self._lock:
-            req = self.engine.make_request(spec.get("prompt_token_ids") or spec.get("prompt"),
-                                           sampling, request_id=spec.get("request_id"),
-                                           chat=spec.get("chat", False),
-                                           tenant=spec.get("tenant", ""),
-                                           lora_id=spec.get("lora_id", ""))
+            if isinstance(request, RequestInput):
+                req = self.engine.make_request(request.prompt, request.sampling,
+                                               request_id=request.worker_request_id,
+                                               chat=request.chat, tenant=request.tenant,
+                                               lora_id=request.lora_id)
+                admitted = AdmittedRequest(request.request_id, request.epoch,
+                                           tuple(req.prompt_token_ids), tuple(req.block_hashes),
+                                           req.block_size, req.namespace_root, request.sampling,
+                                           request.deadline, request.tenant, request.lora_id)
+            else:
+                admitted = request
+                req = self.engine.admitted_request(admitted)
             hits = self.engine.kv.match_prefix(req.namespace_root, req.block_hashes,
                                                req.all_token_ids, req.num_tokens - 1)
             uncached = req.num_tokens - len(hits) * self.engine.cfg.block_size
-            self._stops[req.request_id] = req.sampling.stop
-            common = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
-                      "decode_worker": self.worker_id}
             if uncached <= local_prefill_max_tokens:
+                self._stops[req.request_id] = req.sampling.stop
                 self._open_queue(req.request_id)
+                req.lifecycle.decode_worker = self.worker_id
                 self.engine.add_request(request=req, prompt=None)
                 self._work.set()
-                return {**common, "admitted": True, "local": True,
-                        "skip_blocks": len(hits)}
-            d_hit = self.engine.reserve(req)
-            if d_hit is None:
-                return {**common, "admitted": False, "local": False,
-                        "free_blocks": self.engine.kv.pool.num_free_blocks}
-            self._reserved[req.request_id] = req
+                return Admission(admitted, self.worker_id, True, local=True,
+                                 decode_cached_blocks=len(hits))
+            plan = self.handoff.reserve(req, admitted)
+            if plan is None:
+                return Admission(admitted, self.worker_id, False,
+                                 free_blocks=self.engine.kv.pool.num_free_blocks)
+            self._stops[req.request_id] = req.sampling.stop
             self._open_queue(req.request_id)
-            return {**common, "admitted": True, "local": False, "skip_blocks": d_hit}
+            return Admission(admitted, self.worker_id, True, decode_cached_blocks=plan.first_block,
+                             plan=plan, free_blocks=self.engine.kv.pool.num_free_blocks,
+                             reserved_blocks=len(self.engine.kv.block_table(req.request_id)))
 
-    def receive(self, request_id: str, handle: TransferHandle | None, first_token: int,
-                prefill_info: dict | None = None) -> dict:
-        """Pull the staged pages into the reserved blocks and start decoding."""
-        return self._fill(request_id, handle, first_token, prefill_info, pages=None)
-
-    def kv_recv(self, handle: TransferHandle, pages, request_id: str, first_token: int,
-                prefill_info: dict | None = None, sent_at: float | None = None) -> dict:
-        """RDT consumer method: the pages arrive as an argument."""
-        return self._fill(request_id, handle, first_token, prefill_info, pages=pages,
-                          sent_at=sent_at)
-
-    def _fill(self, request_id, handle, first_token, prefill_info, pages, sent_at=None) -> dict:
+    def _fill(self, result: PrefillResult, pages=None, sent_at: float | None = None) -> None:
+        """Pull the staged pages into a private buffer, verify them, and land them in the
+        reserved blocks if the reservation still owns them (else TransferRejected: nothing
+        written). `pages`: delivered by RDT as an argument instead of pulled."""
         with self._lock:
-            req = self._reserved.get(request_id)
-            if req is None:
-                raise TransferError(f"request {request_id} has no reservation on "
-                                    f"{self.worker_id} (aborted or unknown)")
-            bs = self.engine.cfg.block_size
-            blocks = self.engine.kv.block_table(request_id)
-            skip = req.lifecycle.cached_tokens // bs
-            dest = blocks[skip:-(-len(req.prompt_token_ids) // bs)]
-            if handle is not None:
-                self._check_namespace(req, handle, skip)
-        result = None
+            res = self.handoff.begin_pull(result)
+        handle = result.handle
         try:
+            with self._lock:
+                delay, n = self._pull_delay
+                self._pull_delay = (delay, max(0, n - 1))
+                self.pull_delays_applied += n > 0
+            if n > 0:
+                time.sleep(delay)
             if self._faults_left > 0:
                 self._faults_left -= 1
                 raise TransferError(f"injected transfer fault on {self.worker_id}")
-            if handle is not None:
-                assert len(dest) == handle.num_blocks, (len(dest), handle.num_blocks)
-                kv_cache = self.engine.runner.kv_cache
-                if pages is None:
-                    result = self.consumer.pull_into(handle, kv_cache, dest)
-                else:
-                    result = rdt.receive_pages(self.consumer, handle, pages, kv_cache, dest,
-                                               sent_at=sent_at)
+            transfer = None
+            if handle is not None and pages is None:
+                pages, transfer = self.consumer.pull(handle)
+            elif handle is not None:
+                transfer = self.consumer.accept(handle, pages, sent_at=sent_at)
         except Exception:
             self._transfer_failures += 1
+            with self._lock:
+                self.handoff.pull_failed(res)
             raise
         with self._lock:
-            if self._reserved.pop(request_id, None) is None:
-                raise TransferError(f"request {request_id} was aborted during its transfer")
-            lc = req.lifecycle
-            lc.decode_worker = self.worker_id
-            lc.skipped_blocks = skip
-            if result is not None:
-                lc.transfer_bytes, lc.transfer_s = result.nbytes, result.seconds
-                lc.transferred_blocks = handle.num_blocks
-            if prefill_info:
-                lc.prefill_worker = prefill_info.get("prefill_worker")
-                lc.cached_tokens = max(lc.cached_tokens,
-                                       prefill_info.get("prefill_cached_tokens", 0))
-                lc.computed_tokens += prefill_info.get("prefill_computed_tokens", 0)
-            out = self.engine.activate(req, first_token)
+            try:
+                out = self.handoff.land(res, result, pages)
+            except Exception:
+                self._transfer_failures += 1
+                raise
+            if transfer is not None:
+                lc = out.request.lifecycle
+                lc.transfer_bytes, lc.transfer_s = transfer.nbytes, transfer.seconds
         self._deliver(out)
         self._work.set()
-        return {"transfer_bytes": lc.transfer_bytes, "transfer_s": lc.transfer_s,
-                "transferred_blocks": lc.transferred_blocks, "skipped_blocks": skip}
-
-    def _check_namespace(self, req, handle: TransferHandle, skip: int) -> None:
-        """Refuse pages built under another cache namespace (adapter, tenant, model): the
-        handle's block hashes chain from the producer's namespace root, so they equal this
-        request's own hashes only for the same namespace and tokens."""
-        want = list(req.block_hashes[skip:len(req.prompt_token_ids) // req.block_size])
-        got = list(handle.block_hashes[:len(want)])
-        if got != want:
-            self._transfer_failures += 1
-            raise TransferError(f"transfer {handle.transfer_id} for {req.request_id}: its "
-                                f"pages belong to another cache namespace (adapter, tenant or "
-                                f"model); refused")
 
     def fallback_local(self, request_id: str) -> bool:
-        """Transfer failed with policy `recompute`: prefill the reserved request here."""
+        """No transfer will come (no prefill worker left): prefill the reserved request here."""
         with self._lock:
-            req = self._reserved.pop(request_id, None)
-            if req is None:
-                return False
-            self.engine.kv.free(request_id)
-            req.status = RequestStatus.WAITING
-            req.num_computed_tokens = 0
-            self.engine.add_request(request=req, prompt=None)
+            done = self.handoff.fallback(request_id)
         self._work.set()
-        return True
+        return done
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
-            req = self._reserved.pop(request_id, None)
-            if req is not None:
-                self.engine.requests[request_id] = req
+            if self.handoff.cancel(request_id, L.ABORTED):
+                q = self._queues.get(request_id)
+                if q is not None:
+                    q.put(_DONE)
+                return True
         return super().abort(request_id)
 
-    def stream(self, request_id: str, timeout: float = 600.0):
-        """Yield {"token_ids", "text"} deltas as tokens are produced, then the final result
-        {"done": True, "text", "token_ids", "lifecycle"} (no result: the request was aborted)."""
-        q = self._queues.get(request_id)
+    def stream(self, request_id: str, epoch: int = 0, prefill: PrefillResult | None = None,
+               pages=None, sent_at: float | None = None, timeout: float = 600.0):
+        """With `prefill`: land its pages first (raises TransferRejected / TransferError before
+        the first item; the reservation then waits for another transfer). Then yield
+        TokenDelta items as tokens are produced and a final RequestDone (whose lifecycle is
+        None when the request was aborted)."""
+        from kvcache.handoff import worker_request_id
+        rid = worker_request_id(request_id, epoch)
+        if prefill is not None:
+            self._fill(prefill, pages, sent_at)
+        q = self._queues.get(rid)
         if q is None:
-            raise RequestError(f"unknown request {request_id} on {self.worker_id}")
-        detok = IncrementalDetokenizer(self.engine.tokenizer,
-                                       self._stops.pop(request_id, ()))
+            raise RequestError(f"unknown request {rid} on {self.worker_id}")
+        detok = IncrementalDetokenizer(self.engine.tokenizer, self._stops.pop(rid, ()))
         try:
             while (item := self._next(q, timeout)) is not _DONE:
-                yield {"token_ids": item, "text": detok.add(item)}
+                yield TokenDelta(tuple(item), detok.add(item))
         finally:
-            self._queues.pop(request_id, None)
-        result = self._finished.pop(request_id, {})
-        if result and (rest := detok.finish(result["text"])):
-            yield {"token_ids": [], "text": rest}
-        yield {"done": True, **result}
+            self._queues.pop(rid, None)
+        result = self._finished.pop(rid, RequestDone())
+        if result.lifecycle is not None and (rest := detok.finish(result.text)):
+            yield TokenDelta((), rest)
+        yield result
 
     def _deliver(self, out: StepOutput) -> None:
         if out.finished:
             r = out.request
-            self._finished[r.request_id] = {
-                "text": r.output_text, "token_ids": list(r.output_token_ids),
-                "lifecycle": r.lifecycle.to_dict()}
+            self._finished[r.request_id] = RequestDone(r.output_text, tuple(r.output_token_ids),
+                                                       r.lifecycle)
         super()._deliver(out)
-
 
 
 def prefill_actor_class(**options):

@@ -8,27 +8,33 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvcache.handoff import AdmittedRequest
 from kvcache.hashing import CacheNamespace
+from kvcache.kv_plan import bytes_per_layer_block, kv_layout
 from kvcache.lifecycle import EngineStats
 from kvcache.manager import KVCacheManager, cdiv
 from workers.device import DTYPES
+from workers.kv_quant import QUANT_FORMATS, is_quantized
 from workers.lora import LoRAStats, read_adapter
 from workers.model_runner import MODEL_IMPLS, ModelRunner
 from workers.request import Request, RequestError, RequestStatus, SamplingParams
 from workers.sampler import sample
 from workers.scheduler import Scheduler, SchedulerConfig
 
+KV_DTYPES = ("auto", *DTYPES, *QUANT_FORMATS)
+
 
 @dataclass
 class EngineConfig:
     model: str = "smollm2"
     dtype: str = "auto"                 # model weights: auto | float32 | bfloat16
-    kv_dtype: str = "auto"              # KV pool: auto (= model dtype) | float32 | bfloat16
+    kv_dtype: str = "auto"              # KV pool: auto (= model dtype) | float32 | bfloat16 |
+                                        # int8 | fp8 (quantized, workers/kv_quant.py)
     block_size: int = 16
     num_blocks: int | None = None       # overrides kv_cache_gb
     kv_cache_gb: float = 1.0
@@ -45,8 +51,9 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.kv_dtype not in ("auto", *DTYPES):
-            raise ValueError(f"kv_dtype must be auto, float32 or bfloat16, got {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, "
+                             f"got {self.kv_dtype!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
@@ -87,10 +94,12 @@ class LLMEngine:
                       for name, path in cfg.lora_adapters.items()}
         kv_dtype = self.info.dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
         self.kv_dtype = kv_dtype
-        self.kv_bytes_per_token = (2 * self.info.num_layers * self.info.num_kv_heads
-                                   * self.info.head_dim * DTYPES[kv_dtype].itemsize)
-        num_blocks = cfg.num_blocks or int(cfg.kv_cache_gb * 2**30
-                                           // (cfg.block_size * self.kv_bytes_per_token))
+        layout = kv_layout(self.model.config)   # the planner's figures are what the pool holds
+        self.kv_bytes_per_block = layout.num_layers * bytes_per_layer_block(layout, kv_dtype,
+                                                                            cfg.block_size)
+        per_token = self.kv_bytes_per_block / cfg.block_size
+        self.kv_bytes_per_token = int(per_token) if per_token.is_integer() else per_token
+        num_blocks = cfg.num_blocks or int(cfg.kv_cache_gb * 2**30 // self.kv_bytes_per_block)
         self.max_model_len = cfg.max_model_len or self.info.max_position_embeddings
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=cfg.block_size,
@@ -98,7 +107,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                                    cfg.max_loras), self.kv, self.stats,
                                    self._busy_loras)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, DTYPES[kv_dtype],
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size,
+                                  kv_dtype if is_quantized(kv_dtype) else DTYPES[kv_dtype],
                                   cfg.model_impl, self.max_model_len, self.loras, cfg.max_loras)
         self.namespace = CacheNamespace(self.info.model_id, self.info.revision,
                                         self.info.tokenizer_fingerprint, kv_dtype)
@@ -263,15 +273,38 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.stats.requests_finished += 1
 
-    # ---- disaggregation hooks ----------------------------------------------------------------
-    def release_held(self, request_id: str) -> None:
-        """Free the blocks a finished `hold_kv` request kept for its transfer lease."""
-        self.kv.free(request_id)
+    # ---- disaggregation hooks (the narrow API the P/D handoff uses) -------------------------
+    def admitted_request(self, admitted: AdmittedRequest, max_tokens: int | None = None) -> Request:
+        """Build the engine request for an AdmittedRequest, trusting its tokens and hashes
+        (validated and hashed once, at admission) but not its namespace: a worker of another
+        model revision, tokenizer, dtype, tenant or adapter refuses it (RequestError).
+        `max_tokens` overrides the sampling's (P samples only the first token)."""
+        ns = self.namespace.with_request(tenant=admitted.tenant,
+                                         lora_id=self.lora_hash(admitted.lora_id))
+        if ns.root_hash() != admitted.namespace_root or admitted.block_size != self.cfg.block_size:
+            raise RequestError(f"request {admitted.request_id} was admitted under another "
+                               "cache namespace or block size than this worker's")
+        need = cdiv(admitted.num_tokens + 1, self.cfg.block_size)
+        if need > self.kv.pool.num_blocks:
+            raise RequestError(f"prompt needs {need} KV blocks; the whole pool has "
+                               f"{self.kv.pool.num_blocks}")
+        rid = admitted.worker_request_id
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        sp = admitted.sampling
+        if max_tokens is not None:
+            sp = replace(sp, max_tokens=max_tokens, min_tokens=min(sp.min_tokens, max_tokens))
+        req = Request(rid, list(admitted.prompt_token_ids), sp, admitted.namespace_root,
+                      self.cfg.block_size, lora_name=admitted.lora_id,
+                      eos_token_ids=() if sp.ignore_eos else tuple(self.info.eos_token_ids))
+        req.block_hashes = list(admitted.block_hashes)
+        return req
 
     def reserve(self, req: Request) -> int | None:
         """Decode side: take the request's prefix hit and reserve blocks for its whole prompt
         before anyone computes it (decode-first admission). Returns the hit in blocks, or None
-        (nothing reserved) when the pool (or the adapter slots) cannot take it now."""
+        (nothing reserved) when the pool (or the adapter slots) cannot take it now. The request
+        is the engine's but not the scheduler's until `fill` or `fallback`."""
         if req.lora_name and not self.scheduler.lora_fits(req.lora_name):
             return None
         hits = self.kv.match_prefix(req.namespace_root, req.block_hashes, req.all_token_ids,
@@ -286,9 +319,18 @@ class LLMEngine:
         self.stats.reused_tokens += req.lifecycle.cached_tokens
         return len(hits)
 
-    def activate(self, req: Request, first_token: int) -> StepOutput:
-        """Decode side: the reserved request's prompt KV is in its blocks now; add the first
-        token (sampled by the prefill worker) and let it decode."""
+    def fill(self, req: Request, dest_block_ids: Sequence[int], pages: torch.Tensor | None,
+             first_token: int, sampler_state: bytes | None = None) -> StepOutput:
+        """Decode side: write the transferred pages into the reserved request's blocks (the
+        caller has checked it still owns them), add the first token (sampled by the prefill
+        worker, whose generator state goes on here) and let it decode."""
+        assert req.status is RequestStatus.WAITING and req.request_id in self.requests
+        if pages is not None:
+            self.runner.write_pages(list(dest_block_ids), pages)
+        if sampler_state is not None:
+            g = torch.Generator()
+            g.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
+            req.generator = g
         now = time.perf_counter()
         req.num_computed_tokens = req.num_tokens
         req.append_token(first_token, now)
@@ -300,6 +342,31 @@ class LLMEngine:
         if reason:
             self._finish(req, reason, now)
         return StepOutput(req, [first_token], reason is not None)
+
+    def fallback(self, req: Request) -> None:
+        """Decode side: give up on the transfer and prefill the reserved request here."""
+        assert req.status is RequestStatus.WAITING and req not in self.scheduler.waiting
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        self.scheduler.add(req)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a handoff holds outside the scheduler: a prefill request finished
+        with `hold_kv`, or a reservation given up (its cached blocks stay cached)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.status is RequestStatus.WAITING:
+            self._finish(req, "abort", time.perf_counter())
+        self.kv.free(request_id)
+
+    def read_pages(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A private copy of these blocks' pages (for staging)."""
+        return self.runner.read_pages(list(block_ids))
+
+    @staticmethod
+    def sampler_state(req: Request) -> bytes | None:
+        """The request's seeded generator state (None: greedy or unseeded)."""
+        g = req.generator
+        return None if g is None else bytes(g.get_state().numpy().tobytes())
 
     def generate(self, prompts: Iterable, sampling: SamplingParams | None = None,
                  **kw) -> list[Request]:

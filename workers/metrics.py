@@ -69,6 +69,14 @@ WORKER_ADAPTER_COUNTERS: dict[str, tuple[str, str]] = {
     "raypd_lora_hit_tokens": ("lora_hit_tokens",
                               "of those, prefix-cache hits (hit rate = hit / prompt)"),
 }
+# counter with a `reason` tag, fed with the increase of one cumulative stats key per reason
+LEASE_RELEASES = "raypd_lease_releases"
+LEASE_RELEASE_KEYS = {"acked": "transfer_acked", "aborted": "transfer_aborted",
+                      "expired": "transfer_expired"}
+WORKER_REASON_COUNTERS = {
+    LEASE_RELEASES: "transfer leases released (the staged pages unpinned), by reason: acked by "
+                    "the decode side, aborted, expired (prefill)",
+}
 # from finished requests' lifecycle records
 WORKER_REQUEST_COUNTERS = {
     "raypd_requests_finished": "requests finished here, by finish_reason",
@@ -81,21 +89,31 @@ WORKER_HISTOGRAMS = {
     "raypd_tpot_seconds": ("tpot_s", TPOT_BUCKETS, "mean time per output token after the first"),
     "raypd_e2e_seconds": ("e2e_s", E2E_BUCKETS, "request latency on this worker"),
 }
+STAGE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                 5.0, 10.0, 30.0, 60.0]
 ROUTER_METRICS = {
+    "raypd_router_stage_seconds": "seconds each handoff stage of a finished request took, by "
+                                  "stage (route, admit, prefill_queue, prefill_compute, staging,"
+                                  " transfer, first_decode, decode; router/request_traces.py)",
+    "raypd_router_pair_transfer_bytes": "KV bytes moved per prefill -> decode worker pair",
+    "raypd_router_pair_transfer_seconds": "seconds of KV transfer per prefill -> decode worker "
+                                          "pair (the router's view: staging done -> D has them)",
     "raypd_router_requests": "requests ended, by status (HTTP-style code)",
     "raypd_router_request_seconds": "request latency at the router, by status",
     "raypd_router_decisions": "routing decisions, by policy, reason and target role",
     "raypd_router_in_flight": "requests in flight through the router",
 }
 
-COUNTER_NAMES = (*WORKER_COUNTERS, *WORKER_ADAPTER_COUNTERS, *WORKER_REQUEST_COUNTERS,
-                 "raypd_router_requests",
-                 "raypd_router_decisions")
-HISTOGRAM_NAMES = (*WORKER_HISTOGRAMS, "raypd_router_request_seconds")
+COUNTER_NAMES = (*WORKER_COUNTERS, *WORKER_REASON_COUNTERS, *WORKER_ADAPTER_COUNTERS,
+                 *WORKER_REQUEST_COUNTERS,
+                 "raypd_router_requests", "raypd_router_decisions",
+                 "raypd_router_pair_transfer_bytes", "raypd_router_pair_transfer_seconds")
+HISTOGRAM_NAMES = (*WORKER_HISTOGRAMS, "raypd_router_request_seconds",
+                   "raypd_router_stage_seconds")
 GAUGE_NAMES = (*WORKER_GAUGES, "raypd_router_in_flight")
-METRIC_NAMES = (*WORKER_GAUGES, *WORKER_COUNTERS, *WORKER_ADAPTER_COUNTERS,
-                *WORKER_REQUEST_COUNTERS,
-                *WORKER_HISTOGRAMS, *ROUTER_METRICS)
+METRIC_NAMES = (*WORKER_GAUGES, *WORKER_COUNTERS, *WORKER_REASON_COUNTERS,
+                *WORKER_ADAPTER_COUNTERS, *WORKER_REQUEST_COUNTERS, *WORKER_HISTOGRAMS,
+                *ROUTER_METRICS)
 
 
 def exported_names(name: str) -> tuple[str, ...]:
@@ -138,6 +156,9 @@ class WorkerMetrics:
                                 WORKER_REQUEST_COUNTERS["raypd_requests_finished"],
                                 tag_keys=(*WORKER_TAGS, "finish_reason")
                                 ).set_default_tags(self.tags)
+        self.lease_releases = Counter(LEASE_RELEASES, WORKER_REASON_COUNTERS[LEASE_RELEASES],
+                                      tag_keys=(*WORKER_TAGS, "reason")
+                                      ).set_default_tags(self.tags)
         self.reused = Counter("raypd_reused_tokens", WORKER_REQUEST_COUNTERS["raypd_reused_tokens"],
                               tag_keys=WORKER_TAGS).set_default_tags(self.tags)
         self.histograms = {n: (key, Histogram(n, d, boundaries=b, tag_keys=WORKER_TAGS)
@@ -167,6 +188,14 @@ class WorkerMetrics:
                     self._last[last_key] = float(v)
                     if delta > 0:
                         self.adapter_counters[name].inc(delta, tags={"adapter": adapter})
+            for reason, key in LEASE_RELEASE_KEYS.items():
+                v = _first(stats, (key,))
+                if v is None:
+                    continue
+                delta = float(v) - self._last.get(key, 0.0)
+                self._last[key] = float(v)
+                if delta > 0:
+                    self.lease_releases.inc(delta, tags={"reason": reason})
 
     def maybe_update(self, get_stats: Callable[[], Mapping[str, Any]],
                      now: float | None = None) -> bool:
@@ -212,6 +241,17 @@ class RouterMetrics:
                                  ).set_default_tags(tags)
         self.in_flight = Gauge("raypd_router_in_flight", ROUTER_METRICS["raypd_router_in_flight"],
                                tag_keys=ROUTER_TAGS).set_default_tags(tags)
+        self.stages = Histogram("raypd_router_stage_seconds",
+                                ROUTER_METRICS["raypd_router_stage_seconds"],
+                                boundaries=STAGE_BUCKETS, tag_keys=(*ROUTER_TAGS, "stage")
+                                ).set_default_tags(tags)
+        pair = (*ROUTER_TAGS, "prefill", "decode")
+        self.pair_bytes = Counter("raypd_router_pair_transfer_bytes",
+                                  ROUTER_METRICS["raypd_router_pair_transfer_bytes"],
+                                  tag_keys=pair).set_default_tags(tags)
+        self.pair_seconds = Counter("raypd_router_pair_transfer_seconds",
+                                    ROUTER_METRICS["raypd_router_pair_transfer_seconds"],
+                                    tag_keys=pair).set_default_tags(tags)
 
     def record_request(self, status: int | str, seconds: float | None = None) -> None:
         """One request ended with `status` (an HTTP code: 200, 400, 429, 499, 500, ...)."""
@@ -226,6 +266,20 @@ class RouterMetrics:
 
     def set_in_flight(self, n: int) -> None:
         self.in_flight.set(float(n))
+
+    def record_trace(self, trace: Any) -> None:
+        """One finished request's handoff trace (kvcache.request_trace.RequestTrace): each
+        stage's seconds, and its transfer under its P -> D pair."""
+        if trace.status != 200:
+            return
+        secs = trace.stage_seconds()
+        for stage, s in secs.items():
+            self.stages.observe(s, tags={"stage": stage})
+        if trace.transfer_bytes and trace.prefill_worker and trace.decode_worker:
+            pair = {"prefill": trace.prefill_worker, "decode": trace.decode_worker}
+            self.pair_bytes.inc(float(trace.transfer_bytes), tags=pair)
+            if secs.get("transfer", 0.0) > 0:
+                self.pair_seconds.inc(secs["transfer"], tags=pair)
 
 
 def _first(stats: Mapping[str, Any], keys: tuple[str, ...]) -> Any:

@@ -1,6 +1,8 @@
 """Runs one engine step on the model: builds the flat batch and attention metadata, returns logits.
 
-Owns the worker's KV pool tensor, `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`.
+Owns the worker's KV pool tensor, `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`
+(a quantized pool: the packed bytes `[num_layers, 2, num_blocks, block_bytes]` of
+workers/kv_quant.py, elements and scales together; dim 2 is the block either way).
 The model is the compact Llama-family implementation (workers/llama.py) where it applies, else
 the stock transformers model with the paged attention plugged in (`model_impl` says which).
 The metadata is built from a few Python lists per step, then turned into tensors with tensor
@@ -21,6 +23,7 @@ from workers.attention import (
     register_paged_attention,
 )
 from workers.kernels import decode_kernel_name
+from workers.kv_quant import QuantizedPool
 from workers.llama import CompactLlama, layer_windows
 from workers.lora import LoRABatch, LoRAManager, LoRASpec, fused_groups, stock_groups
 from workers.request import Request
@@ -37,9 +40,10 @@ class ScheduledChunk:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, model_impl: str = "auto",
+                 kv_dtype: torch.dtype | str, model_impl: str = "auto",
                  max_positions: int | None = None,
                  lora_specs: dict[str, LoRASpec] | None = None, max_loras: int = 4) -> None:
+        """`kv_dtype`: a float dtype, or "int8" / "fp8" for a quantized pool."""
         cfg = model.config
         assert model_impl in MODEL_IMPLS, model_impl
         self.block_size = block_size
@@ -47,9 +51,18 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.device = next(model.parameters()).device
-        self.kv_cache = torch.zeros(self.num_layers, 2, num_blocks, block_size,
-                                    self.num_kv_heads, self.head_dim, dtype=kv_dtype,
-                                    device=self.device)
+        self.kv_quant = kv_dtype if isinstance(kv_dtype, str) else ""
+        self.kv_scales: torch.Tensor | None = None
+        if self.kv_quant:
+            pool = QuantizedPool.allocate(self.kv_quant, self.num_layers, num_blocks, block_size,
+                                          self.num_kv_heads, self.head_dim, self.device)
+            self.kv_cache = pool.kv_cache      # what transports move: elements + scales
+            self.kv_data, self.kv_scales = pool.data, pool.scales
+        else:
+            self.kv_cache = torch.zeros(self.num_layers, 2, num_blocks, block_size,
+                                        self.num_kv_heads, self.head_dim, dtype=kv_dtype,
+                                        device=self.device)
+            self.kv_data = self.kv_cache
         self.sliding_window = max((w for w in layer_windows(cfg) if w), default=None)
         reason = CompactLlama.unsupported(cfg)
         if model_impl == "compact" and reason:
@@ -73,6 +86,8 @@ class ModelRunner:
                 self._hook_stock_projections()
         self.last_forward_s = 0.0   # the model's share of the last execute()
         self.attention_kernel = decode_kernel_name(self.device)   # builds it once, up front
+        if self.kv_quant:   # the native kernel reads float pools; quantized ones dequantize in torch
+            self.attention_kernel = f"torch-dequant-{self.kv_quant}"
 
     @property
     def linear_kernel(self) -> str:
@@ -167,10 +182,11 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 sample_rows.append(q_start + n - 1)
                 sample_chunks.append(i)
+            own_kv = start == 0 and not self.kv_quant   # quantized: read back what was stored
             segs.append(PrefillSegment(q_start, n, start + n,
-                                       None if start == 0 else table.to(self.device)))
-        meta = AttentionMetadata(self.kv_cache, torch.cat(slots).to(self.device), len(decodes),
-                                 groups, segs)
+                                       None if own_kv else table.to(self.device)))
+        meta = AttentionMetadata(self.kv_data, torch.cat(slots).to(self.device), len(decodes),
+                                 groups, segs, self.kv_scales, self.kv_quant)
         return (self._tensor(tokens), torch.cat(positions).to(self.device), meta.slot_mapping,
                 meta, sample_rows, sample_chunks)
 
@@ -214,7 +230,8 @@ class ModelRunner:
 
     # ---- page access for KV transfer ------------------------------------------------------
     def read_pages(self, block_ids: list[int]) -> torch.Tensor:
-        """Contiguous copy of blocks: [num_layers, 2, n, block_size, kv_heads, head_dim]."""
+        """Contiguous copy of blocks in their stored form: [num_layers, 2, n, ...] (a quantized
+        pool's pages carry their scales)."""
         return self.kv_cache[:, :, self._tensor(block_ids)].contiguous()
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     lifecycle: RequestLifecycle = field(default_factory=RequestLifecycle)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None   # perf_counter when first scheduled (trace)
     finish_time: float | None = None
     output_text: str = ""
     eos_token_ids: tuple[int, ...] = ()   # empty when sampling.ignore_eos

@@ -1,4 +1,8 @@
-"""Turns logits into next tokens: greedy, or temperature / top-k / top-p with a per-request seed."""
+"""Turns logits into next tokens: greedy, or temperature / top-k / top-p with a per-request seed.
+
+Never NaN: logits are shifted by their max before the temperature divides them (a tiny
+temperature gives -inf for all but the best tokens, not inf - inf), blocked ids outside the
+vocabulary are ignored, and a row with nothing left to sample falls back to greedy."""
 
 from __future__ import annotations
 
@@ -6,13 +10,15 @@ import torch
 
 from workers.request import Request
 
+GREEDY_BELOW = 1e-6          # temperatures under this sample greedily
+
 
 def _generator(req: Request) -> torch.Generator | None:
     if req.sampling.seed is None:
         return None
     if req.generator is None:
         g = torch.Generator()
-        g.manual_seed(req.sampling.seed)
+        g.manual_seed(req.sampling.seed & 0xFFFF_FFFF_FFFF_FFFF)   # any int64, two's complement
         req.generator = g
     return req.generator  # type: ignore[return-value]
 
@@ -23,10 +29,11 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     if not requests:
         return out
     greedy = logits.argmax(dim=-1).tolist()
+    vocab = logits.shape[-1]
     for row, req in enumerate(requests):
         sp = req.sampling
-        blocked = _blocked_tokens(req)
-        if sp.temperature == 0:
+        blocked = [t for t in _blocked_tokens(req) if 0 <= t < vocab]
+        if sp.temperature < GREEDY_BELOW:
             if blocked:
                 masked = logits[row].clone()
                 masked[blocked] = float("-inf")
@@ -34,9 +41,10 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             else:
                 out.append(greedy[row])
             continue
-        x = logits[row] / sp.temperature
+        x = logits[row].float().clone()
         if blocked:
             x[blocked] = float("-inf")
+        x = (x - x.max()) / sp.temperature
         if sp.top_k:
             kth = torch.topk(x, min(sp.top_k, x.numel())).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -47,6 +55,9 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             sorted_x[drop] = float("-inf")
             x = torch.full_like(x, float("-inf")).scatter(0, idx, sorted_x)
         probs = torch.softmax(x, dim=-1)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            out.append(int(x.argmax()))
+            continue
         out.append(int(torch.multinomial(probs, 1, generator=_generator(req))))
     return out
 

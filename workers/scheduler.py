@@ -13,6 +13,7 @@ and the engine ends it (`out_of_blocks`).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,6 +97,8 @@ class Scheduler:
             self._account_admission(req, num_cached, len(new))
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:   # trace hook: prefill queue wait ends
+                req.first_scheduled_time = time.perf_counter()
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n, self.kv.block_table(req.request_id)))
             budget -= n

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from router import raypd_pb2 as router_dot_raypd__pb2
+from ingress import raypd_pb2 as ingress_dot_raypd__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in router/raypd_pb2_grpc.py depends on'
+        + ' but the generated code in ingress/raypd_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class RaypdStub:
         """
         self.Generate = channel.unary_stream(
                 '/raypd.Raypd/Generate',
-                request_serializer=router_dot_raypd__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=router_dot_raypd__pb2.GenerateChunk.FromString,
+                request_serializer=ingress_dot_raypd__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=ingress_dot_raypd__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.SubmitTrace = channel.stream_stream(
                 '/raypd.Raypd/SubmitTrace',
-                request_serializer=router_dot_raypd__pb2.TraceRequest.SerializeToString,
-                response_deserializer=router_dot_raypd__pb2.TraceResult.FromString,
+                request_serializer=ingress_dot_raypd__pb2.TraceRequest.SerializeToString,
+                response_deserializer=ingress_dot_raypd__pb2.TraceResult.FromString,
                 _registered_method=True)
 
 
@@ -71,13 +71,13 @@ def add_RaypdServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=router_dot_raypd__pb2.GenerateRequest.FromString,
-                    response_serializer=router_dot_raypd__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=ingress_dot_raypd__pb2.GenerateRequest.FromString,
+                    response_serializer=ingress_dot_raypd__pb2.GenerateChunk.SerializeToString,
             ),
             'SubmitTrace': grpc.stream_stream_rpc_method_handler(
                     servicer.SubmitTrace,
-                    request_deserializer=router_dot_raypd__pb2.TraceRequest.FromString,
-                    response_serializer=router_dot_raypd__pb2.TraceResult.SerializeToString,
+                    request_deserializer=ingress_dot_raypd__pb2.TraceRequest.FromString,
+                    response_serializer=ingress_dot_raypd__pb2.TraceResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -105,8 +105,8 @@ class Raypd:
             request,
             target,
             '/raypd.Raypd/Generate',
-            router_dot_raypd__pb2.GenerateRequest.SerializeToString,
-            router_dot_raypd__pb2.GenerateChunk.FromString,
+            ingress_dot_raypd__pb2.GenerateRequest.SerializeToString,
+            ingress_dot_raypd__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -132,8 +132,8 @@ class Raypd:
             request_iterator,
             target,
             '/raypd.Raypd/SubmitTrace',
-            router_dot_raypd__pb2.TraceRequest.SerializeToString,
-            router_dot_raypd__pb2.TraceResult.FromString,
+            ingress_dot_raypd__pb2.TraceRequest.SerializeToString,
+            ingress_dot_raypd__pb2.TraceResult.FromString,
             options,
             channel_credentials,
             insecure,

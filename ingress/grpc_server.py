@@ -1,0 +1,250 @@
+"""gRPC ingress (ingress/raypd.proto): `Generate` streams one request's tokens, `SubmitTrace` runs a
+stream of requests concurrently and streams their results back as they finish.
+
+Shares the HTTP ingress's core: the same checks and defaults (kvcache.request_checks), keys
+(metadata `authorization: Bearer KEY`, scope inference) and tenants, server-assigned request ids
+(a client's `request_id` is only echoed as a label, scoped to its key), capacity, and the one
+error map (ingress.errors: its `grpc_code`; RESOURCE_EXHAUSTED carries trailing metadata
+`retry-after`). A client that cancels (or disconnects) aborts its requests: blocks are freed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from ingress import raypd_pb2 as pb
+from ingress import raypd_pb2_grpc as pb_grpc
+from ingress.auth import Principal
+from ingress.core import GenerationRequest, IngressCore, IngressSettings, SubRequest
+from ingress.errors import IngressError, classify
+from kvcache.request_checks import (
+    check_label,
+    check_messages,
+    check_prompts,
+    make_sampling,
+)
+from kvcache.sampling import RequestError
+
+
+def parse_request(req: pb.GenerateRequest, core: IngressCore) -> GenerationRequest:
+    """Validate a GenerateRequest with the HTTP ingress's rules; raises IngressError."""
+    core.check_model(req.model or None)
+    given = [n for n, v in (("prompt", req.prompt), ("prompt_token_ids", req.prompt_token_ids),
+                            ("messages", req.messages)) if len(v)]
+    if len(given) != 1:
+        raise IngressError(400, "give exactly one of prompt, prompt_token_ids, messages"
+                           + (f" (got {', '.join(given)})" if given else ""))
+    lim, model = core.settings.request_limits, core.settings.model
+    chat = bool(req.messages)
+    s = req.sampling
+    try:
+        if chat:
+            prompt: Any = check_messages([{"role": m.role, "content": m.content}
+                                          for m in req.messages], lim)
+        else:
+            prompt = req.prompt if req.prompt else list(req.prompt_token_ids)
+            check_prompts([prompt], lim, model)
+        sampling = make_sampling(
+            chat=chat, limits=lim, model=model, max_tokens=s.max_tokens or None,
+            temperature=s.temperature if s.HasField("temperature") else None,
+            top_p=s.top_p if s.HasField("top_p") else None, top_k=s.top_k or None,
+            seed=s.seed if s.HasField("seed") else None, stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos,
+            min_tokens=s.min_tokens)
+        tenant = check_label("tenant", req.tenant, lim)
+        lora = check_label("lora_id", req.lora_id, lim)
+        client_id = check_label("request_id", req.request_id, lim)
+    except RequestError as e:
+        raise IngressError(400, str(e).replace("invalid sampling parameter ", "")) from None
+    return GenerationRequest([prompt], sampling, chat, tenant=tenant,
+                             lora=core.lora_of(req.model or None, lora),
+                             client_request_id=client_id, model=req.model)
+
+
+def lifecycle_pb(lc: dict | None) -> pb.Lifecycle:
+    fields = pb.Lifecycle.DESCRIPTOR.fields_by_name
+    return pb.Lifecycle(**{k: v for k, v in (lc or {}).items() if k in fields and v is not None})
+
+
+def usage_pb(result: dict) -> pb.Usage:
+    lc = result.get("lifecycle") or {}
+    return pb.Usage(prompt_tokens=lc.get("prompt_tokens", 0),
+                    completion_tokens=len(result.get("token_ids", ())),
+                    cached_tokens=lc.get("cached_tokens", 0))
+
+
+class RaypdServicer(pb_grpc.RaypdServicer):
+    def __init__(self, core: IngressCore) -> None:
+        self.core = core
+        self._pool = futures.ThreadPoolExecutor(max_workers=core.max_inflight,
+                                                thread_name_prefix="raypd-grpc-req")
+
+    def _principal(self, context: grpc.ServicerContext) -> Principal:
+        md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+        return self.core.authorize(md.get("authorization"), "inference")
+
+    def _admit(self, req: pb.GenerateRequest, principal: Principal) -> tuple[GenerationRequest,
+                                                                             SubRequest]:
+        g = parse_request(req, self.core)
+        g.tenant = self.core.tenant(principal, g.tenant)
+        if g.client_request_id:          # a label only, scoped to the key
+            g.client_request_id = f"{principal.key_id}/{g.client_request_id}"
+        _, (sub,) = self.core.sub_requests(g, "grpc")
+        self.core.acquire(1)
+        return g, sub
+
+    def _run(self, g: GenerationRequest, sub: SubRequest, on_delta=None) -> dict:
+        try:
+            return self.core.run(sub, g.tenant, g.lora, on_delta)
+        finally:
+            self.core.release(1)
+
+    def _abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+
+    @staticmethod
+    def _fail(context: grpc.ServicerContext, e: IngressError) -> None:
+        if e.retry_after_s:
+            context.set_trailing_metadata((("retry-after", f"{e.retry_after_s:g}"),))
+        context.abort(grpc.StatusCode[e.grpc_code], e.message)
+
+    def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        try:
+            g, sub = self._admit(request, self._principal(context))
+        except Exception as e:   # noqa: BLE001 - every refusal leaves as a status
+            self._fail(context, classify(e))
+        deltas: queue.Queue = queue.Queue()
+        done = object()
+
+        def work() -> None:
+            try:
+                deltas.put((done, self._run(g, sub, on_delta=deltas.put)))
+            except BaseException as e:  # noqa: BLE001 - handed to the stream below
+                deltas.put((done, e))
+
+        context.add_callback(lambda: self._abort(sub.request_id))  # no-op once finished
+        try:
+            self._pool.submit(work)
+        except BaseException:
+            self.core.release(1)
+            raise
+        while True:
+            item = deltas.get()
+            if isinstance(item, tuple) and item[0] is done:
+                outcome = item[1]
+                if isinstance(outcome, BaseException):
+                    self._fail(context, classify(outcome))
+                lc = outcome.get("lifecycle") or {}
+                yield pb.GenerateChunk(finish_reason=lc.get("finish_reason") or "",
+                                       usage=usage_pb(outcome), lifecycle=lifecycle_pb(lc),
+                                       request_id=sub.request_id)
+                return
+            if item.get("token_ids") or item.get("text"):
+                yield pb.GenerateChunk(token_ids=item.get("token_ids", ()),
+                                       text=item.get("text", ""), request_id=sub.request_id)
+
+    def SubmitTrace(self, request_iterator, context):  # noqa: N802
+        try:
+            principal = self._principal(context)
+        except IngressError as e:
+            self._fail(context, e)
+        results: queue.Queue = queue.Queue()
+        in_flight: set[str] = set()
+        lock = threading.Lock()
+        eof = object()
+
+        def run_one(tr: pb.TraceRequest, t0: float) -> None:
+            rid = None
+            try:
+                g, sub = self._admit(tr.request, principal)
+                rid = sub.request_id
+                with lock:
+                    in_flight.add(rid)
+                res = self._run(g, sub)
+                lc = res.get("lifecycle") or {}
+                out = pb.TraceResult(id=tr.id, ok=True, token_ids=res.get("token_ids", ()),
+                                     text=res.get("text", ""),
+                                     finish_reason=lc.get("finish_reason") or "",
+                                     usage=usage_pb(res), lifecycle=lifecycle_pb(lc))
+            except BaseException as e:  # noqa: BLE001 - every request ends as one result
+                err = classify(e)
+                out = pb.TraceResult(id=tr.id, ok=False, error_code=err.grpc_code,
+                                     error=err.message, retry_after_s=err.retry_after_s)
+            finally:
+                if rid is not None:
+                    with lock:
+                        in_flight.discard(rid)
+            out.server_e2e_s = time.monotonic() - t0
+            results.put(out)
+
+        def read() -> None:
+            n = 0
+            try:
+                for tr in request_iterator:
+                    self._pool.submit(run_one, tr, time.monotonic())
+                    n += 1
+            except Exception:   # the client went away; the callback below aborts the rest
+                pass
+            results.put((eof, n))
+
+        def abort_all() -> None:
+            with lock:
+                ids = list(in_flight)
+            for rid in ids:
+                self._abort(rid)
+
+        context.add_callback(abort_all)
+        threading.Thread(target=read, daemon=True, name="raypd-grpc-trace-reader").start()
+        sent, total = 0, None
+        while total is None or sent < total:
+            item = results.get()
+            if isinstance(item, tuple) and item[0] is eof:
+                total = item[1]
+                continue
+            sent += 1
+            yield item
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrpcServer:
+    """A started ingress server: `.port`, `.address`, `.stop()`."""
+
+    def __init__(self, server: grpc.Server, servicer: RaypdServicer, host: str, port: int):
+        self.server, self.servicer, self.host, self.port = server, servicer, host, port
+        self.address = f"{host}:{port}"
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.server.stop(grace).wait()
+        self.servicer.close()
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def start_grpc_server(backend: Any, host: str = "127.0.0.1", port: int = 0,
+                      settings: IngressSettings | None = None,
+                      core: IngressCore | None = None) -> GrpcServer:
+    """Serve `backend` on host:port (0: any free port) in background threads; `core` shares
+    capacity with the HTTP app."""
+    core = core or IngressCore(backend, settings or IngressSettings())
+    lim = core.settings.limits
+    servicer = RaypdServicer(core)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64,
+                                                    thread_name_prefix="raypd-grpc"),
+                         maximum_concurrent_rpcs=lim.max_connections,
+                         options=[("grpc.max_receive_message_length", lim.max_body_bytes),
+                                  ("grpc.max_send_message_length", 64 << 20)])
+    pb_grpc.add_RaypdServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"cannot bind the gRPC ingress to {host}:{port}")
+    server.start()
+    return GrpcServer(server, servicer, host, bound)

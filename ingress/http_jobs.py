@@ -1,0 +1,169 @@
+"""The sub-requests of one HTTP request, running in the ingress's threads.
+
+Each sub-request runs `backend.run_request` in a worker thread; its deltas reach the event loop
+through `call_soon_threadsafe` into a bounded asyncio.Queue. A client that goes away, or one
+that reads a stream so slowly that the queue fills (`server.limits.stream_queue_events`), aborts
+every unfinished sub-request: their blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from ingress.core import IngressCore, SubRequest
+from ingress.errors import IngressError, classify
+from kvcache.sampling import RequestError
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class SubState:
+    """A sub-request and what became of it."""
+
+    sub: SubRequest
+    done: bool = False
+    cancelled: bool = False      # the client went away (or another sub-request failed)
+    abort_sent: bool = False     # the backend acknowledged the abort
+    result: dict | None = None
+    ttft_s: float | None = None
+
+
+@dataclass
+class JobEvent:
+    index: int                   # the choice index
+    kind: str                    # delta | done | error
+    payload: Any = None
+
+
+@dataclass
+class RequestJob:
+    """One HTTP request's sub-requests. `on_finish(job, state, status, result, error)` runs in
+    the worker thread once per sub-request (timeline, metrics, capacity release)."""
+
+    core: IngressCore
+    executor: ThreadPoolExecutor
+    states: list[SubState]
+    tenant: str
+    lora: str
+    queue_events: int
+    on_finish: Callable[..., None]
+    return_token_ids: bool = False   # add token ids and the lifecycle record to each choice
+    client_request_id: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    arrival: float = field(default_factory=time.time)          # wall clock, for the timeline
+    overflowed: bool = False
+    queue: asyncio.Queue = field(init=False)
+    _getter: asyncio.Task | None = None
+    _checked: float = field(default_factory=time.monotonic)   # last disconnect check
+
+    def __post_init__(self) -> None:
+        self.queue = asyncio.Queue(maxsize=self.queue_events)
+        self.by_index = {s.sub.index: s for s in self.states}
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for st in self.states:
+            self.executor.submit(self._run, st, loop)
+
+    def _enqueue(self, ev: JobEvent) -> None:
+        """On the event loop: queue the event; a full queue cuts the client off."""
+        if self.overflowed:
+            return
+        try:
+            self.queue.put_nowait(ev)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            self.abort()
+
+    def _run(self, st: SubState, loop: asyncio.AbstractEventLoop) -> None:
+        sub = st.sub
+
+        def put(ev: JobEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(self._enqueue, ev)
+            except RuntimeError:        # the loop is gone (server stopped)
+                pass
+
+        def on_delta(delta: dict) -> None:
+            if st.ttft_s is None:
+                st.ttft_s = time.perf_counter() - self.started
+            if st.cancelled and not st.abort_sent:   # the abort raced its registration
+                st.abort_sent = True
+                self.core.abort(sub.request_id)
+            put(JobEvent(sub.index, "delta", delta))
+
+        status, result, error = 500, None, None
+        try:
+            if st.cancelled:
+                raise RequestError(f"request {sub.request_id} was aborted")
+            result = self.core.run(sub, self.tenant, self.lora, on_delta)
+            status = 200
+            put(JobEvent(sub.index, "done", result))
+        except BaseException as e:      # noqa: BLE001 - every failure goes to the client
+            status = 499 if st.cancelled else classify(e).status
+            error = f"{type(e).__name__}: {e}"
+            put(JobEvent(sub.index, "error", e))
+        finally:
+            self.on_finish(self, st, status, result, error)
+
+    @property
+    def pending(self) -> int:
+        return sum(not s.done for s in self.states)
+
+    async def next(self, request: Request | None = None) -> JobEvent | None:
+        """The next event; None if the client went away meanwhile (checked while waiting)."""
+        while True:
+            if self.overflowed:
+                return JobEvent(-1, "error", IngressError(
+                    503, f"stream cut off: the client did not read {self.queue_events} "
+                    f"pending events", code="slow_client"))
+            if request is not None and time.monotonic() - self._checked > DISCONNECT_POLL_S:
+                self._checked = time.monotonic()
+                if await request.is_disconnected():
+                    return None
+            if self._getter is None:
+                self._getter = asyncio.ensure_future(self.queue.get())
+            done, _ = await asyncio.wait({self._getter}, timeout=DISCONNECT_POLL_S)
+            if done:
+                ev = self._getter.result()
+                self._getter = None
+                if ev.kind != "delta":
+                    st = self.by_index[ev.index]
+                    st.done = True
+                    if ev.kind == "done":
+                        st.result = ev.payload
+                return ev
+
+    def abort(self) -> None:
+        """Abort every unfinished sub-request (client gone, or another one failed)."""
+        if self._getter is not None:
+            self._getter.cancel()
+            self._getter = None
+        for s in self.states:
+            if not s.done and not s.cancelled:
+                s.cancelled = True
+                s.abort_sent = self.core.abort(s.sub.request_id)
+
+    def usage(self) -> dict:
+        prompt = cached = completion = 0
+        for s in self.states:
+            lc = (s.result or {}).get("lifecycle") or {}
+            completion += len((s.result or {}).get("token_ids") or ())
+            if s.sub.first_of_prompt:
+                prompt += lc.get("prompt_tokens") or 0
+                cached += lc.get("cached_tokens") or 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_reason(result: dict) -> str:
+    return (result.get("lifecycle") or {}).get("finish_reason") or "stop"

@@ -1,0 +1,229 @@
+"""The P/D handoff protocol: every message that crosses the router/worker boundary for one request.
+
+Torch-free and Ray-free plain data, imported by the router and by both worker roles. One request:
+
+    router -> D   admit(RequestInput)              -> Admission (AdmittedRequest + TransferPlan)
+    router -> P   prefill(AdmittedRequest, plan)   -> PrefillResult (first token, sampler state,
+                                                      staged handle, per-page checksums)
+    router -> D   stream(PrefillResult)            -> D pulls, verifies, decodes: TokenDelta...,
+                                                      RequestDone
+
+The request is tokenized, validated and hashed once (by D at admission); the AdmittedRequest
+travels from then on. D computes the TransferPlan (which of the prompt's blocks P sends into
+which of D's reserved blocks); P executes exactly that plan. Each PrefillResult names the
+request id, the attempt epoch and the plan's digest; D refuses (TransferRejected) anything
+whose epoch, digest or checksums do not match the reservation it holds now.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcache.lifecycle import RequestLifecycle
+from kvcache.request_trace import PrefillTiming
+from kvcache.sampling import SamplingParams
+
+# why D refused a transfer (counted per reason on D)
+REJECT_UNKNOWN = "unknown"        # no reservation for this request (aborted, expired, never)
+REJECT_STALE = "stale"            # another attempt epoch or plan digest than the reservation's
+REJECT_DUPLICATE = "duplicate"    # a pull for this reservation is in flight or has landed
+REJECT_LATE = "late"              # the lease ended, or the reservation went away mid-pull
+REJECT_CORRUPT = "corrupt"        # a page's checksum does not match what P computed
+REJECT_REASONS = (REJECT_UNKNOWN, REJECT_STALE, REJECT_DUPLICATE, REJECT_LATE, REJECT_CORRUPT)
+
+
+class TransferRejected(RuntimeError):
+    """D refused a transfer; nothing of it was written into any block. `reason` is one of
+    REJECT_REASONS."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        assert reason in REJECT_REASONS, reason
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+    def __reduce__(self):   # keeps `reason` across Ray's pickling
+        return (TransferRejected, (self.reason, str(self).split(": ", 1)[-1]))
+
+
+def worker_request_id(request_id: str, epoch: int) -> str:
+    """The id workers know one attempt by: a surviving worker may still be releasing the
+    previous attempt's state under the old id."""
+    return request_id if epoch == 0 else f"{request_id}~{epoch}"
+
+
+@dataclass(frozen=True)
+class RequestInput:
+    """A request as the client sent it, before anyone tokenized it."""
+
+    request_id: str
+    prompt: Any                       # text, token ids, or chat messages (list of dicts)
+    sampling: SamplingParams
+    deadline: float                   # wall clock (time.time()) by which it must have ended
+    epoch: int = 0
+    chat: bool = False
+    tenant: str = ""
+    lora_id: str = ""
+
+    @property
+    def worker_request_id(self) -> str:
+        return worker_request_id(self.request_id, self.epoch)
+
+
+@dataclass(frozen=True)
+class AdmittedRequest:
+    """The request as admitted: tokenized, validated and hashed once (by the admitting D).
+
+    `block_hashes` are the chained hashes of the prompt's full blocks under the request's
+    cache namespace, whose root is `namespace_root`; a worker whose own root differs (another
+    model revision, tokenizer, dtype, tenant or adapter) must refuse the request."""
+
+    request_id: str
+    epoch: int
+    prompt_token_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    block_size: int
+    namespace_root: int
+    sampling: SamplingParams
+    deadline: float
+    tenant: str = ""
+    lora_id: str = ""
+
+    @property
+    def worker_request_id(self) -> str:
+        return worker_request_id(self.request_id, self.epoch)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_blocks(self) -> int:
+        return -(-len(self.prompt_token_ids) // self.block_size)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Which blocks travel: the prompt's blocks [first_block, first_block + num_blocks) go into
+    D's reserved blocks `dest_block_ids`, in order. Computed once, by D; P sends exactly this.
+
+    `block_hashes` name each sent block (0 for a trailing partial block)."""
+
+    request_id: str
+    epoch: int
+    decode_worker: str
+    first_block: int
+    dest_block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.dest_block_ids) == len(self.block_hashes) > 0, self
+        assert len(set(self.dest_block_ids)) == len(self.dest_block_ids), self
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.dest_block_ids)
+
+    @property
+    def digest(self) -> str:
+        """Ties a transfer to this exact plan: D lands pages only under the digest it made."""
+        text = (f"{self.request_id}|{self.epoch}|{self.decode_worker}|{self.first_block}|"
+                f"{self.dest_block_ids}|{self.block_hashes}")
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True)
+class Admission:
+    """D's answer to admit: reserved (with the plan P must execute), prefilled locally, or
+    refused for now (no room: the router tries another decode worker or waits)."""
+
+    request: AdmittedRequest
+    decode_worker: str
+    admitted: bool
+    local: bool = False               # D prefills it itself (short uncached part / no P)
+    decode_cached_blocks: int = 0     # D's own prefix hit, in blocks (not transferred)
+    plan: TransferPlan | None = None  # set when admitted and not local
+    reserved_blocks: int = 0          # blocks D holds for it (hit + new), ledger RESERVED
+    free_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """P's result: the first token, the sampler state after drawing it (seeded sampling goes on
+    on D exactly where P stopped), and the staged pages of the plan under a lease."""
+
+    request_id: str
+    epoch: int
+    plan_digest: str
+    first_token: int
+    handle: Any                       # kvtransfer.base.TransferHandle of the staged pages
+    page_checksums: tuple[int, ...]   # crc32 of each staged block, as P read it
+    staged_at: float                  # wall clock when the lease started
+    lease_s: float
+    prefill_worker: str
+    sampler_state: bytes | None = None
+    cached_tokens: int = 0            # P's prefix hit
+    computed_tokens: int = 0
+    ttft_s: float | None = None
+    timing: PrefillTiming | None = None   # P's own stage durations, for the request's trace
+
+    @property
+    def worker_request_id(self) -> str:
+        return worker_request_id(self.request_id, self.epoch)
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens D produced since the last delta, with their text."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """The last item of a stream; `lifecycle` is None when the request was aborted."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    lifecycle: RequestLifecycle | None = None
+
+
+@dataclass(frozen=True)
+class HoldRelease:
+    """A worker let a handoff hold go (reported so the router's ledger closes it too)."""
+
+    worker_id: str
+    kind: str                          # ledger.STAGED | ledger.RESERVED
+    request_id: str                    # worker-side id of the attempt
+    reason: str
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a worker reports to the router's policies and prefix index, as of its last step."""
+
+    worker_id: str
+    queued_tokens: int = 0
+    running_tokens: int = 0
+    num_requests: int = 0
+    active_blocks: int = 0
+    cached_blocks: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    prefill_tok_s: float = 5_000.0
+    busy_for_s: float = 0.0            # how long the running engine step has taken so far
+    incarnation: str = ""              # changes when the worker actor restarts
+    loras_resident: tuple[str, ...] = ()   # LoRA adapters loaded now (routing affinity)
+    lora_load_s: float = 0.0           # measured mean adapter load time (0: none loaded yet)
+    events: tuple = ()                 # kvcache.events.KVEvent since the last report
+    released: tuple[HoldRelease, ...] = field(default=())   # handoff holds let go since then
+
+    def load(self) -> dict[str, Any]:
+        """The fields a router WorkerState takes over."""
+        return {"queued_tokens": self.queued_tokens, "running_tokens": self.running_tokens,
+                "num_requests": self.num_requests, "active_blocks": self.active_blocks,
+                "cached_blocks": self.cached_blocks, "free_blocks": self.free_blocks,
+                "total_blocks": self.total_blocks, "prefill_tok_s": self.prefill_tok_s,
+                "loras_resident": self.loras_resident, "lora_load_s": self.lora_load_s}
