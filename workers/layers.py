@@ -48,10 +48,9 @@ class Linear(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalize in float32, cast back, then scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """transformers' LlamaRMSNorm, by torch's own kernel: the same in float32; in bfloat16 it
+    rounds once where transformers rounds twice (normalized value, then the scaled one)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class RotaryEmbedding:
@@ -79,10 +78,15 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * scaling).to(dtype)    # [max_positions, head_dim]
         self.sin = (emb.sin() * scaling).to(dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, head_dim] of a step's positions: looked up once, used by every
+        layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [T, heads, head_dim] rotated by each token's position."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = cos_sin
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

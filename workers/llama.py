@@ -58,15 +58,15 @@ class _Layer(nn.Module):
         y = getattr(self, name)(x)
         return y if lora is None else lora.apply(y, x, self.layer_idx, name)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         t = h.shape[0]
         x = rms_norm(h, self.ln1, self.eps)
-        q, k, v = self._proj("qkv", x, lora).split([self.q_size, self.kv_size, self.kv_size],
-                                                  dim=-1)
-        q = rope.apply(q.view(t, self.num_heads, self.head_dim), positions)
-        k = rope.apply(k.view(t, self.num_kv_heads, self.head_dim), positions)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self._proj("qkv", x, lora).view(t, self.num_heads + 2 * self.num_kv_heads,
+                                              self.head_dim)
+        qk = RotaryEmbedding.apply(qkv[:, :self.num_heads + self.num_kv_heads], cos_sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]   # q and k rotated together
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
         o = paged_attention(q, k, v, self.layer_idx, meta, self.scale, self.window)
         h = h + self._proj("o", o.reshape(t, self.q_size), lora)
         x = rms_norm(h, self.ln2, self.eps)
@@ -112,8 +112,9 @@ class CompactLlama(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         h = self.embed[input_ids]
+        cos_sin = self.rope.tables(positions)
         for layer in self.layers:
-            h = layer(h, positions, self.rope, meta, lora)
+            h = layer(h, cos_sin, meta, lora)
         return rms_norm(h, self.norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
