@@ -16,9 +16,9 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
-# -ffast-math would also assume no infinities; only reassociation is needed to vectorize sums
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math"]
+# -ffast-math: reassociated (vectorized) sums and glibc's vector expf; the kernel holds no
+# infinities or NaNs (masked keys are outside its loops), so finite-math is safe
+CFLAGS = ["-O3", "-march=native", "-ffast-math"]
 
 
 @functools.cache

@@ -5,6 +5,7 @@
 // context_lens[b] tokens; window > 0 keeps only the last `window` keys.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -15,6 +16,17 @@ template <> inline float to_f<at::BFloat16>(at::BFloat16 x) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// a row of D values as float32; bf16 goes through integer shifts (the loop vectorizes)
+template <typename T> static inline void row_to_f(const T* src, float* dst, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+template <> inline void row_to_f<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t D) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  uint32_t bits[512];
+  for (int64_t d = 0; d < D; ++d) bits[d] = static_cast<uint32_t>(raw[d]) << 16;
+  std::memcpy(dst, bits, D * sizeof(float));
 }
 
 template <typename T>
@@ -45,7 +57,7 @@ static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
       for (int64_t t = first; t < len; ++t) {
         const T* kr = kp + (tp[b * W + t / bs] * bs + t % bs) * row + h * D;
         float kf[512];
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_f(kr[d]);
+        row_to_f(kr, kf, D);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float s = 0.f;
@@ -55,7 +67,7 @@ static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
-        float m = -INFINITY;
+        float m = -FLT_MAX;   // no infinities anywhere: masked keys are outside the loops
         for (int64_t i = 0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
         float sum = 0.f;
         for (int64_t i = 0; i < n; ++i) { sg[i] = std::exp(sg[i] - m); sum += sg[i]; }
@@ -66,7 +78,7 @@ static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
       for (int64_t t = first; t < len; ++t) {
         const T* vr = vp + (tp[b * W + t / bs] * bs + t % bs) * row + h * D;
         float vf[512];
-        for (int64_t d = 0; d < D; ++d) vf[d] = to_f(vr[d]);
+        row_to_f(vr, vf, D);
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * n + (t - first)];
           float* ag = acc.data() + g * D;
