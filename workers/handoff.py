@@ -124,11 +124,18 @@ class DecodeHandoff:
         reservation still owns them and the pages are whole; else TransferRejected and
         nothing is written."""
         rid = result.worker_request_id
+        # checksums first: pulled pages that are corrupt are counted as such even when the
+        # reservation is gone meanwhile (they land nowhere either way)
+        corrupt = pages is not None and page_checksums(pages) != tuple(result.page_checksums)
         if res.state is PullState.CANCELLED or self.reservations.get(rid) is not res:
+            if corrupt:
+                raise self._reject(REJECT_CORRUPT, f"page checksums of {rid} do not match "
+                                                   "what the prefill worker staged (and its "
+                                                   "reservation is gone)")
             raise self._reject(REJECT_LATE, f"{rid} was aborted or expired during its pull; "
                                             "its blocks are no longer reserved for it")
         try:
-            if pages is not None and page_checksums(pages) != tuple(result.page_checksums):
+            if corrupt:
                 raise self._reject(REJECT_CORRUPT, f"page checksums of {rid} do not match "
                                                    "what the prefill worker staged")
             self._check_lease(result)
