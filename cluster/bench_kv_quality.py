@@ -73,7 +73,7 @@ def _text_logprobs(engine, ids: list[int], chunk: int) -> torch.Tensor:
         for start in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - start)
             req.num_computed_tokens = start
-            input_ids, positions, _, meta, _, _ = runner.prepare([ScheduledChunk(req, n, table)])
+            input_ids, positions, meta, _, _ = runner.prepare([ScheduledChunk(req, n, table)])
             logits = runner._forward(input_ids, positions, meta, list(range(n)))
             out.append(torch.log_softmax(logits, dim=-1))
     return torch.cat(out)[:-1]

@@ -100,7 +100,7 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         """Run the model on `chunks`. Returns logits [n, vocab] (float32) for the chunks that end
         at their request's last known token, and those chunks' indices."""
-        input_ids, positions, slots, meta, sample_rows, sample_chunks = self.prepare(chunks)
+        input_ids, positions, meta, sample_rows, sample_chunks = self.prepare(chunks)
         lora = self._lora_step(chunks)
         t0 = time.perf_counter()
         try:
@@ -149,7 +149,7 @@ class ModelRunner:
         return head(hidden[self._tensor(sample_rows)]).float()
 
     def prepare(self, chunks: list[ScheduledChunk]):
-        """(input_ids, positions, slot_mapping, AttentionMetadata, sample_rows, sample_chunks)
+        """(input_ids, positions, AttentionMetadata (with the slot mapping), sample_rows, sample_chunks)
         of a step: decodes first (shortest context first, so similar lengths share a group),
         then prefill chunks."""
         bs = self.block_size
@@ -187,8 +187,8 @@ class ModelRunner:
                                        None if own_kv else table.to(self.device)))
         meta = AttentionMetadata(self.kv_data, torch.cat(slots).to(self.device), len(decodes),
                                  groups, segs, self.kv_scales, self.kv_quant)
-        return (self._tensor(tokens), torch.cat(positions).to(self.device), meta.slot_mapping,
-                meta, sample_rows, sample_chunks)
+        return (self._tensor(tokens), torch.cat(positions).to(self.device), meta, sample_rows,
+                sample_chunks)
 
     @staticmethod
     def _step_order(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
