@@ -167,14 +167,14 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
             fid = ray.get(p.arm_corruption.remote(), timeout=10)
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:   # injected once P has staged it
-                if ray.get(p.corruption_applied.remote(fid), timeout=10):
-                    with _TALLY:
-                        log["corrupt_transfers_injected"] += 1
-                    return
+                if (tid := ray.get(p.corruption_applied.remote(fid), timeout=10)) is not None:
+                    break
                 time.sleep(0.05)
-            if ray.get(p.corruption_applied.remote(fid, disarm=True), timeout=10):
+            else:
+                tid = ray.get(p.corruption_applied.remote(fid, disarm=True), timeout=10)
+            if tid is not None:
                 with _TALLY:
-                    log["corrupt_transfers_injected"] += 1
+                    log["corrupt_staged"].append(tid)
         except Exception:
             pass   # P died meanwhile: whatever it staged died with it
     elif kind == "delay":
@@ -230,7 +230,7 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
     rng = random.Random(seed + 1)
     events = [k for k in faults for _ in range(kills)]
     rng.shuffle(events)
-    log: dict = {"killed": [], "corrupt_transfers_injected": 0, "delays_armed": 0,
+    log: dict = {"killed": [], "corrupt_staged": [], "delays_armed": 0,
                  "acks_dropped": 0, "client_aborts": 0}
     replay = _Replay(cluster, prompts, sampling, deadline_s, concurrency)
 
@@ -282,14 +282,18 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
 
     leaked = _drain(cluster, lease_s)
     orch = cluster.orchestrator
+    pulled, detected = _corrupt_audit(cluster, log["corrupt_staged"])
     lcs = [replay.results[i]["lifecycle"] for i in ok]
     overhead = percentiles([lc["router_overhead_ms"] for lc in lcs])
     trips = percentiles([lc["handoff_round_trips"] for lc in lcs])
     out = {"model": model, "transport": transport, "kills": kills, "faults": list(faults),
            "requests_total": len(prompts), "requests_ok": len(ok),
            "requests_failed_explicit": len(explicit), "requests_lost": len(lost),
-           "corrupt_transfers_injected": log["corrupt_transfers_injected"],
-           "corrupt_transfers_detected": orch.rejected.get("corrupt", 0),
+           "corrupt_transfers_injected": len(pulled),
+           "corrupt_transfers_detected": len(detected),
+           "corrupt_stagings": len(log["corrupt_staged"]),
+           "corrupt_not_pulled": len(log["corrupt_staged"]) - len(pulled),
+           "corrupt_rejections_seen": orch.rejected.get("corrupt", 0),
            "leaked_blocks": leaked, "greedy_mismatches": mismatches,
            "killed": log["killed"], "delays_armed": log["delays_armed"],
            "acks_dropped": log["acks_dropped"], "acks_lost_seen": orch.acks_lost, "client_aborts": log["client_aborts"],
@@ -306,6 +310,24 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
     if started_ray:
         ray.shutdown()
     return out
+
+
+def _corrupt_audit(cluster: PDCluster, staged: list[str]) -> tuple[set[str], set[str]]:
+    """Of the staged copies P corrupted, the ones whose pages reached a decode worker (a
+    corrupt *transfer*), and of those the ones D refused as corrupt. A corrupted staging that
+    no decode worker pulled (its request was aborted, its P killed, its lease ran out first)
+    is no transfer: it counts under `corrupt_not_pulled`. A decode worker that died took its
+    record with it; those pages landed nowhere."""
+    pulled: set[str] = set()
+    detected: set[str] = set()
+    for d in cluster.decode:
+        try:
+            got, bad = ray.get(d.transfers_seen.remote(list(staged)), timeout=30)
+        except Exception:
+            continue
+        pulled.update(got)
+        detected.update(bad)
+    return pulled, detected
 
 
 def _drain(cluster: PDCluster, lease_s: float, timeout_s: float = 60.0) -> int | None:

@@ -110,7 +110,7 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
     _emit(result, args)
     met = (result["requests_lost"] == 0 and result["leaked_blocks"] == 0
            and result["greedy_mismatches"] == 0
-           and result["corrupt_transfers_detected"] >= result["corrupt_transfers_injected"]
+           and result["corrupt_transfers_detected"] == result["corrupt_transfers_injected"]
            and result["requests_ok"] >= 0.9 * result["requests_total"])
     return 0 if met else 1
 

@@ -20,7 +20,7 @@ import math
 
 import ray
 
-from kvcache.sampling import RequestError, StepFailed
+from kvcache.sampling import RequestError, StepFailed, UnknownLoRAError
 from router.orchestrator import TransferFailed, WorkerFailed
 from router.policies import RoutingRejected
 
@@ -71,6 +71,8 @@ def classify(exc: BaseException) -> IngressError:
                             retry_after_s=max(1.0, float(exc.retry_after_s or 0)))
     if isinstance(exc, StepFailed):
         return IngressError(500, str(exc), code="engine_step_failed")
+    if isinstance(exc, UnknownLoRAError):
+        return IngressError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, RequestError):
         return IngressError(400, str(exc))
     if isinstance(exc, TransferFailed):

@@ -15,6 +15,11 @@ class RequestError(ValueError):
     """A request the system refuses, with a message fit for the client (HTTP 400)."""
 
 
+class UnknownLoRAError(RequestError):
+    """A request names an adapter the engine does not serve (HTTP 404, never a silent fallback
+    to the base model)."""
+
+
 class StepFailed(RuntimeError):
     """An engine step raised; the requests of that step end with this (HTTP 500), the worker
     goes on serving the others."""

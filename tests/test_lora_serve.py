@@ -93,3 +93,22 @@ def test_unknown_adapter_is_404_and_the_server_keeps_serving(server, body):
     assert r.status_code == 404, r.text
     assert "'nope'" in r.json()["error"]["message"]
     assert _complete(server, "hi", model="a1").status_code == 200
+
+
+def test_unknown_adapter_raised_on_a_worker_is_a_404(ray_session):
+    """The adapter list at the ingress and on a worker can disagree (a worker started with
+    another config): the worker's refusal, wrapped by Ray, still answers 404 with its message."""
+    import ray
+
+    from ingress.errors import classify
+    from kvcache.sampling import UnknownLoRAError
+
+    @ray.remote
+    def refuse():
+        raise UnknownLoRAError("the LoRA adapter 'gone' does not exist; served: a1")
+
+    with pytest.raises(Exception) as info:
+        ray.get(refuse.remote())
+    err = classify(info.value)
+    assert (err.status, err.grpc_code, err.param) == (404, "NOT_FOUND", "model")
+    assert "'gone'" in err.message

@@ -30,6 +30,7 @@ import ray
 
 from kvcache import ledger as L
 from kvcache.handoff import (
+    REJECT_CORRUPT,
     Admission,
     AdmittedRequest,
     HoldRelease,
@@ -39,6 +40,7 @@ from kvcache.handoff import (
     RequestInput,
     TokenDelta,
     TransferPlan,
+    TransferRejected,
 )
 from kvcache.ledger import HandoffLedger, Hold
 from kvcache.request_trace import PrefillTiming  # trace hook
@@ -295,7 +297,7 @@ class PrefillHost(_EngineHost):
         self._faults = {"corrupt": 0, "drop_ack": 0}   # injected (chaos): next n stagings / acks
         self.corrupt_injected = 0
         self._corrupt_armed: list[int] = []      # chaos: ids of armed corruptions, in order
-        self._corrupt_applied: set[int] = set()
+        self._corrupt_applied: dict[int, str] = {}   # chaos: id -> transfer it corrupted
         self._start_loop()
 
     def _housekeeping(self) -> None:
@@ -315,12 +317,13 @@ class PrefillHost(_EngineHost):
             self._corrupt_armed.append(fid)
             return fid
 
-    def corruption_applied(self, fid: int, disarm: bool = False) -> bool:
-        """Whether that armed corruption hit a staged copy; `disarm`: cancel it if not."""
+    def corruption_applied(self, fid: int, disarm: bool = False) -> str | None:
+        """The transfer (worker request id) that armed corruption hit, or None if it hit no
+        staged copy yet; `disarm`: cancel it if not."""
         with self._lock:
             if disarm and fid in self._corrupt_armed:
                 self._corrupt_armed.remove(fid)
-            return fid in self._corrupt_applied
+            return self._corrupt_applied.get(fid)
 
     def prefill(self, admitted: AdmittedRequest, plan: TransferPlan) -> PrefillResult:
         """Compute the prompt's KV (reusing this worker's prefix cache), sample the first token,
@@ -348,13 +351,20 @@ class PrefillHost(_EngineHost):
                 self.engine.release(req.request_id)
                 raise RequestError(f"request {req.request_id} was aborted during prefill")
             corrupt = self._faults["corrupt"] > 0 or bool(self._corrupt_armed)
+            fid = None
             if self._faults["corrupt"] > 0:
                 self._faults["corrupt"] -= 1
             elif corrupt:
-                self._corrupt_applied.add(self._corrupt_armed.pop(0))
-            self.corrupt_injected += corrupt
+                fid = self._corrupt_armed.pop(0)
             result = stage_plan(self.engine, self.producer, self.ledger, self.worker_id, req,
                                 plan, tokens[0], corrupt=corrupt)
+            corrupt = corrupt and result.handle is not None   # nothing staged: nothing corrupted
+            self.corrupt_injected += corrupt
+            if fid is not None:
+                if corrupt:
+                    self._corrupt_applied[fid] = result.worker_request_id
+                else:
+                    self._corrupt_armed.insert(0, fid)     # the next staging takes it
         timing = PrefillTiming.measure(req.arrival_time, req.first_scheduled_time,  # trace hook
                                        req.first_token_time, time.perf_counter())
         return replace(result, timing=timing)
@@ -403,7 +413,16 @@ class DecodeHost(_EngineHost):
         self._faults_left = 0                  # injected transfer failures (tests)
         self._pull_delay = (0.0, 0)            # injected: (seconds, pulls) to delay (chaos)
         self.pull_delays_applied = 0
+        self.pages_received: set[str] = set()    # transfers whose pages reached verification
+        self.corrupt_rejected: set[str] = set()  # ... and of those, the ones refused as corrupt
         self._start_loop()
+
+    def transfers_seen(self, transfer_ids: list[str]) -> tuple[list[str], list[str]]:
+        """Chaos audit: which of these transfers (worker request ids) delivered pages here,
+        and which of those this worker refused as corrupt."""
+        with self._lock:
+            got = [t for t in transfer_ids if t in self.pages_received]
+            return got, [t for t in got if t in self.corrupt_rejected]
 
     def _num_reserved(self) -> int:
         return len(self.handoff.reservations)
@@ -502,10 +521,14 @@ class DecodeHost(_EngineHost):
                 self.handoff.pull_failed(res)
             raise
         with self._lock:
+            if pages is not None:
+                self.pages_received.add(result.worker_request_id)
             try:
                 out = self.handoff.land(res, result, pages)
-            except Exception:
+            except Exception as e:
                 self._transfer_failures += 1
+                if isinstance(e, TransferRejected) and e.reason == REJECT_CORRUPT:
+                    self.corrupt_rejected.add(result.worker_request_id)
                 raise
             if transfer is not None:
                 lc = out.request.lifecycle

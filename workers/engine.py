@@ -18,6 +18,7 @@ from kvcache.hashing import CacheNamespace
 from kvcache.kv_plan import bytes_per_layer_block, kv_layout
 from kvcache.lifecycle import EngineStats
 from kvcache.manager import KVCacheManager, cdiv
+from kvcache.sampling import UnknownLoRAError
 from workers.device import DTYPES
 from workers.kv_quant import QUANT_FORMATS, is_quantized
 from workers.lora import LoRAStats, read_adapter
@@ -65,11 +66,6 @@ class EngineConfig:
                              f"got {self.model_impl!r}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
-
-
-class UnknownLoRAError(RequestError):
-    """A request names an adapter this engine does not serve (HTTP 404, never a silent
-    fallback to the base model)."""
 
 
 @dataclass
