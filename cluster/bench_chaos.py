@@ -162,21 +162,34 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
             except Exception:
                 time.sleep(0.2)
     elif kind == "corrupt":
-        p = rng.choice(prefill)
-        try:
-            fid = ray.get(p.arm_corruption.remote(), timeout=10)
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:   # injected once P has staged it
-                if (tid := ray.get(p.corruption_applied.remote(fid), timeout=10)) is not None:
-                    break
-                time.sleep(0.05)
-            else:
+        # armed on every prefill worker: the next staging anywhere takes it (a fixed victim
+        # may get no request for a while when routing keeps prefixes elsewhere)
+        armed = []
+        for p in prefill:
+            try:
+                armed.append((p, ray.get(p.arm_corruption.remote(), timeout=10)))
+            except Exception:
+                pass   # that P is down: the others are armed
+        hit: list = []
+        deadline = time.monotonic() + 60
+        while (armed and not hit and time.monotonic() < deadline
+               and replay.finished < len(replay.prompts)):
+            for p, fid in armed:
+                try:
+                    if (tid := ray.get(p.corruption_applied.remote(fid), timeout=10)):
+                        hit.append(tuple(tid))
+                except Exception:
+                    pass   # P died meanwhile: whatever it staged died with it
+            time.sleep(0.05)
+        for p, fid in armed:     # disarm the rest; one that landed meanwhile counts too
+            try:
                 tid = ray.get(p.corruption_applied.remote(fid, disarm=True), timeout=10)
-            if tid is not None:
-                with _TALLY:
-                    log["corrupt_staged"].append(tid)
-        except Exception:
-            pass   # P died meanwhile: whatever it staged died with it
+                if tid and tuple(tid) not in hit:
+                    hit.append(tuple(tid))
+            except Exception:
+                pass
+        with _TALLY:
+            log["corrupt_staged"].extend(hit)
     elif kind == "delay":
         d = rng.choice(decode)
         try:
@@ -294,7 +307,8 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
            "corrupt_stagings": len(log["corrupt_staged"]),
            "corrupt_not_pulled": len(log["corrupt_staged"]) - len(pulled),
            "corrupt_rejections_seen": orch.rejected.get("corrupt", 0),
-           "leaked_blocks": leaked, "greedy_mismatches": mismatches,
+           "leaked_blocks": leaked, "leak_holders": _holders(cluster) if leaked else {},
+           "greedy_mismatches": mismatches,
            "killed": log["killed"], "delays_armed": log["delays_armed"],
            "acks_dropped": log["acks_dropped"], "acks_lost_seen": orch.acks_lost, "client_aborts": log["client_aborts"],
            "transfers_rejected": dict(orch.rejected), "retries": orch.retries,
@@ -312,22 +326,44 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
     return out
 
 
-def _corrupt_audit(cluster: PDCluster, staged: list[str]) -> tuple[set[str], set[str]]:
-    """Of the staged copies P corrupted, the ones whose pages reached a decode worker (a
-    corrupt *transfer*), and of those the ones D refused as corrupt. A corrupted staging that
-    no decode worker pulled (its request was aborted, its P killed, its lease ran out first)
-    is no transfer: it counts under `corrupt_not_pulled`. A decode worker that died took its
-    record with it; those pages landed nowhere."""
-    pulled: set[str] = set()
-    detected: set[str] = set()
+def _corrupt_audit(cluster: PDCluster, staged: list[tuple[str, str]]
+                   ) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+    """Of the staged copies P corrupted, (prefill worker, worker request id), the ones whose
+    pages reached a decode worker (a corrupt *transfer*), and of those the ones refused as
+    corrupt. Sources: each live decode worker's own record of the pages it verified, and the
+    router's trail of the rejections it was told of (which outlives a decode worker that died
+    after refusing). A corrupted staging that nothing pulled (its request was aborted, its P
+    killed, its lease ran out first) is no transfer: it counts under `corrupt_not_pulled`."""
+    wanted = set(staged)
+    pulled: set[tuple[str, str]] = set()
+    detected: set[tuple[str, str]] = set()
     for d in cluster.decode:
         try:
-            got, bad = ray.get(d.transfers_seen.remote(list(staged)), timeout=30)
+            got, bad = ray.get(d.transfers_seen.remote(sorted(wanted)), timeout=30)
         except Exception:
             continue
-        pulled.update(got)
-        detected.update(bad)
+        pulled.update(map(tuple, got))
+        detected.update(map(tuple, bad))
+    for reason, pid, rid in list(cluster.orchestrator.recent_rejections):
+        if reason == "corrupt" and (pid, rid) in wanted:
+            pulled.add((pid, rid))
+            detected.add((pid, rid))
     return pulled, detected
+
+
+def _holders(cluster: PDCluster) -> dict[str, dict[str, str]]:
+    """Per live worker, the requests still referencing blocks (and the router's open holds)."""
+    out: dict[str, dict[str, str]] = {}
+    for w in list(cluster.workers):
+        try:
+            held = ray.get(w.block_holders.remote(), timeout=10)
+        except Exception:
+            continue
+        if held:
+            out[cluster.orchestrator._id.get(w, "?")] = held
+    for h in cluster.orchestrator.ledger.open_holds():
+        out.setdefault(h.worker_id, {})[h.request_id] = f"ledger {h.kind} hold, {h.num_blocks}"
+    return out
 
 
 def _drain(cluster: PDCluster, lease_s: float, timeout_s: float = 60.0) -> int | None:

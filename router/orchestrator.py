@@ -25,6 +25,7 @@ import itertools
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -151,6 +152,9 @@ class Orchestrator:
         self.prefill_retries = 0                 # prefills re-run on another prefill worker
         self.acks_lost = 0                       # acks P did not confirm (lease frees it)
         self.rejected: dict[str, int] = {}       # TransferRejected reason -> count (router view)
+        # the latest rejections, (reason, prefill worker, worker request id): an audit trail
+        # that outlives a decode worker's restart (chaos checks corruption against it)
+        self.recent_rejections: deque[tuple[str, str, str]] = deque(maxlen=4096)
         self.ledger = HandoffLedger()            # both sides' handoff holds, router's view
         self._incarnation: dict[str, str] = {}   # worker id -> incarnation last reported
         self._lease_pending: set[tuple] = set()  # ledger keys left to a lease (ack lost)
@@ -547,6 +551,7 @@ class Orchestrator:
                 reason = cause.reason if isinstance(cause, TransferRejected) else "error"
                 with self._lock:
                     self.rejected[reason] = self.rejected.get(reason, 0) + 1
+                    self.recent_rejections.append((reason, pid, rid))
                     self.prefill_retries += 1
                 self._release_staged(flight, L.TRANSFER_FAILED)
                 last_error = e

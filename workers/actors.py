@@ -207,6 +207,16 @@ class _EngineHost:
             self.engine.check_invariants()
             return self.engine.kv.pool.counts()
 
+    def block_holders(self) -> dict[str, str]:
+        """Requests that reference blocks now: request id -> "<blocks> blocks, <state>"
+        (what a leak report names)."""
+        with self._lock:
+            sched = self.engine.scheduler
+            state = {r.request_id: "waiting" for r in sched.waiting}
+            state.update({r.request_id: "running" for r in sched.running})
+            return {rid: f"{len(blocks)} blocks, {state.get(rid, 'not scheduled')}"
+                    for rid, blocks in self.engine.kv.req_blocks.items() if blocks}
+
     def _note_release(self, hold: Hold) -> None:
         with self._report_lock:
             self._released_out.append(HoldRelease(hold.worker_id, hold.kind, hold.request_id,
@@ -297,7 +307,7 @@ class PrefillHost(_EngineHost):
         self._faults = {"corrupt": 0, "drop_ack": 0}   # injected (chaos): next n stagings / acks
         self.corrupt_injected = 0
         self._corrupt_armed: list[int] = []      # chaos: ids of armed corruptions, in order
-        self._corrupt_applied: dict[int, str] = {}   # chaos: id -> transfer it corrupted
+        self._corrupt_applied: dict[int, tuple[str, str]] = {}   # chaos: id -> (P, transfer)
         self._start_loop()
 
     def _housekeeping(self) -> None:
@@ -317,9 +327,9 @@ class PrefillHost(_EngineHost):
             self._corrupt_armed.append(fid)
             return fid
 
-    def corruption_applied(self, fid: int, disarm: bool = False) -> str | None:
-        """The transfer (worker request id) that armed corruption hit, or None if it hit no
-        staged copy yet; `disarm`: cancel it if not."""
+    def corruption_applied(self, fid: int, disarm: bool = False) -> tuple[str, str] | None:
+        """The transfer (this worker's id, the worker request id) that armed corruption hit,
+        or None if it hit no staged copy yet; `disarm`: cancel it if not."""
         with self._lock:
             if disarm and fid in self._corrupt_armed:
                 self._corrupt_armed.remove(fid)
@@ -341,9 +351,12 @@ class PrefillHost(_EngineHost):
                     is not _DONE:
                 tokens.extend(item)
         except queue.Empty:
-            self.abort(req.request_id)
+            self._drop(req.request_id)
             raise RequestError(f"request {admitted.request_id} passed its deadline in "
                                "prefill") from None
+        except BaseException:     # a failed step (or anything else): nothing stays held
+            self._drop(req.request_id)
+            raise
         finally:
             self._queues.pop(req.request_id, None)
         with self._lock:
@@ -362,12 +375,19 @@ class PrefillHost(_EngineHost):
             self.corrupt_injected += corrupt
             if fid is not None:
                 if corrupt:
-                    self._corrupt_applied[fid] = result.worker_request_id
+                    self._corrupt_applied[fid] = (self.worker_id, result.worker_request_id)
                 else:
                     self._corrupt_armed.insert(0, fid)     # the next staging takes it
         timing = PrefillTiming.measure(req.arrival_time, req.first_scheduled_time,  # trace hook
                                        req.first_token_time, time.perf_counter())
         return replace(result, timing=timing)
+
+    def _drop(self, request_id: str) -> None:
+        """A prefill given up: end it if it still runs, and free its blocks even when it had
+        finished meanwhile (a `hold_kv` request keeps its blocks until released)."""
+        with self._lock:
+            self.engine.abort(request_id)
+            self.engine.release(request_id)
 
     def kv_send(self, transfer_id: str):
         """RDT producer method (called with .options(tensor_transport=...))."""
@@ -413,15 +433,18 @@ class DecodeHost(_EngineHost):
         self._faults_left = 0                  # injected transfer failures (tests)
         self._pull_delay = (0.0, 0)            # injected: (seconds, pulls) to delay (chaos)
         self.pull_delays_applied = 0
-        self.pages_received: set[str] = set()    # transfers whose pages reached verification
-        self.corrupt_rejected: set[str] = set()  # ... and of those, the ones refused as corrupt
+        # chaos audit, (prefill worker, worker request id): transfers whose pages reached
+        # verification here, and of those the ones refused as corrupt
+        self.pages_received: set[tuple[str, str]] = set()
+        self.corrupt_rejected: set[tuple[str, str]] = set()
         self._start_loop()
 
-    def transfers_seen(self, transfer_ids: list[str]) -> tuple[list[str], list[str]]:
-        """Chaos audit: which of these transfers (worker request ids) delivered pages here,
-        and which of those this worker refused as corrupt."""
+    def transfers_seen(self, transfers: list[tuple[str, str]]
+                       ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """Chaos audit: which of these transfers (prefill worker, worker request id)
+        delivered pages here, and which of those this worker refused as corrupt."""
         with self._lock:
-            got = [t for t in transfer_ids if t in self.pages_received]
+            got = [t for t in map(tuple, transfers) if t in self.pages_received]
             return got, [t for t in got if t in self.corrupt_rejected]
 
     def _num_reserved(self) -> int:
@@ -521,14 +544,15 @@ class DecodeHost(_EngineHost):
                 self.handoff.pull_failed(res)
             raise
         with self._lock:
+            key = (result.prefill_worker, result.worker_request_id)
             if pages is not None:
-                self.pages_received.add(result.worker_request_id)
+                self.pages_received.add(key)
             try:
                 out = self.handoff.land(res, result, pages)
             except Exception as e:
                 self._transfer_failures += 1
                 if isinstance(e, TransferRejected) and e.reason == REJECT_CORRUPT:
-                    self.corrupt_rejected.add(result.worker_request_id)
+                    self.corrupt_rejected.add(key)
                 raise
             if transfer is not None:
                 lc = out.request.lifecycle
