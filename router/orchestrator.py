@@ -51,7 +51,7 @@ from router.policies import Locality, RoutingRejected, RoutingRequest, WorkerSta
 from router.prefix_index import ApproxPrefixIndex, PrefixIndex
 from router.request_traces import TraceStore  # trace hook
 from router.transfer_rates import TransferRates
-from router.worker_view import apply_load_report, note_decode, note_prefill
+from router.worker_view import REPORT_INTERVAL_S, apply_load_report, note_decode, note_prefill
 
 FAILURE_POLICIES = ("recompute", "fail")
 CLEANUP_WAIT_S = 10.0   # how long a request thread waits for workers to confirm a release
@@ -68,7 +68,7 @@ class FlowConfig:
     rdt_backend: str = "gloo"
     admit_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
-    report_interval_s: float = 0.1
+    report_interval_s: float = REPORT_INTERVAL_S
     health_timeout_s: float = 10.0         # a worker whose report takes this long is unhealthy
     hang_timeout_s: float = 300.0          # one engine step running this long: the worker hangs
     max_retries: int = 2                   # re-runs of a request whose worker died

@@ -7,6 +7,8 @@ from __future__ import annotations
 from kvcache.handoff import LoadReport
 from router.policies import RoutingDecision, RoutingRequest, WorkerState, cached_tokens
 
+REPORT_INTERVAL_S = 0.1     # the router polls every worker's load report this often
+
 
 def apply_load_report(st: WorkerState, rep: LoadReport) -> None:
     """A fresh report replaces everything the worker reports; what the router routed there
