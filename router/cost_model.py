@@ -22,6 +22,15 @@ class PrefillCost:
     step_overhead_s: float = 0.02      # fixed cost of one prefill step
     chunk_tokens: int = 8192           # chunked prefill: new tokens per step at most
 
+    def prefill_s(self, num_tokens: int, num_cached_tokens: int = 0) -> float:
+        """Chunked prefill of tokens [num_cached_tokens, num_tokens) alone on a worker."""
+        t, done = 0.0, num_cached_tokens
+        while done < num_tokens:
+            c = min(self.chunk_tokens, num_tokens - done)
+            t += self.step_s([(c, done)])
+            done += c
+        return t
+
     def step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         t = self.step_overhead_s
         for u, c in chunks:

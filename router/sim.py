@@ -88,6 +88,8 @@ class SimConfig:
     approx_ttl_s: float = 120.0
     tenant: str = ""
     ttft_slo_s: float | None = None  # goodput counts requests served within it (None: all)
+    slo_scale: float | None = None   # or per request: within max(slo_floor_s, slo_scale x its
+    slo_floor_s: float = 0.25        # prefill alone on an idle worker, no hit) (DistServe-like)
 
     def cost_model(self) -> CostModel:
         return CostModel(prefill=PrefillCost(self.prefill_tok_s, self.attn_ctx_tokens,
@@ -330,6 +332,13 @@ class Simulator:
         for w in self.workers:
             self.index.add_worker(w.worker_id)
 
+    def ttft_slo(self, num_tokens: int) -> float:
+        """The TTFT a request must meet to count in goodput (inf: no SLO)."""
+        cfg = self.cfg
+        if cfg.slo_scale is not None:
+            return max(cfg.slo_floor_s, cfg.slo_scale * self.cost.prefill.prefill_s(num_tokens))
+        return cfg.ttft_slo_s if cfg.ttft_slo_s is not None else float("inf")
+
     def deliver_reports(self, now: float) -> None:
         """The router's reporter: at the last tick <= now, every worker's report (as of
         tick - rpc) replaces its WorkerState and its KV events reach the index."""
@@ -395,7 +404,7 @@ class Simulator:
             hit_tokens += min(k * bt, r.num_tokens)
             total_tokens += r.num_tokens
             ttfts.append(finish - now)
-            if cfg.ttft_slo_s is None or finish - now <= cfg.ttft_slo_s:
+            if finish - now <= self.ttft_slo(r.num_tokens):
                 good += 1
 
         loads = [w.computed_tokens for w in workers]
