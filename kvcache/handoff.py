@@ -227,9 +227,11 @@ class LoadReport:
     incarnation: str = ""              # changes when the worker actor restarts
     loras_resident: tuple[str, ...] = ()   # LoRA adapters loaded now (routing affinity)
     lora_load_s: float = 0.0           # measured mean adapter load time (0: none loaded yet)
+    lora_slots: int = 0                # adapters that fit at once (0: no adapters served)
     events: tuple = ()                 # kvcache.events.KVEvent since the last report
     released: tuple[HoldRelease, ...] = field(default=())   # handoff holds let go since then
     reported_at: float = 0.0           # worker clock when the snapshot was taken
+    age_s: float = 0.0                 # how old the snapshot was when the report was made
 
     def load(self) -> dict[str, Any]:
         """The fields a router WorkerState takes over."""
@@ -240,4 +242,5 @@ class LoadReport:
                 "prefill_fit": self.prefill_fit, "decode_fit": self.decode_fit,
                 "decode_batch": self.decode_batch, "decode_step_s": self.decode_step_s,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
-                "loras_resident": self.loras_resident, "lora_load_s": self.lora_load_s}
+                "loras_resident": self.loras_resident, "lora_load_s": self.lora_load_s,
+                "lora_slots": self.lora_slots}

@@ -223,7 +223,7 @@ class Orchestrator:
             return
         self.unhealthy.discard(wid)
         st = self.state[wid]
-        apply_load_report(st, rep)
+        apply_load_report(st, rep, time.monotonic())
         st.draining = wid in self.draining or wid in self.unhealthy
 
     def _worker_restarted(self, wid: str) -> None:
@@ -266,7 +266,8 @@ class Orchestrator:
                 note_decode(self.state[d.worker_id], req, d)   # counted until the next report
             else:
                 d = self.policy.choose_prefill(req, states, matches)
-                note_prefill(self.state[d.worker_id], req, d, Locality.pooled_fit(states))
+                note_prefill(self.state[d.worker_id], req, d, Locality.pooled_fit(states),
+                             time.monotonic())
                 if flight is not None:
                     flight.predicted_hit_tokens = min(d.matched_blocks * req.block_size,
                                                       req.num_tokens)

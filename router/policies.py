@@ -54,10 +54,13 @@ class WorkerState:
     decode_step_s: float = 0.0             # reported: decode step at the current batch
     kv_bytes_per_token: int = 0            # reported: of the loaded model
     routed_s: float = 0.0         # router: estimated seconds of work routed since the report
+    routed: list[tuple[float, int, float]] = field(default_factory=list)  # router: (router
+                                  # time, tokens, seconds) of each request routed since then
     transfer_gbps_to: dict[str, float] = field(default_factory=dict)  # router: measured GB/s
                                   # of KV transfers from this worker to each decode worker
     loras_resident: tuple[str, ...] = ()   # LoRA adapters loaded on the worker now
     lora_load_s: float = 0.0          # measured mean time to load an adapter (0: none yet)
+    lora_slots: int = 0               # reported: adapters resident at once (0: unknown/none)
     draining: bool = False
 
     @property
@@ -310,7 +313,9 @@ class Locality(BasePolicy):
                                                  the prompt w does not hold
                                                  + loading the request's LoRA adapter when w
                                                  does not hold it (w's measured load time; the
-                                                 `lora_load_s` prior until some worker measured)
+                                                 `lora_load_s` prior until some worker measured),
+                                                 twice when its slots are full (the adapter it
+                                                 evicts is loaded again by its next request)
                  + transfer(w)                   bytes of the KV the decode worker lacks (the
                                                  reported kv_bytes_per_token) / the GB/s the
                                                  router measured from w to that decode worker
@@ -323,7 +328,8 @@ class Locality(BasePolicy):
     on the SLO. A pair whose bandwidth is unmeasured takes the mean of measured pairs; with no
     measured pair the transfer term is left out (it is the same for every prefill worker).
 
-    The worker of least cost wins; workers within `tie_s` of it count as tied and the one
+    The worker of least cost wins; workers within min(`tie_s`, `tie_frac` x the request's
+    smallest compute) of it count as tied (a short request's tie is short) and the one
     holding the most leading blocks, then the fewest cached blocks (most room), then the
     least recently chosen wins.
 
@@ -349,7 +355,8 @@ class Locality(BasePolicy):
     def __init__(self, ttft_slo_s: float | None = None, work_weight: float = 1.0,
                  overload_wait_s: float = 5.0, tie_s: float = 0.05,
                  inflight_margin_s: float = 5.0, lora_load_s: float = 0.05,
-                 unmeasured_tok_s: float = 10_000.0,
+                 unmeasured_tok_s: float = 10_000.0, tie_frac: float = 0.5,
+                 lora_evict_weight: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, **kw) -> None:
         super().__init__(**kw)
         self.lora_load_s = lora_load_s
@@ -357,6 +364,8 @@ class Locality(BasePolicy):
         self.work_weight = work_weight
         self.overload_wait_s = overload_wait_s
         self.tie_s = tie_s
+        self.tie_frac = tie_frac
+        self.lora_evict_weight = lora_evict_weight
         self.inflight_margin_s = inflight_margin_s
         self.unmeasured_fit = PrefillFit(unmeasured_tok_s, 0.0, 0.0, 0)
         self.clock = clock
@@ -382,7 +391,10 @@ class Locality(BasePolicy):
             hit_tokens = req.num_tokens - 1
         compute = fit.seconds(req.num_tokens, hit_tokens)
         if req.lora and req.lora not in w.loras_resident:
-            compute += w.lora_load_s or lora_load_s or self.lora_load_s
+            load = w.lora_load_s or lora_load_s or self.lora_load_s
+            # a full set of slots evicts an adapter that its next request loads again
+            full = w.lora_slots and len(w.loras_resident) >= w.lora_slots
+            compute += load * (1 + self.lora_evict_weight if full else 1)
         wait = w.wait_s(fit)
         t = (wait or 0.0) + compute
         gbps = w.transfer_gbps_to.get(req.decode_worker) or pooled_gbps
@@ -406,14 +418,15 @@ class Locality(BasePolicy):
         if self.overload_wait_s > 0:
             waits = [w.wait_s(w.prefill_fit or pooled or self.unmeasured_fit) or 0.0 for w in ws]
             beta *= max(1.0, min(waits) / self.overload_wait_s)
-        est, cost = [], []
+        est, cost, computes = [], [], []
         for w, h in zip(ws, hits, strict=True):
             t, compute = self.estimate(req, w, h, pooled, lora_load_s, pooled_gbps)
             est.append(t)
             cost.append(t + beta * compute)
+            computes.append(compute)
         if measured and self.ttft_slo_s is not None and min(est) > self.ttft_slo_s:
             raise SLOUnmeetable(min(est), self.ttft_slo_s)
-        bound = min(cost) + self.tie_s
+        bound = min(cost) + min(self.tie_s, self.tie_frac * min(computes))
         last = self._last_chosen
         i = min((i for i in range(len(ws)) if cost[i] <= bound),
                 key=lambda i: (-hits[i], ws[i].cached_blocks, last.get(ws[i].worker_id, -1),

@@ -174,6 +174,7 @@ class SimWorker:
         self._last_idle_start = -1.0
         self.computed_tokens = 0
         self.busy_s = 0.0
+        self.lora_loads = 0
 
     # ---- the worker's side -------------------------------------------------------------------
     def serve(self, hashes: Sequence[BlockHash], root: BlockHash, hash_ids: Sequence[int],
@@ -211,6 +212,7 @@ class SimWorker:
                 if len(self.loras) >= self.max_loras:
                     self.loras.popitem(last=False)
                 self.loras[lora] = None
+                self.lora_loads += 1
                 t += self.cost.lora_load_s
                 self._pending.append((t, "lora", (tuple(self.loras), self.cost.lora_load_s)))
         job = _Job(arrival, start, num_tokens, u, len(hashes))
@@ -282,7 +284,7 @@ class SimWorker:
             kv_bytes_per_token=self.cost.kv_bytes_per_token,
             loras_resident=self._published_loras,
             lora_load_s=sum(loads) / len(loads) if loads else 0.0,
-            events=tuple(events), reported_at=published)
+            lora_slots=self.max_loras, events=tuple(events), reported_at=published)
 
 
 def _stored_delta(ev: KVEvent) -> int:
@@ -351,7 +353,7 @@ class Simulator:
             rep = w.report(t - self.cfg.report_rpc_s)
             if self.precise:
                 self.index.apply(w.worker_id, rep.events)
-            apply_load_report(self.states[w.worker_id], rep)
+            apply_load_report(self.states[w.worker_id], rep, t - self.cfg.report_rpc_s)
             if self.log.keep:
                 self.log.delivered.append((t, rep))
 
@@ -394,7 +396,7 @@ class Simulator:
                 continue
             reasons[decision.reason] += 1
             note_prefill(self.states[decision.worker_id], req, decision,
-                         Locality.pooled_fit(states))
+                         Locality.pooled_fit(states), now)
             w = by_id[decision.worker_id]
             key = (r.tenant or cfg.tenant, r.lora)
             root = roots.get(key) or roots.setdefault(key, namespace_root(*key))
@@ -430,6 +432,7 @@ class Simulator:
             "utilization": (sum(w.busy_s for w in workers) / (len(workers) * makespan)
                             if makespan > 0 else 0.0),
             "prefill_tokens_per_worker": loads,
+            "lora_loads": sum(w.lora_loads for w in workers),
             "trace_span_s": span,
             "reasons": dict(reasons),
             "config": asdict(cfg),

@@ -12,9 +12,9 @@ one trace alone:
                       namespace, loaded into a few adapter slots per worker), with per-adapter
                       shared prompts
 
-Synthesized arrivals are Poisson, then rescaled so that the uncached work at the cache ceiling
-would keep `target_workers` workers at `target_utilization` of the nominal prefill rate (stated
-in each Workload); the same rescale for every policy.
+Synthesized arrivals are Poisson, then rescaled so that the prefill work at the cache ceiling
+(default cost model, adapter loads not counted) would keep TARGET_WORKERS workers busy
+TARGET_UTILIZATION of the time; the same arrivals for every policy.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from router.cost_model import PrefillCost
 from router.sim import SimRequest, as_sim_requests, ceiling_hit_rate
 from router.trace import default_trace_path, load_trace
 
-NOMINAL_TOK_S = 8_000.0        # used only to place arrivals (the bench's stated load level)
 TARGET_WORKERS = 8
 TARGET_UTILIZATION = 0.6
 
@@ -56,13 +56,29 @@ def _ids(counter: list[int], n: int) -> tuple[int, ...]:
     return tuple(range(start, start + n))
 
 
+DEFAULT_COST = PrefillCost()
+
+
+def ceiling_work_s(reqs: list[SimRequest], block_tokens: int,
+                   cost: PrefillCost = DEFAULT_COST) -> float:
+    """Prefill seconds of the whole workload with an infinite cache (each request computes
+    only what no earlier request had), under the default cost model."""
+    seen: set[tuple] = set()
+    total = 0.0
+    for r in reqs:
+        k = 0
+        while k < len(r.hash_ids) and (r.lora, r.hash_ids[:k + 1]) in seen:
+            k += 1
+        seen.update((r.lora, r.hash_ids[:i + 1]) for i in range(k, len(r.hash_ids)))
+        total += cost.prefill_s(r.num_tokens, min(k * block_tokens, r.num_tokens - 1))
+    return total
+
+
 def _rescale(reqs: list[SimRequest], block_tokens: int) -> list[SimRequest]:
-    """Sort by arrival and stretch time so that the uncached tokens at the ceiling keep
-    TARGET_WORKERS at TARGET_UTILIZATION of NOMINAL_TOK_S."""
+    """Sort by arrival and stretch time so that the prefill work at the cache ceiling (default
+    cost model) keeps TARGET_WORKERS busy TARGET_UTILIZATION of the time."""
     reqs.sort(key=lambda r: r.timestamp_s)
-    ceil = ceiling_hit_rate(reqs, block_tokens)
-    work = sum(r.num_tokens for r in reqs) * (1 - ceil)
-    span = work / (TARGET_UTILIZATION * TARGET_WORKERS * NOMINAL_TOK_S)
+    span = ceiling_work_s(reqs, block_tokens) / (TARGET_UTILIZATION * TARGET_WORKERS)
     t0, t1 = reqs[0].timestamp_s, reqs[-1].timestamp_s
     k = span / (t1 - t0) if t1 > t0 else 1.0
     return [r._replace(timestamp_s=(r.timestamp_s - t0) * k) for r in reqs]
@@ -79,7 +95,7 @@ def multi_turn(sessions: int = 600, seed: int = 1, bt: int = 64) -> Workload:
     counter = [0]
     systems = [_ids(counter, rng.randint(8, 24)) for _ in range(8)]     # 0.5k-1.5k tokens
     reqs, t = [], 0.0
-    for s in range(sessions):
+    for _ in range(sessions):
         t += rng.expovariate(1.0)
         history = systems[rng.randrange(len(systems))]
         turn_t = t

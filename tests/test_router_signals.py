@@ -78,6 +78,19 @@ def test_report_replaces_what_the_router_added_since():
     assert (st.queued_tokens, st.routed_s, st.wait_s()) == (612, 0.0, 0.6)
 
 
+def test_work_routed_after_the_reports_snapshot_stays_counted():
+    fit = PrefillFit(1000.0, 0.0, 0.0, 5)
+    st = WorkerState("p0")
+    req = RoutingRequest("r", [1, 2], 1024, 512)
+    apply_load_report(st, LoadReport("p0", queued_s=0.0, prefill_fit=fit), now=0.0)
+    note_prefill(st, req, RoutingDecision("p0", "min_ttft", 1.0, 0), now=10.0)
+    note_prefill(st, req, RoutingDecision("p0", "min_ttft", 1.0, 0), now=10.5)
+    # a report made at 10.6 of a snapshot 0.3 s old (taken at 10.3): it has the first only
+    apply_load_report(st, LoadReport("p0", queued_tokens=1024, queued_s=1.024, prefill_fit=fit,
+                                     age_s=0.3), now=10.6)
+    assert st.queued_tokens == 2048 and st.wait_s() == pytest.approx(2.048)
+
+
 def test_transfer_rates_are_per_pair_and_absent_until_measured():
     t = TransferRates(alpha=0.5)
     assert t.gbps("p0", "d0") is None

@@ -52,11 +52,11 @@ def test_policy_inputs_are_a_function_of_delivered_reports_and_own_decisions_onl
     i = 0
     for req, states, decision in policy.seen:
         while i < len(log) and log[i][0] <= req.arrival_s:
-            apply_load_report(view[log[i][1].worker_id], log[i][1])
+            apply_load_report(view[log[i][1].worker_id], log[i][1], log[i][0] - CFG.report_rpc_s)
             i += 1
         assert [view[s.worker_id] for s in states] == states
         note_prefill(view[decision.worker_id], req, decision,
-                     policy.inner.pooled_fit(list(view.values())))
+                     policy.inner.pooled_fit(list(view.values())), req.arrival_s)
 
 
 def test_reports_arrive_on_the_report_interval_and_describe_the_past():

@@ -247,6 +247,7 @@ class _EngineHost:
                           decode_batch=len(decoding), decode_step_s=step_s,
                           kv_bytes_per_token=int(e.kv_bytes_per_token),
                           incarnation=self.incarnation, reported_at=time.monotonic(),
+                          lora_slots=e.cfg.max_loras if e.cfg.lora_adapters else 0,
                           **e.lora_load_report())
         with self._report_lock:
             self._events_out.extend(events)
@@ -263,9 +264,10 @@ class _EngineHost:
             events, self._events_out = self._events_out, []
             released, self._released_out = self._released_out, []
             snap = self._snapshot
-        started = self._step_started
+        started, now = self._step_started, time.monotonic()
         return replace(snap, events=tuple(events), released=tuple(released),
-                       busy_for_s=time.monotonic() - started if started is not None else 0.0)
+                       busy_for_s=now - started if started is not None else 0.0,
+                       age_s=max(0.0, now - snap.reported_at))
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
