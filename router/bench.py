@@ -114,13 +114,14 @@ def targets(per_policy: dict, n: str = "8") -> dict:
 
 def run_routing_bench(trace_path: str | os.PathLike | None = None, quick: bool = False,
                       config: SimConfig = BENCH_CONFIG,
-                      worker_counts: tuple[int, ...] = WORKER_COUNTS) -> dict:
+                      worker_counts: tuple[int, ...] = WORKER_COUNTS,
+                      only: tuple[str, ...] | None = None) -> dict:
     """The whole benchmark: decision latency, `workloads[name][policy][str(workers)]`, the
     targets at 8 workers per workload, and each workload's description."""
     t_start = time.perf_counter()
     latency = decision_latency(num_decisions=2000 if quick else 5000)
     workloads, described, met = {}, {}, {}
-    for wl in make_workloads(quick=quick, trace_path=trace_path):
+    for wl in make_workloads(quick=quick, trace_path=trace_path, only=only):
         workloads[wl.name] = bench_workload(wl, config, worker_counts)
         described[wl.name] = wl.summary()
         if "8" in workloads[wl.name]["locality"]:

@@ -336,7 +336,8 @@ class Locality(BasePolicy):
     Why the extra `beta * compute`: recomputing a prefix that another worker holds is work that
     every request queued behind it waits for; pure earliest-TTFT routing spreads a popular
     prefix over every worker that is momentarily free, duplicating it in every cache and
-    evicting others' prefixes. Charging the compute twice (beta = 1) keeps a prefix on its
+    evicting others' prefixes. Charging the compute again (beta = work_weight, 2 by default: tuned on all five bench
+    workloads together) keeps a prefix on its
     holder unless the holder's queue is longer than the recompute (a hot prefix then spills
     to other workers, which pure cache affinity never does). When every worker has a queue
     (overload), each recomputed second delays all of them, so beta grows with the shortest
@@ -352,10 +353,10 @@ class Locality(BasePolicy):
 
     name = "locality"
 
-    def __init__(self, ttft_slo_s: float | None = None, work_weight: float = 1.0,
+    def __init__(self, ttft_slo_s: float | None = None, work_weight: float = 2.0,
                  overload_wait_s: float = 5.0, tie_s: float = 0.05,
                  inflight_margin_s: float = 5.0, lora_load_s: float = 0.05,
-                 unmeasured_tok_s: float = 10_000.0, tie_frac: float = 0.5,
+                 unmeasured_tok_s: float = 10_000.0, tie_frac: float = 0.1,
                  lora_evict_weight: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, **kw) -> None:
         super().__init__(**kw)

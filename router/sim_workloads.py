@@ -165,10 +165,21 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 }
 
 
-def make_workloads(quick: bool = False, trace_path=None) -> list[Workload]:
-    """Every workload; `quick`: about a quarter of the requests each."""
-    if quick:
-        return [mooncake(1000, trace_path), multi_turn(150), tool_agent(100),
-                short_independent(1500), multi_lora(1000)]
-    return [mooncake(None, trace_path), multi_turn(), tool_agent(), short_independent(),
-            multi_lora()]
+QUICK_SIZES = {"mooncake": 1000, "multi_turn": 150, "tool_agent": 100,
+               "short_independent": 1500, "multi_lora": 1000}
+
+
+def make_workloads(quick: bool = False, trace_path=None,
+                   only: tuple[str, ...] | None = None) -> list[Workload]:
+    """Every workload (or those named in `only`); `quick`: about a quarter of the requests."""
+    names = only or tuple(WORKLOADS)
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise ValueError(f"unknown workload {unknown[0]!r}; valid: {', '.join(WORKLOADS)}")
+    out = []
+    for name in names:
+        if name == "mooncake":
+            out.append(mooncake(QUICK_SIZES[name] if quick else None, trace_path))
+        else:
+            out.append(WORKLOADS[name](QUICK_SIZES[name]) if quick else WORKLOADS[name]())
+    return out
