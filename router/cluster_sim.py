@@ -234,6 +234,7 @@ class ClusterSim:
         for w in self.prefill:
             self.index.add_worker(w.worker_id)
         self.rates = TransferRates()
+        self._transfers_done: list[tuple[float, str, str, int, float]] = []
         self._tick = -1
 
     @property
@@ -247,6 +248,10 @@ class ClusterSim:
             return
         self._tick = tick
         at = tick * self.cfg.report_interval_s - self.cfg.report_rpc_s
+        done = self._transfers_done
+        while done and done[0][0] <= at:
+            _, p, d, nbytes, seconds = heapq.heappop(done)
+            self.rates.observe(p, d, nbytes, seconds)
         for w in self.prefill:
             rep = w.report(at)
             self.index.apply(w.worker_id, rep.events)
@@ -316,7 +321,9 @@ class ClusterSim:
                 start = max(finish, dsim.link_free_at)
                 first = start + cost.link.seconds(nbytes)
                 dsim.link_free_at = first
-                self.rates.observe(pd.worker_id, dd.worker_id, nbytes, first - start)
+                # the router measures a transfer when it ends, not before
+                heapq.heappush(self._transfers_done, (first, pd.worker_id, dd.worker_id,
+                                                      nbytes, first - start))
                 transferred_bytes += nbytes
             ttft[j] = first - arrival[j]
             dsim.join(first, _Seq(j, r.output_tokens - 1, r.num_tokens, first, blocks))
