@@ -124,3 +124,25 @@ def test_hash_drift_within_the_margin_stays_quiet():
     for i in range(64):                     # real hit 90% of predicted: within margin
         alarm.observe(1000, 900 if i % 2 else 1000)
     assert not alarm.alarm and alarm.episodes == 0
+
+
+def test_orchestrator_feeds_the_drift_alarm_and_raises_the_metric():
+    import threading
+
+    from router.orchestrator import Orchestrator
+
+    class Metrics:
+        def __init__(self):
+            self.calls = []
+
+        def record_hash_drift(self, alarm, went_on):
+            self.calls.append((alarm, went_on))
+
+    orch = Orchestrator.__new__(Orchestrator)     # the wiring only: no workers needed
+    orch._lock, orch.drift, orch.metrics = threading.Lock(), HashDriftAlarm(min_samples=4), \
+        Metrics()
+    for _ in range(8):
+        orch.observe_prefill_hit(predicted_tokens=4096, real_tokens=0)
+    assert orch.metrics.calls[-1] == (True, False)
+    assert orch.metrics.calls.count((True, True)) == 1     # went on once
+    assert orch.drift.status().shortfall_ratio == 1.0
