@@ -18,8 +18,8 @@ from router.cluster_sim import ClusterConfig, ClusterSim, cluster_requests
 from router.cost_model import CostModel
 from router.sim import SimRequest, trace_hashes
 
-P_FRACTIONS = (0.25, 0.5, 0.75)     # share of GPUs that prefill (disaggregated)
-RATE_PROBES = (0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)   # x the base rate, ascending
+P_FRACTIONS = (0.25, 0.5, 0.75, 0.875)   # share of GPUs that prefill (disaggregated)
+RATE_PROBES = (0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0, 5.6, 8.0)   # x base, ascending
 BASE_GPUS = 16
 
 
