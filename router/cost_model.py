@@ -175,7 +175,10 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
         n = int(n)
         rows.append((1.0, n, n * n / 2.0))
         ys.append(n / float(tok_s))
-    c0, c1, c2 = nnls(rows, ys)
+    if len(rows) >= 3:       # overhead, linear and attention terms need three lengths
+        c0, c1, c2 = nnls(rows, ys)
+    else:                    # fewer (a --quick bench): the mean rate only, said in the notes
+        c0, c1, c2 = 0.0, 0.0, 0.0
     c1 = c1 or sum(ys) / sum(r[1] for r in rows)
     t1, t16 = src["decode_step_ms_b1"] / 1e3, src["decode_step_ms_b16"] / 1e3
     per_seq = max(0.0, (t16 - t1) / 15)
@@ -186,7 +189,9 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
         decode=DecodeCost(max(t1 - per_seq, 0.0), per_seq, 0.0),
         link=LinkCost(1.0, 0.002), kv_bytes_per_token=m.kv_bytes_per_token * 2,  # fp32
         kv_capacity_tokens=kv_capacity_tokens,
-        notes={"source": "raypd bench engine JSON" if bench_engine else
+        notes={"prefill_fit": "overhead + linear + attention" if len(rows) >= 3 else
+               f"mean rate only ({len(rows)} prompt length(s) measured)",
+               "source": "raypd bench engine JSON" if bench_engine else
                "no bench engine JSON given: stated defaults CPU_DEFAULTS", "inputs": {
                    k: src[k] for k in ("prefill_tok_s", "decode_step_ms_b1",
                                        "decode_step_ms_b16")},
