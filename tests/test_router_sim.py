@@ -78,10 +78,16 @@ def test_approximate_index_mode_predicts_hits(head):
 
 @needs_trace
 def test_slo_rejections_are_counted_not_served(head):
-    r = simulate(head, make_policy("locality", ttft_slo_s=0.05),
-                 SimConfig(num_workers=2, capacity_blocks=2000))
+    """The SLO check runs on estimates from reports (lagging, fitted): rejected requests are
+    counted and not served, and shedding keeps the served ones' TTFT far below the unshed
+    run's; it is no guarantee (before any worker has measured its speed nothing is shed)."""
+    cfg = SimConfig(num_workers=2, capacity_blocks=2000)
+    r = simulate(head, make_policy("locality", ttft_slo_s=0.5), cfg)
+    free = simulate(head, make_policy("locality"), cfg)
     assert r["rejected"] > 0 and r["reasons"]["slo_reject"] == r["rejected"]
-    assert r["ttft_p99_s"] <= 0.05 + 1e-6
+    assert sum(v for k, v in r["reasons"].items() if k != "slo_reject") + r["rejected"] == 600
+    assert free["rejected"] == 0
+    assert r["ttft_p50_s"] < 0.25 * free["ttft_p50_s"]
 
 
 def test_bench_layout_is_workload_policy_workers():
