@@ -189,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.run_job import add_run_parser
     from cluster.serve import add_serve_parser
     from router.cli_commands import add_bench_routing_parser, add_route_sim_parser
+    from router.simulate_cli import add_simulate_parser
     from router.submit import add_submit_parser
     from router.trace_views import add_trace_request_parser
     from router.workload import add_trace_parser
@@ -200,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ops_parsers(sub)
     add_trace_request_parser(sub)
     add_route_sim_parser(sub)
+    add_simulate_parser(sub)
     add_bench_routing_parser(bsub)
     add_bench_transfer_parser(bsub)
     add_bench_disagg_parser(bsub)

@@ -24,6 +24,7 @@ from typing import Any
 from kvcache.lifecycle import RequestLifecycle
 from kvcache.request_trace import PrefillTiming
 from kvcache.sampling import SamplingParams
+from kvcache.step_rates import DecodeFit, PrefillFit
 
 # why D refused a transfer (counted per reason on D)
 REJECT_UNKNOWN = "unknown"        # no reservation for this request (aborted, expired, never)
@@ -202,7 +203,11 @@ class HoldRelease:
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What a worker reports to the router's policies and prefix index, as of its last step."""
+    """What a worker reports to the router's policies and prefix index, as of its last step.
+
+    Every speed in it is measured by the worker itself from its own recent steps
+    (kvcache/step_rates.py): `prefill_fit` from prefill-only steps, `decode_fit` from
+    decode-only steps; None until enough steps were seen (never a made-up default)."""
 
     worker_id: str
     queued_tokens: int = 0
@@ -212,18 +217,30 @@ class LoadReport:
     cached_blocks: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
-    prefill_tok_s: float = 5_000.0
+    queued_s: float | None = None      # seconds of prefill work queued + running (by the fit)
+    prefill_fit: PrefillFit | None = None
+    decode_fit: DecodeFit | None = None
+    decode_batch: int = 0              # sequences decoding now
+    decode_step_s: float = 0.0         # estimated decode step at the current batch (0: none)
+    kv_bytes_per_token: int = 0        # of the loaded model (K and V, all layers)
     busy_for_s: float = 0.0            # how long the running engine step has taken so far
     incarnation: str = ""              # changes when the worker actor restarts
     loras_resident: tuple[str, ...] = ()   # LoRA adapters loaded now (routing affinity)
     lora_load_s: float = 0.0           # measured mean adapter load time (0: none loaded yet)
+    lora_slots: int = 0                # adapters that fit at once (0: no adapters served)
     events: tuple = ()                 # kvcache.events.KVEvent since the last report
     released: tuple[HoldRelease, ...] = field(default=())   # handoff holds let go since then
+    reported_at: float = 0.0           # worker clock when the snapshot was taken
+    age_s: float = 0.0                 # how old the snapshot was when the report was made
 
     def load(self) -> dict[str, Any]:
         """The fields a router WorkerState takes over."""
         return {"queued_tokens": self.queued_tokens, "running_tokens": self.running_tokens,
                 "num_requests": self.num_requests, "active_blocks": self.active_blocks,
                 "cached_blocks": self.cached_blocks, "free_blocks": self.free_blocks,
-                "total_blocks": self.total_blocks, "prefill_tok_s": self.prefill_tok_s,
-                "loras_resident": self.loras_resident, "lora_load_s": self.lora_load_s}
+                "total_blocks": self.total_blocks, "queued_s": self.queued_s,
+                "prefill_fit": self.prefill_fit, "decode_fit": self.decode_fit,
+                "decode_batch": self.decode_batch, "decode_step_s": self.decode_step_s,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "loras_resident": self.loras_resident, "lora_load_s": self.lora_load_s,
+                "lora_slots": self.lora_slots}

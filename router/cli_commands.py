@@ -4,6 +4,7 @@ cluster CLI, also runnable alone (`python -m router.cli_commands route-sim|bench
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -77,11 +78,14 @@ def cmd_route_sim(args: argparse.Namespace) -> int:
 
 def cmd_bench_routing(args: argparse.Namespace) -> int:
     """Handler of `bench routing`: the full benchmark (or --quick), printed as JSON."""
-    from router.bench import run_routing_bench  # numpy-heavy; only when asked
+    from router.bench import BENCH_CONFIG, run_routing_bench  # numpy-heavy; only when asked
 
     try:
-        cfg = _sim_config(args)
-        result = run_routing_bench(args.trace, quick=args.quick, config=cfg)
+        cfg = dataclasses.replace(BENCH_CONFIG, prefill_tok_s=args.prefill_tok_s,
+                                  overhead_s=args.overhead_s,
+                                  attn_ctx_tokens=args.attn_ctx_tokens)
+        only = tuple(args.workloads.split(",")) if args.workloads else None
+        result = run_routing_bench(args.trace, quick=args.quick, config=cfg, only=only)
     except (TraceError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -117,12 +121,15 @@ def add_route_sim_parser(subparsers) -> argparse.ArgumentParser:
 def add_bench_routing_parser(bench_subparsers, name: str = "routing") -> argparse.ArgumentParser:
     """Register `bench routing [--trace PATH] [--quick] --json PATH` under `raypd bench`."""
     p = bench_subparsers.add_parser(
-        name, help="routing policies side by side on the shared trace, decision latency")
+        name, help="routing policies side by side on five workloads, decision latency")
     p.add_argument("--trace", type=Path, default=None,
                    help="Mooncake trace (default ../shared/traces/mooncake_synthetic_trace.jsonl"
                         " beside the repository, or $RAYPD_SHARED_DIR/traces/...)")
     p.add_argument("--quick", action="store_true",
-                   help="first 1,000 requests only, fewer latency samples")
+                   help="about a quarter of each workload, fewer latency samples")
+    p.add_argument("--workloads", default=None, metavar="A,B",
+                   help="only these workloads (default: all of router/sim_workloads.py; "
+                        "block size and cache capacity are each workload's own)")
     _add_sim_options(p)
     p.set_defaults(func=cmd_bench_routing)
     return p

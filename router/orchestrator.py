@@ -15,7 +15,9 @@ attempt: both sides are released and the request runs again under a new epoch. E
 for the handoff is in `self.ledger` (both sides) until a worker confirms its release.
 A reporter thread polls every worker's `load_report` (KV events, load, ledger releases) to keep
 the index and the policies' view of the workers current; between reports each decision is
-added locally.
+added locally. The router measures KV transfer GB/s per (P, D) pair from the transfers it sees
+end, and compares its predicted prefix hit of each prefill with the hit P reports (the hash
+drift alarm, router/drift.py).
 """
 
 from __future__ import annotations
@@ -45,9 +47,12 @@ from kvcache.handoff import (
 )
 from kvcache.ledger import HandoffLedger
 from kvcache.sampling import RequestError, SamplingParams
-from router.policies import RoutingRejected, RoutingRequest, WorkerState, make_policy
+from router.drift import HashDriftAlarm
+from router.policies import Locality, RoutingRejected, RoutingRequest, WorkerState, make_policy
 from router.prefix_index import ApproxPrefixIndex, PrefixIndex
 from router.request_traces import TraceStore  # trace hook
+from router.transfer_rates import TransferRates
+from router.worker_view import REPORT_INTERVAL_S, apply_load_report, note_decode, note_prefill
 
 FAILURE_POLICIES = ("recompute", "fail")
 CLEANUP_WAIT_S = 10.0   # how long a request thread waits for workers to confirm a release
@@ -64,7 +69,7 @@ class FlowConfig:
     rdt_backend: str = "gloo"
     admit_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
-    report_interval_s: float = 0.1
+    report_interval_s: float = REPORT_INTERVAL_S
     health_timeout_s: float = 10.0         # a worker whose report takes this long is unhealthy
     hang_timeout_s: float = 300.0          # one engine step running this long: the worker hangs
     max_retries: int = 2                   # re-runs of a request whose worker died
@@ -93,6 +98,7 @@ class _Flight:
     aborted: bool = False
     deadline: float | None = None   # wall clock
     ack: Any = None                 # P's ack in flight (settled when the request ends)
+    predicted_hit_tokens: int = 0   # the router's predicted prefix hit on the chosen P
     clock: Any = None               # the attempt's _Clock (cleanup waits count as waiting)
 
 
@@ -145,6 +151,8 @@ class Orchestrator:
         self.policy = make_policy(cfg.policy, **(cfg.policy_cfg or {}))
         self.index = PrefixIndex() if cfg.index_mode == "precise" else ApproxPrefixIndex()
         self.state: dict[str, WorkerState] = {wid: WorkerState(wid) for wid in self._by_id}
+        self.transfer_rates = TransferRates()    # measured GB/s per (P, D) pair
+        self.drift = HashDriftAlarm()            # predicted vs engine-reported prefix hits
         self.decisions: dict[str, int] = {}     # "policy:reason" -> count
         self.draining: set[str] = set()          # worker ids: no new requests (scale-in)
         self.unhealthy: set[str] = set()         # worker ids that failed their last report
@@ -219,8 +227,7 @@ class Orchestrator:
             return
         self.unhealthy.discard(wid)
         st = self.state[wid]
-        for k, v in rep.load().items():
-            setattr(st, k, v)
+        apply_load_report(st, rep, time.monotonic())
         st.draining = wid in self.draining or wid in self.unhealthy
 
     def _worker_restarted(self, wid: str) -> None:
@@ -242,8 +249,10 @@ class Orchestrator:
         with self._lock:
             return self.index.match(hashes)
 
-    def _decide(self, role: str, req: RoutingRequest, exclude: frozenset = frozenset()) -> Any:
-        """The policy's pick; `exclude`: worker ids this request already failed on."""
+    def _decide(self, role: str, req: RoutingRequest, exclude: frozenset = frozenset(),
+                flight: _Flight | None = None) -> Any:
+        """The policy's pick; `exclude`: worker ids this request already failed on. A prefill
+        pick records its predicted hit on `flight` (for the drift alarm)."""
         with self._lock:
             workers = self.decode if role == "decode" else self.prefill
             states = []
@@ -251,24 +260,36 @@ class Orchestrator:
                 st = self.state[self._id[w]]
                 st.draining = st.worker_id in self.draining or st.worker_id in self.unhealthy \
                     or st.worker_id in exclude
+                if role == "prefill":
+                    st.transfer_gbps_to = self.transfer_rates.from_worker(st.worker_id)
                 states.append(st)
         matches = self._matches(list(req.block_hashes))
         with self._lock:
             if role == "decode":
                 d = self.policy.choose_decode(req, states, matches)
-                st = self.state[d.worker_id]       # count it until the next report
-                st.running_tokens += req.num_tokens
-                st.free_blocks -= max(0, req.num_blocks - d.matched_blocks)
+                note_decode(self.state[d.worker_id], req, d)   # counted until the next report
             else:
                 d = self.policy.choose_prefill(req, states, matches)
-                st = self.state[d.worker_id]       # count it until the next report
-                st.queued_tokens += req.num_tokens - d.matched_blocks * req.block_size
+                note_prefill(self.state[d.worker_id], req, d, Locality.pooled_fit(states),
+                             time.monotonic())
+                if flight is not None:
+                    flight.predicted_hit_tokens = min(d.matched_blocks * req.block_size,
+                                                      req.num_tokens)
                 if isinstance(self.index, ApproxPrefixIndex):
                     self.index.record(d.worker_id, list(req.block_hashes))
             key = f"{self.policy.name}:{d.reason}"
             self.decisions[key] = self.decisions.get(key, 0) + 1
             self.metrics.record_decision(self.policy.name, d.reason, role)
             return self._by_id[d.worker_id]
+
+    def observe_prefill_hit(self, predicted_tokens: int, real_tokens: int) -> None:
+        """The drift alarm's input: the router's predicted prefix hit vs P's reported hit."""
+        with self._lock:
+            was = self.drift.alarm
+            on = self.drift.observe(predicted_tokens, real_tokens)
+        record = getattr(self.metrics, "record_hash_drift", None)
+        if record is not None:
+            record(on, on and not was)
 
     def live(self, role: str) -> list[Any]:
         """Workers of a role that take new requests (not draining, not unhealthy)."""
@@ -426,20 +447,25 @@ class Orchestrator:
         if flight.aborted or done.lifecycle is None:
             raise RequestError(f"request {flight.request_id} was aborted")
         lc = done.lifecycle.to_dict()
+        if lc.get("prefill_worker") and lc.get("decode_worker"):
+            with self._lock:
+                self.transfer_rates.observe(lc["prefill_worker"], lc["decode_worker"],
+                                            lc.get("transfer_bytes") or 0,
+                                            lc.get("transfer_s") or 0.0)
         self.traces.add_transfer_bytes(flight.request_id, lc.get("transfer_bytes") or 0)  # trace hook
         lc["handoff_round_trips"] = round_trips
         lc["router_overhead_ms"] = overhead_ms
         return {"text": done.text, "token_ids": list(done.token_ids), "lifecycle": lc}
 
     def _routing_request(self, request: RequestInput | AdmittedRequest,
-                         decode_cached_blocks: int = 0) -> RoutingRequest:
+                         decode_cached_blocks: int = 0, decode_worker: str = "") -> RoutingRequest:
         if isinstance(request, AdmittedRequest):
             return RoutingRequest(request.request_id, list(request.block_hashes),
                                   request.num_tokens, request.block_size,
                                   tenant=request.tenant,
                                   output_tokens=request.sampling.max_tokens,
                                   decode_cached_blocks=decode_cached_blocks,
-                                  lora=request.lora_id)
+                                  lora=request.lora_id, decode_worker=decode_worker)
         p = request.prompt   # not tokenized yet: capacity by an estimate, no prefix match
         n = len(p) if isinstance(p, tuple) else max(1, len(str(p)) // 3)
         return RoutingRequest(request.request_id, [], n, self._block_size,
@@ -503,7 +529,8 @@ class Orchestrator:
                 raise RequestError(f"request {flight.request_id} was aborted")
             try:
                 p = self._decide("prefill", self._routing_request(
-                    admitted, admission.decode_cached_blocks), frozenset(tried))
+                    admitted, admission.decode_cached_blocks, admission.decode_worker),
+                    frozenset(tried), flight)
             except RoutingRejected as e:
                 if e.reason != "no_workers":
                     self._release(flight, L.ABORTED)
@@ -534,6 +561,7 @@ class Orchestrator:
                     self.prefill_retries += 1
                 continue                     # the next prefill worker
             self.traces.prefilled(flight.request_id, pid, result.timing)  # trace hook
+            self.observe_prefill_hit(flight.predicted_hit_tokens, result.cached_tokens)
             flight.transfer_id = result.handle.transfer_id if result.handle else None
             if result.handle is not None:
                 self.ledger.hold(pid, L.STAGED, rid, plan.num_blocks, result.lease_s)

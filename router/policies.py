@@ -22,17 +22,21 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from kvcache.hashing import BlockHash
+from kvcache.step_rates import DecodeFit, PrefillFit
 from router.prefix_index import ApproxPrefixIndex
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkerState:
-    """What the router knows of one worker at decision time (reported, then kept up to date
-    locally between reports). Token counts are tokens still to compute, not prompt lengths."""
+    """What the router knows of one worker at decision time: the fields of its last LoadReport
+    (router/worker_view.py applies them), the work the router itself routed there since that
+    report, and the transfer bandwidth the router measured from real transfers. Nothing else:
+    slots, so a policy cannot find or leave anything more on it. Token counts are tokens still
+    to compute, not prompt lengths."""
 
     worker_id: str
     queued_tokens: int = 0        # prefill tokens waiting in the worker's queue (uncached part)
@@ -43,26 +47,35 @@ class WorkerState:
     cached_blocks: int = 0        # prefix-cache blocks the index attributes to the worker
     free_blocks: int = 0          # blocks an allocation could take now (free + evictable)
     total_blocks: int = 0
-    prefill_tok_s: float = 10_000.0   # measured prefill rate at zero context, tokens / s
-    prefill_ctx_tokens: float = 0.0   # measured context at which a token costs twice as much
-                                      # (attention); 0: cost independent of context
-    overhead_s: float = 0.0           # measured fixed cost of one prefill request, s
-    transfer_gbps: float = 10.0       # measured KV transfer bandwidth, GB/s (1e9 bytes)
-    backlog_s: float | None = None    # worker's own estimate of its queued + running seconds
+    queued_s: float | None = None          # reported: seconds of queued + running prefill work
+    prefill_fit: PrefillFit | None = None  # reported: measured prefill speed (None: no data)
+    decode_fit: DecodeFit | None = None    # reported: measured decode step time
+    decode_batch: int = 0                  # reported: sequences decoding
+    decode_step_s: float = 0.0             # reported: decode step at the current batch
+    kv_bytes_per_token: int = 0            # reported: of the loaded model
+    routed_s: float = 0.0         # router: estimated seconds of work routed since the report
+    routed: list[tuple[float, int, float]] = field(default_factory=list)  # router: (router
+                                  # time, tokens, seconds) of each request routed since then
+    transfer_gbps_to: dict[str, float] = field(default_factory=dict)  # router: measured GB/s
+                                  # of KV transfers from this worker to each decode worker
     loras_resident: tuple[str, ...] = ()   # LoRA adapters loaded on the worker now
     lora_load_s: float = 0.0          # measured mean time to load an adapter (0: none yet)
+    lora_slots: int = 0               # reported: adapters resident at once (0: unknown/none)
     draining: bool = False
 
     @property
     def load_tokens(self) -> int:
         return self.queued_tokens + self.running_tokens
 
-    def wait_s(self) -> float:
-        """Seconds until this worker could start a new request: its own estimate if it sent one,
-        else its queued + running tokens at its measured rate."""
-        if self.backlog_s is not None:
-            return self.backlog_s
-        return (self.queued_tokens + self.running_tokens) / self.prefill_tok_s
+    def wait_s(self, fit: PrefillFit | None = None) -> float | None:
+        """Seconds until this worker could start a new request: its own estimate plus what the
+        router sent since; without one, its queued + running tokens at `fit`'s rate (None when
+        there is nothing measured to convert tokens into seconds)."""
+        if self.queued_s is not None:
+            return self.queued_s + self.routed_s
+        if fit is None:
+            return None
+        return self.load_tokens / fit.tok_s
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,7 @@ class RoutingRequest:
     decode_cached_blocks: int = 0       # leading blocks the chosen decode worker holds
     arrival_s: float | None = None      # router clock at arrival (None: time.monotonic())
     lora: str = ""                      # LoRA adapter name ("" = base; its hash is in the hashes)
+    decode_worker: str = ""             # the decode worker already chosen (decode-first)
 
     @property
     def num_blocks(self) -> int:
@@ -108,23 +122,6 @@ class SLOUnmeetable(RoutingRejected):
                          retry_after_s=max(1.0, math.ceil(best_ttft_s - slo_s)))
         self.best_ttft_s = best_ttft_s
         self.slo_s = slo_s
-
-
-def prefill_seconds(num_tokens: int, num_cached_tokens: int, tok_s: float,
-                    attn_ctx_tokens: float = 0.0) -> float:
-    """Compute time of prompt tokens [num_cached_tokens, num_tokens).
-
-    A token at position p costs (1 + p / attn_ctx_tokens) / tok_s: the linear layers cost the
-    same for every token, attention grows with the context it attends to (0 disables that).
-    Summed over the uncached tokens: u / tok_s * (1 + (num_tokens + num_cached) / (2 ctx)).
-    """
-    u = num_tokens - num_cached_tokens
-    if u <= 0:
-        return 0.0
-    t = u / tok_s
-    if attn_ctx_tokens > 0:
-        t *= 1.0 + (num_tokens + num_cached_tokens) / (2.0 * attn_ctx_tokens)
-    return t
 
 
 def cached_tokens(req: RoutingRequest, matched_blocks: int) -> int:
@@ -308,27 +305,39 @@ class KVCost(BasePolicy):
 
 
 class Locality(BasePolicy):
-    """Ours: estimated TTFT per worker, Mooncake-Conductor style, from measured rates.
+    """Ours: estimated TTFT per worker, Mooncake-Conductor style, from measured signals only.
 
-      ttft(w)    = wait(w)                       the worker's queued + running work, seconds
-                 + compute(w)                    overhead + prefill_seconds of the part of the
-                                                 prompt w does not hold, at w's measured rate
+      ttft(w)    = wait(w)                       the worker's reported queued + running prefill
+                                                 seconds, plus what the router sent it since
+                 + compute(w)                    the worker's measured prefill fit on the part of
+                                                 the prompt w does not hold
                                                  + loading the request's LoRA adapter when w
-                                                 does not hold it (measured; else
-                                                 `lora_load_s` until a worker has measured it)
-                 + transfer(w)                   bytes of the KV the decode worker lacks / w's
-                                                 measured bandwidth (when kv_bytes_per_token)
+                                                 does not hold it (w's measured load time; the
+                                                 `lora_load_s` prior until some worker measured),
+                                                 twice when its slots are full (the adapter it
+                                                 evicts is loaded again by its next request)
+                 + transfer(w)                   bytes of the KV the decode worker lacks (the
+                                                 reported kv_bytes_per_token) / the GB/s the
+                                                 router measured from w to that decode worker
       cost(w)    = ttft(w) + beta * compute(w)
       beta       = work_weight * max(1, shortest wait / overload_wait_s)
 
-    The worker of least cost wins; workers within `tie_s` of it count as tied and the one
+    A worker with no fit yet is estimated with the median fit of the workers that have one;
+    when no worker has measured anything, with the `unmeasured_tok_s` prior: the decision is
+    then made (the ranking needs a common unit) but returns est_ttft_s=None and never rejects
+    on the SLO. A pair whose bandwidth is unmeasured takes the mean of measured pairs; with no
+    measured pair the transfer term is left out (it is the same for every prefill worker).
+
+    The worker of least cost wins; workers within min(`tie_s`, `tie_frac` x the request's
+    smallest compute) of it count as tied (a short request's tie is short) and the one
     holding the most leading blocks, then the fewest cached blocks (most room), then the
     least recently chosen wins.
 
     Why the extra `beta * compute`: recomputing a prefix that another worker holds is work that
     every request queued behind it waits for; pure earliest-TTFT routing spreads a popular
     prefix over every worker that is momentarily free, duplicating it in every cache and
-    evicting others' prefixes. Charging the compute twice (beta = 1) keeps a prefix on its
+    evicting others' prefixes. Charging the compute again (beta = work_weight, 2 by default: tuned on all five bench
+    workloads together) keeps a prefix on its
     holder unless the holder's queue is longer than the recompute (a hot prefix then spills
     to other workers, which pure cache affinity never does). When every worker has a queue
     (overload), each recomputed second delays all of them, so beta grows with the shortest
@@ -344,37 +353,55 @@ class Locality(BasePolicy):
 
     name = "locality"
 
-    def __init__(self, ttft_slo_s: float | None = None, kv_bytes_per_token: int = 0, work_weight: float = 1.0,
+    def __init__(self, ttft_slo_s: float | None = None, work_weight: float = 2.0,
                  overload_wait_s: float = 5.0, tie_s: float = 0.05,
                  inflight_margin_s: float = 5.0, lora_load_s: float = 0.05,
+                 unmeasured_tok_s: float = 10_000.0, tie_frac: float = 0.1,
+                 lora_evict_weight: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, **kw) -> None:
         super().__init__(**kw)
         self.lora_load_s = lora_load_s
         self.ttft_slo_s = ttft_slo_s
-        self.kv_bytes_per_token = kv_bytes_per_token
         self.work_weight = work_weight
         self.overload_wait_s = overload_wait_s
         self.tie_s = tie_s
+        self.tie_frac = tie_frac
+        self.lora_evict_weight = lora_evict_weight
         self.inflight_margin_s = inflight_margin_s
+        self.unmeasured_fit = PrefillFit(unmeasured_tok_s, 0.0, 0.0, 0)
         self.clock = clock
         self.inflight = ApproxPrefixIndex(ttl_s=inflight_margin_s, clock=clock)
         self._decisions = 0
         self._last_chosen: dict[str, int] = {}
 
-    def estimate(self, req: RoutingRequest, w: WorkerState, matched_blocks: int
-                 ) -> tuple[float, float]:
-        """(estimated TTFT on w, of which prefill compute seconds)."""
+    @staticmethod
+    def pooled_fit(workers: Sequence[WorkerState]) -> PrefillFit | None:
+        """The median (by rate) of the workers' measured prefill fits; None if none has one."""
+        fits = sorted((w.prefill_fit for w in workers if w.prefill_fit is not None),
+                      key=lambda f: f.tok_s)
+        return fits[len(fits) // 2] if fits else None
+
+    def estimate(self, req: RoutingRequest, w: WorkerState, matched_blocks: int,
+                 fallback: PrefillFit | None = None, lora_load_s: float | None = None,
+                 pooled_gbps: float | None = None) -> tuple[float, float]:
+        """(estimated TTFT on w, of which prefill compute seconds), from w's reported fit (else
+        `fallback`, else the unmeasured prior)."""
+        fit = w.prefill_fit or fallback or self.unmeasured_fit
         hit_tokens = cached_tokens(req, matched_blocks)
         if hit_tokens >= req.num_tokens:  # one token is always computed (its logits)
             hit_tokens = req.num_tokens - 1
-        compute = w.overhead_s + prefill_seconds(
-            req.num_tokens, hit_tokens, w.prefill_tok_s, w.prefill_ctx_tokens)
+        compute = fit.seconds(req.num_tokens, hit_tokens)
         if req.lora and req.lora not in w.loras_resident:
-            compute += w.lora_load_s or self.lora_load_s
-        t = w.wait_s() + compute
-        if self.kv_bytes_per_token:
+            load = w.lora_load_s or lora_load_s or self.lora_load_s
+            # a full set of slots evicts an adapter that its next request loads again
+            full = w.lora_slots and len(w.loras_resident) >= w.lora_slots
+            compute += load * (1 + self.lora_evict_weight if full else 1)
+        wait = w.wait_s(fit)
+        t = (wait or 0.0) + compute
+        gbps = w.transfer_gbps_to.get(req.decode_worker) or pooled_gbps
+        if w.kv_bytes_per_token and gbps:
             lacking = max(req.num_tokens - req.decode_cached_blocks * req.block_size, 0)
-            t += lacking * self.kv_bytes_per_token / (w.transfer_gbps * 1e9)
+            t += lacking * w.kv_bytes_per_token / (gbps * 1e9)
         return t, compute
 
     def choose_prefill(self, req, workers, matches):
@@ -382,17 +409,25 @@ class Locality(BasePolicy):
         now = self.clock() if req.arrival_s is None else req.arrival_s
         pending = self.inflight.match(req.block_hashes, now=now)
         hits = [max(matches.get(w.worker_id, 0), pending.get(w.worker_id, 0)) for w in ws]
+        pooled = self.pooled_fit(ws)
+        measured = pooled is not None
+        lora_s = [w.lora_load_s for w in ws if w.lora_load_s > 0]
+        lora_load_s = sum(lora_s) / len(lora_s) if lora_s else None
+        gbps_all = [g for w in ws for g in w.transfer_gbps_to.values() if g > 0]
+        pooled_gbps = sum(gbps_all) / len(gbps_all) if gbps_all else None
         beta = self.work_weight
         if self.overload_wait_s > 0:
-            beta *= max(1.0, min(w.wait_s() for w in ws) / self.overload_wait_s)
-        est, cost = [], []
+            waits = [w.wait_s(w.prefill_fit or pooled or self.unmeasured_fit) or 0.0 for w in ws]
+            beta *= max(1.0, min(waits) / self.overload_wait_s)
+        est, cost, computes = [], [], []
         for w, h in zip(ws, hits, strict=True):
-            t, compute = self.estimate(req, w, h)
+            t, compute = self.estimate(req, w, h, pooled, lora_load_s, pooled_gbps)
             est.append(t)
             cost.append(t + beta * compute)
-        if self.ttft_slo_s is not None and min(est) > self.ttft_slo_s:
+            computes.append(compute)
+        if measured and self.ttft_slo_s is not None and min(est) > self.ttft_slo_s:
             raise SLOUnmeetable(min(est), self.ttft_slo_s)
-        bound = min(cost) + self.tie_s
+        bound = min(cost) + min(self.tie_s, self.tie_frac * min(computes))
         last = self._last_chosen
         i = min((i for i in range(len(ws)) if cost[i] <= bound),
                 key=lambda i: (-hits[i], ws[i].cached_blocks, last.get(ws[i].worker_id, -1),
@@ -402,8 +437,8 @@ class Locality(BasePolicy):
         last[w.worker_id] = self._decisions
         self.inflight.record(w.worker_id, req.block_hashes, now=now,
                              ttl_s=est[i] + self.inflight_margin_s)
-        return RoutingDecision(w.worker_id, "cache_hit" if hits[i] else "min_ttft", est[i],
-                               hits[i])
+        return RoutingDecision(w.worker_id, "cache_hit" if hits[i] else "min_ttft",
+                               est[i] if measured else None, hits[i])
 
 
 POLICIES: dict[str, type[BasePolicy]] = {

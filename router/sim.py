@@ -1,40 +1,74 @@
-"""Routing simulator without a model: replays a Mooncake trace through the real prefix index and
-policies against prefill workers that each hold an LRU cache of C blocks and serve a FIFO queue.
+"""Routing simulator without a model: replays a workload through the real prefix index and
+policies against prefill workers that each hold a real `BlockPool` and serve a FIFO queue in
+chunked prefill steps.
 
-Service-time model (the same for every policy):
-    service = overhead_s + prefill_seconds(prompt, cached, prefill_tok_s, attn_ctx_tokens)
-i.e. a fixed cost per request plus the uncached tokens at `prefill_tok_s`, each token's cost
-growing by 1 / attn_ctx_tokens per token of context it attends to (attention). One request at a
-time per worker; TTFT = prefill finish - arrival (decode and KV transfer are not simulated).
+What the policies see is exactly what the live router sees: each simulated worker produces the
+same `LoadReport` a live worker does (queue in tokens and in seconds by its own fitted speed,
+the prefill fit made by `kvcache.step_rates.StepRates` from the steps it ran, resident adapters
+and their measured load time, KV events), as of its last published step, delivered to the
+router every `report_interval_s` (the live reporter's interval) after `report_rpc_s`. The router
+turns reports into WorkerStates with the live code (router/worker_view.py) and counts its own
+decisions between reports the same way. The hidden cost model (router/cost_model.py) only
+charges time; nothing of it, and nothing of the workers' true state, reaches a policy.
 
-Each worker's cache is a real `kvcache.block_pool.BlockPool`: hits touch cached blocks, misses
-allocate (LRU eviction of unreferenced blocks), computed blocks are cached, the request's blocks
-are freed tail first. The pool's KV events reach the router's `PrefixIndex` when they would be
-published: evictions when the request starts, stores when its prefill finishes. Since a worker
-serves its queue in order, its cache sees operations in routing order, so a request's real hit
-is known at routing time while the router only sees what has been published by then.
+A worker publishes (as the live loop does) after every step and when a request wakes it from
+idle; a request that arrives while it is busy shows up at the end of the running step. KV
+events: evictions when the request starts, stores when its prefill finishes. Since a worker
+serves its queue in order, its pool sees operations in routing order, so a request's real hit is
+known at routing time (for the statistics only).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from kvcache.block_pool import BlockPool
-from kvcache.hashing import BlockHash
+from kvcache.events import BlockRemoved, BlockStored, KVEvent
+from kvcache.handoff import LoadReport
+from kvcache.hashing import BlockHash, CacheNamespace, hash_block
+from kvcache.step_rates import StepRates
+from router.cost_model import CostModel, PrefillCost
 from router.policies import (
     BasePolicy,
+    Locality,
     RoutingRejected,
     RoutingRequest,
     WorkerState,
     make_policy,
-    prefill_seconds,
 )
 from router.prefix_index import ApproxPrefixIndex, PrefixIndex
-from router.trace import TraceRequest, chained_hashes, namespace_root, scaled_tokens
+from router.trace import TRACE_MODEL_ID, TraceRequest, scaled_tokens
+from router.worker_view import REPORT_INTERVAL_S, apply_load_report, note_prefill
+
+
+class SimRequest(NamedTuple):
+    """One request in block terms: `hash_ids[i]` names the content of block i (equal leading
+    ids under the same namespace = a shared prefix)."""
+
+    timestamp_s: float
+    num_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...]
+    lora: str = ""
+    tenant: str = ""
+
+
+def as_sim_requests(requests: Sequence[TraceRequest | SimRequest], block_tokens: int
+                    ) -> list[SimRequest]:
+    """Mooncake trace rows (512-token blocks scaled to `block_tokens`) or SimRequests as is."""
+    out = []
+    for r in requests:
+        if isinstance(r, SimRequest):
+            out.append(r)
+        else:
+            out.append(SimRequest(r.timestamp_s, scaled_tokens(r.input_length, block_tokens),
+                                  r.output_length, tuple(r.hash_ids)))
+    return out
 
 
 @dataclass
@@ -42,65 +76,110 @@ class SimConfig:
     num_workers: int = 8
     capacity_blocks: int = 8192     # per prefill worker
     block_tokens: int = 512         # tokens a trace block stands for (input lengths scale too)
-    prefill_tok_s: float = 8_000.0  # per worker, at zero context
-    overhead_s: float = 0.02        # per prefill request
-    attn_ctx_tokens: float = 32_768.0  # attention doubles a token's cost at this context; 0: off
+    prefill_tok_s: float = 8_000.0  # hidden cost model: rate at zero context
+    overhead_s: float = 0.02        # hidden cost model: fixed cost of one prefill step
+    attn_ctx_tokens: float = 32_768.0  # hidden: attention doubles a token's cost here; 0: off
+    chunk_tokens: int = 8192        # chunked prefill: new tokens per step at most
+    max_loras: int = 4              # adapter slots per worker (LRU)
+    lora_load_s: float = 0.2        # hidden: seconds to load an adapter into a slot
+    report_interval_s: float = REPORT_INTERVAL_S   # the live reporter's interval
+    report_rpc_s: float = 0.002     # a report's age when it reaches the router (round trip)
     index_mode: str = "precise"     # "precise" (KV events) or "approx" (routing history + TTL)
     approx_ttl_s: float = 120.0
     tenant: str = ""
+    ttft_slo_s: float | None = None  # goodput counts requests served within it (None: all)
+    slo_scale: float | None = None   # or per request: within max(slo_floor_s, slo_scale x its
+    slo_floor_s: float = 0.25        # prefill alone on an idle worker, no hit) (DistServe-like)
+
+    def cost_model(self) -> CostModel:
+        return CostModel(prefill=PrefillCost(self.prefill_tok_s, self.attn_ctx_tokens,
+                                             self.overhead_s, self.chunk_tokens),
+                         lora_load_s=self.lora_load_s)
 
 
-class _Worker:
-    """One simulated prefill worker: its block pool, FIFO of in-flight requests, unpublished
-    KV events, and counters."""
+def namespace_root(tenant: str = "", lora: str = "") -> BlockHash:
+    return CacheNamespace(TRACE_MODEL_ID, tenant=tenant, lora_id=lora).root_hash()
 
-    def __init__(self, worker_id: str, capacity_blocks: int) -> None:
+
+def trace_hashes(requests: Sequence[TraceRequest | SimRequest],
+                 tenant: str = "") -> list[list[BlockHash]]:
+    """Chained 64-bit hashes of every request under its namespace (tenant, adapter)."""
+    roots: dict[tuple[str, str], BlockHash] = {}
+    out = []
+    for r in requests:
+        key = (getattr(r, "tenant", "") or tenant, getattr(r, "lora", ""))
+        if key not in roots:
+            roots[key] = namespace_root(*key)
+        parent, hs = roots[key], []
+        for x in r.hash_ids:
+            parent = hash_block(parent, (x,))
+            hs.append(parent)
+        out.append(hs)
+    return out
+
+
+def ceiling_hit_rate(requests: Sequence[TraceRequest | SimRequest], block_tokens: int = 512,
+                     hashes: Sequence[Sequence[BlockHash]] | None = None) -> float:
+    """Hit rate of one worker with an infinite cache: every block seen before is a hit."""
+    reqs = as_sim_requests(requests, block_tokens)
+    hashes = trace_hashes(reqs) if hashes is None else hashes
+    seen: set[BlockHash] = set()
+    hit = total = 0
+    for r, hs in zip(reqs, hashes, strict=True):
+        k = 0
+        for h in hs:
+            if h not in seen:
+                break
+            k += 1
+        seen.update(hs)
+        hit += min(k * block_tokens, r.num_tokens)
+        total += r.num_tokens
+    return hit / total if total else 0.0
+
+
+class _Job:
+    """One request on a simulated worker: its chunked prefill steps, as charged."""
+
+    __slots__ = ("arrival", "start", "finish", "steps", "num_tokens", "uncached", "blocks",
+                 "fed", "done_tokens")
+
+    def __init__(self, arrival: float, start: float, num_tokens: int, uncached: int,
+                 blocks: int) -> None:
+        self.arrival, self.start, self.finish = arrival, start, start
+        self.steps: list[tuple[float, float, int, int]] = []  # (start, end, new, computed before)
+        self.num_tokens, self.uncached, self.blocks = num_tokens, uncached, blocks
+        self.fed = 0              # steps already fed to the worker's rate fits
+        self.done_tokens = 0      # of `uncached`, computed by the last fed step
+
+
+class SimWorker:
+    """One simulated prefill worker: its block pool, FIFO of jobs, adapter slots, and what it
+    has published (the KV events, resident adapters and speeds a LoadReport carries)."""
+
+    def __init__(self, worker_id: str, capacity_blocks: int, cost: CostModel,
+                 max_loras: int) -> None:
         self.worker_id = worker_id
         self.pool = BlockPool(capacity_blocks)
-        self.inflight: deque[tuple[float, float, int, int]] = deque()  # start, finish, u, blocks
-        self.sum_tokens = 0
-        self.sum_blocks = 0
+        self.cost = cost
+        self.max_loras = max_loras
+        self.jobs: deque[_Job] = deque()
         self.free_at = 0.0
-        self.pending: deque[tuple[float, list]] = deque()  # (publish time, events)
+        self.rates = StepRates()
+        self.loras: OrderedDict[str, None] = OrderedDict()   # true LRU of resident adapters
+        self._pending: deque[tuple[float, str, object]] = deque()  # (time, kind, payload)
+        self._published_cached = 0
+        self._published_loras: tuple[str, ...] = ()
+        self._lora_loads: list[float] = []
+        self._last_step_end = 0.0
+        self._last_idle_start = -1.0
         self.computed_tokens = 0
         self.busy_s = 0.0
+        self.lora_loads = 0
 
-    def advance(self, now: float, index: PrefixIndex | None) -> None:
-        """Retire finished requests and publish the events due by `now`."""
-        q = self.inflight
-        while q and q[0][1] <= now:
-            _, _, u, b = q.popleft()
-            self.sum_tokens -= u
-            self.sum_blocks -= b
-        p = self.pending
-        while p and p[0][0] <= now:
-            _, events = p.popleft()
-            if index is not None:
-                index.apply(self.worker_id, events)
-
-    def state(self, now: float, cfg: SimConfig, index) -> WorkerState:
-        running = 0
-        if self.inflight:
-            start, finish, u, _ = self.inflight[0]
-            if start <= now and finish > start:
-                running = int(u * (finish - now) / (finish - start))
-        return WorkerState(
-            worker_id=self.worker_id,
-            queued_tokens=self.sum_tokens - (self.inflight[0][2] if self.inflight else 0),
-            running_tokens=running,
-            num_requests=len(self.inflight),
-            active_blocks=self.sum_blocks,
-            cached_blocks=index.num_blocks(self.worker_id),
-            free_blocks=self.pool.num_free_blocks,
-            total_blocks=self.pool.num_blocks,
-            prefill_tok_s=cfg.prefill_tok_s,
-            prefill_ctx_tokens=cfg.attn_ctx_tokens,
-            overhead_s=cfg.overhead_s,
-            backlog_s=max(0.0, self.free_at - now),
-        )
-
+    # ---- the worker's side -------------------------------------------------------------------
     def serve(self, hashes: Sequence[BlockHash], root: BlockHash, hash_ids: Sequence[int],
-              num_tokens: int, arrival: float, cfg: SimConfig) -> tuple[int, float]:
+              num_tokens: int, arrival: float, block_tokens: int, lora: str = ""
+              ) -> tuple[int, float]:
         """Queue one request: returns (cached blocks it hits, prefill finish time)."""
         pool = self.pool
         n = min(len(hashes), pool.num_blocks)  # a prompt longer than the cache caches its head
@@ -120,65 +199,131 @@ class _Worker:
         stored = pool.take_events()
         pool.free(reversed(hits + new))
 
-        cached = min(k * cfg.block_tokens, num_tokens)
-        u = max(num_tokens - cached, 1)
-        service = cfg.overhead_s + prefill_seconds(num_tokens, num_tokens - u, cfg.prefill_tok_s,
-                                                   cfg.attn_ctx_tokens)
+        cached = min(k * block_tokens, num_tokens - 1)   # the last token is always computed
+        u = num_tokens - cached
         start = max(arrival, self.free_at)
-        finish = start + service
-        self.free_at = finish
-        self.inflight.append((start, finish, u, len(hashes)))
-        self.sum_tokens += u
-        self.sum_blocks += len(hashes)
+        if start == arrival:
+            self._last_idle_start = start
+        t = start
+        if lora:
+            if lora in self.loras:
+                self.loras.move_to_end(lora)
+            else:
+                if len(self.loras) >= self.max_loras:
+                    self.loras.popitem(last=False)
+                self.loras[lora] = None
+                self.lora_loads += 1
+                t += self.cost.lora_load_s
+                self._pending.append((t, "lora", (tuple(self.loras), self.cost.lora_load_s)))
+        job = _Job(arrival, start, num_tokens, u, len(hashes))
+        done, chunk = cached, self.cost.prefill.chunk_tokens
+        while done < num_tokens:
+            c = min(chunk, num_tokens - done)
+            begin, t = t, t + self.cost.prefill.step_s([(c, done)])
+            job.steps.append((begin, t, c, done))
+            done += c
+        job.finish = self.free_at = t
+        self.jobs.append(job)
         self.computed_tokens += u
-        self.busy_s += service
+        self.busy_s += t - start
         if evicted:
-            self.pending.append((start, evicted))
+            self._pending.append((start, "events", evicted))
         if stored:
-            self.pending.append((finish, stored))
-        return k, finish
+            self._pending.append((t, "events", stored))
+        return k, t
 
-
-def trace_hashes(requests: Sequence[TraceRequest], tenant: str = "") -> list[list[BlockHash]]:
-    """Chained 64-bit hashes of every request (compute once, replay under many policies)."""
-    root = namespace_root(tenant)
-    return [chained_hashes(r.hash_ids, root) for r in requests]
-
-
-def ceiling_hit_rate(requests: Sequence[TraceRequest], block_tokens: int = 512,
-                     hashes: Sequence[Sequence[BlockHash]] | None = None) -> float:
-    """Hit rate of one worker with an infinite cache: every block seen before is a hit."""
-    hashes = trace_hashes(requests) if hashes is None else hashes
-    seen: set[BlockHash] = set()
-    hit = total = 0
-    for r, hs in zip(requests, hashes, strict=True):
-        tokens = scaled_tokens(r.input_length, block_tokens)
-        k = 0
-        for h in hs:
-            if h not in seen:
+    def report(self, at: float) -> LoadReport:
+        """The LoadReport a live worker would answer at `at`: its state as of its last publish
+        (a step end, or a request waking it from idle) at or before `at`."""
+        for job in self.jobs:                 # feed the steps that have ended to the fits
+            if job.start > at:
                 break
-            k += 1
-        seen.update(hs)
-        hit += min(k * block_tokens, tokens)
-        total += tokens
-    return hit / total if total else 0.0
+            while job.fed < len(job.steps) and job.steps[job.fed][1] <= at:
+                begin, end, c, before = job.steps[job.fed]
+                self.rates.observe_prefill(end - begin, [(c, before)])
+                job.done_tokens += c
+                job.fed += 1
+                self._last_step_end = end
+        while self.jobs and self.jobs[0].fed == len(self.jobs[0].steps) \
+                and self.jobs[0].finish <= at:
+            self.jobs.popleft()
+        published = max(self._last_step_end, self._last_idle_start if
+                        self._last_idle_start <= at else -1.0)
+        events: list = []
+        p = self._pending
+        while p and p[0][0] <= published:
+            _, kind, payload = p.popleft()
+            if kind == "events":
+                events.extend(payload)
+                for ev in payload:
+                    self._published_cached += _stored_delta(ev)
+            else:
+                self._published_loras, load_s = payload
+                self._lora_loads.append(load_s)
+        fit = self.rates.prefill_fit()
+        queued = running = active = num = 0
+        queued_s = 0.0
+        for job in self.jobs:
+            if job.arrival > published:
+                break
+            left = job.uncached - job.done_tokens
+            num += 1
+            active += job.blocks
+            if job is self.jobs[0] and job.start <= published:
+                running = left
+            else:
+                queued += left
+            if fit is not None:
+                queued_s += fit.seconds(job.num_tokens, job.num_tokens - left)
+        loads = self._lora_loads
+        return LoadReport(
+            self.worker_id, queued_tokens=queued, running_tokens=running, num_requests=num,
+            active_blocks=active, cached_blocks=self._published_cached,
+            free_blocks=max(0, self.pool.num_blocks - active), total_blocks=self.pool.num_blocks,
+            queued_s=queued_s if fit is not None else None, prefill_fit=fit,
+            kv_bytes_per_token=self.cost.kv_bytes_per_token,
+            loras_resident=self._published_loras,
+            lora_load_s=sum(loads) / len(loads) if loads else 0.0,
+            lora_slots=self.max_loras, events=tuple(events), reported_at=published)
+
+
+def _stored_delta(ev: KVEvent) -> int:
+    if isinstance(ev, BlockStored):
+        return len(ev.block_hashes)
+    if isinstance(ev, BlockRemoved):
+        return -len(ev.block_hashes)
+    return 0
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
 
 
-class Simulator:
-    """One replay: `cfg.num_workers` prefill workers, the router's index, one policy."""
+@dataclass
+class ReportLog:
+    """Every report the simulated router received, with the tick it arrived at (for tests)."""
 
-    def __init__(self, policy: BasePolicy | str, cfg: SimConfig) -> None:
+    delivered: list[tuple[float, LoadReport]] = field(default_factory=list)
+    keep: bool = False
+
+
+class Simulator:
+    """One replay: `cfg.num_workers` prefill workers, the router's index and view, one policy."""
+
+    def __init__(self, policy: BasePolicy | str, cfg: SimConfig, keep_reports: bool = False
+                 ) -> None:
         if cfg.num_workers <= 0 or cfg.capacity_blocks <= 0 or cfg.block_tokens <= 0:
             raise ValueError("num_workers, capacity_blocks and block_tokens must be > 0")
+        if cfg.report_interval_s <= 0:
+            raise ValueError("report_interval_s must be > 0")
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.cfg = cfg
-        self.root = namespace_root(cfg.tenant)
-        self.workers = [_Worker(f"prefill-{i}", cfg.capacity_blocks)
+        self.cost = cfg.cost_model()
+        self.workers = [SimWorker(f"prefill-{i}", cfg.capacity_blocks, self.cost, cfg.max_loras)
                         for i in range(cfg.num_workers)]
+        self.states = {w.worker_id: WorkerState(w.worker_id) for w in self.workers}
+        self.log = ReportLog(keep=keep_reports)
+        self._tick = -1
         self.precise = cfg.index_mode == "precise"
         if self.precise:
             self.index: PrefixIndex | ApproxPrefixIndex = PrefixIndex()
@@ -189,34 +334,60 @@ class Simulator:
         for w in self.workers:
             self.index.add_worker(w.worker_id)
 
+    def ttft_slo(self, num_tokens: int) -> float:
+        """The TTFT a request must meet to count in goodput (inf: no SLO)."""
+        cfg = self.cfg
+        if cfg.slo_scale is not None:
+            return max(cfg.slo_floor_s, cfg.slo_scale * self.cost.prefill.prefill_s(num_tokens))
+        return cfg.ttft_slo_s if cfg.ttft_slo_s is not None else float("inf")
+
+    def deliver_reports(self, now: float) -> None:
+        """The router's reporter: at the last tick <= now, every worker's report (as of
+        tick - rpc) replaces its WorkerState and its KV events reach the index."""
+        tick = int(now / self.cfg.report_interval_s)
+        if tick <= self._tick:
+            return
+        self._tick = tick
+        t = tick * self.cfg.report_interval_s
+        for w in self.workers:
+            rep = w.report(t - self.cfg.report_rpc_s)
+            if self.precise:
+                self.index.apply(w.worker_id, rep.events)
+            apply_load_report(self.states[w.worker_id], rep, t - self.cfg.report_rpc_s)
+            if self.log.keep:
+                self.log.delivered.append((t, rep))
+
     def flush(self) -> None:
         """Let every worker finish and publish all its events (end of replay)."""
         for w in self.workers:
-            w.advance(float("inf"), self.index if self.precise else None)
+            rep = w.report(float("inf"))
+            if self.precise:
+                self.index.apply(w.worker_id, rep.events)
 
-    def run(self, requests: Sequence[TraceRequest],
+    def run(self, requests: Sequence[TraceRequest | SimRequest],
             hashes: Sequence[Sequence[BlockHash]] | None = None,
             ceiling: float | None = None) -> dict:
         """Replay `requests` (sorted by arrival) and return the report dict."""
         cfg, index, precise, workers = self.cfg, self.index, self.precise, self.workers
-        hashes = trace_hashes(requests, cfg.tenant) if hashes is None else hashes
+        bt = cfg.block_tokens
+        reqs = as_sim_requests(requests, bt)
+        hashes = trace_hashes(reqs, cfg.tenant) if hashes is None else hashes
         if ceiling is None:
-            ceiling = ceiling_hit_rate(requests, cfg.block_tokens, hashes)
+            ceiling = ceiling_hit_rate(reqs, bt, hashes)
         by_id = {w.worker_id: w for w in workers}
+        roots: dict[tuple[str, str], BlockHash] = {}
         ttfts: list[float] = []
+        good = 0
         hit_tokens = total_tokens = 0
         reasons: Counter[str] = Counter()
         rejected = 0
-        bt = cfg.block_tokens
-        for j, (r, hs) in enumerate(zip(requests, hashes, strict=True)):
+        for j, (r, hs) in enumerate(zip(reqs, hashes, strict=True)):
             now = r.timestamp_s
-            for w in workers:
-                w.advance(now, index if precise else None)
-            states = [w.state(now, cfg, index) for w in workers]
+            self.deliver_reports(now)
+            states = [self.states[w.worker_id] for w in workers]
             matches = index.match(hs) if precise else index.match(hs, now=now)
-            num_tokens = scaled_tokens(r.input_length, bt)
-            req = RoutingRequest(str(j), hs, num_tokens, bt, cfg.tenant, r.output_length,
-                                 arrival_s=now)
+            req = RoutingRequest(str(j), hs, r.num_tokens, bt, r.tenant or cfg.tenant,
+                                 r.output_tokens, arrival_s=now, lora=r.lora)
             try:
                 decision = self.policy.choose_prefill(req, states, matches)
             except RoutingRejected as e:
@@ -224,22 +395,29 @@ class Simulator:
                 reasons[e.reason] += 1
                 continue
             reasons[decision.reason] += 1
+            note_prefill(self.states[decision.worker_id], req, decision,
+                         Locality.pooled_fit(states), now)
             w = by_id[decision.worker_id]
-            k, finish = w.serve(hs, self.root, r.hash_ids, num_tokens, now, cfg)
+            key = (r.tenant or cfg.tenant, r.lora)
+            root = roots.get(key) or roots.setdefault(key, namespace_root(*key))
+            k, finish = w.serve(hs, root, r.hash_ids, r.num_tokens, now, bt, r.lora)
             if not precise:
                 index.record(w.worker_id, hs, now=now)
-            hit_tokens += min(k * bt, num_tokens)
-            total_tokens += num_tokens
+            hit_tokens += min(k * bt, r.num_tokens)
+            total_tokens += r.num_tokens
             ttfts.append(finish - now)
+            if finish - now <= self.ttft_slo(r.num_tokens):
+                good += 1
 
         loads = [w.computed_tokens for w in workers]
         mean_load = sum(loads) / len(loads)
         hit_rate = hit_tokens / total_tokens if total_tokens else 0.0
-        t0 = requests[0].timestamp_s if requests else 0.0
+        t0 = reqs[0].timestamp_s if reqs else 0.0
+        span = (reqs[-1].timestamp_s - t0) if reqs else 0.0
         makespan = max(w.free_at for w in workers) - t0
         return {
             "policy": self.policy.name,
-            "num_requests": len(requests),
+            "num_requests": len(reqs),
             "rejected": rejected,
             "hit_rate": hit_rate,
             "ceiling_hit_rate": ceiling,
@@ -249,17 +427,20 @@ class Simulator:
             "ttft_p90_s": _pct(ttfts, 90),
             "ttft_p99_s": _pct(ttfts, 99),
             "ttft_mean_s": float(np.mean(ttfts)) if ttfts else 0.0,
+            "slo_attainment": good / len(reqs) if reqs else 0.0,
+            "goodput": good / span if span > 0 else float(good),
             "utilization": (sum(w.busy_s for w in workers) / (len(workers) * makespan)
                             if makespan > 0 else 0.0),
             "prefill_tokens_per_worker": loads,
-            "trace_span_s": (requests[-1].timestamp_s - t0) if requests else 0.0,
+            "lora_loads": sum(w.lora_loads for w in workers),
+            "trace_span_s": span,
             "reasons": dict(reasons),
             "config": asdict(cfg),
         }
 
 
-def simulate(requests: Sequence[TraceRequest], policy: BasePolicy | str, cfg: SimConfig,
-             hashes: Sequence[Sequence[BlockHash]] | None = None,
+def simulate(requests: Sequence[TraceRequest | SimRequest], policy: BasePolicy | str,
+             cfg: SimConfig, hashes: Sequence[Sequence[BlockHash]] | None = None,
              ceiling: float | None = None) -> dict:
     """Replay `requests` (sorted by arrival) under `policy`; the report dict (see Simulator)."""
     return Simulator(policy, cfg).run(requests, hashes, ceiling)

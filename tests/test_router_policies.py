@@ -3,6 +3,7 @@
 import pytest
 
 from kvcache.hashing import hash_block
+from kvcache.step_rates import PrefillFit
 from router.policies import (
     POLICIES,
     RoutingRejected,
@@ -10,7 +11,6 @@ from router.policies import (
     SLOUnmeetable,
     WorkerState,
     make_policy,
-    prefill_seconds,
 )
 
 BS = 512
@@ -24,8 +24,11 @@ def req(n_blocks: int, tag: int = 0, rid: str = "r", t: float = 0.0, **kw) -> Ro
     return RoutingRequest(rid, hashes, n_blocks * BS, BS, arrival_s=t, **kw)
 
 
+FIT = PrefillFit(tok_s=10_000.0, ctx_tokens=0.0, overhead_s=0.0, num_steps=8)
+
+
 def ws(n: int, **kw) -> list[WorkerState]:
-    return [WorkerState(f"w{i}", prefill_tok_s=10_000.0, **kw) for i in range(n)]
+    return [WorkerState(f"w{i}", prefill_fit=FIT, **kw) for i in range(n)]
 
 
 def test_make_policy_by_name_and_unknown_name_lists_valid():
@@ -185,16 +188,40 @@ def test_locality_spills_a_hot_prefix_when_the_holder_is_overloaded():
     assert d.worker_id in ("w0", "w2") and d.reason == "min_ttft"
 
 
-def test_locality_estimate_uses_measured_rates_and_context_cost():
-    r = req(8)
-    w = WorkerState("w0", prefill_tok_s=4_000.0, prefill_ctx_tokens=8_192.0, overhead_s=0.03,
-                    backlog_s=2.0, transfer_gbps=5.0)
-    p = make_policy("locality", kv_bytes_per_token=1000)
-    est, compute = p.estimate(r, w, 2)
-    want_compute = 0.03 + prefill_seconds(8 * BS, 2 * BS, 4_000.0, 8_192.0)
+def test_locality_estimate_uses_the_reported_fit_queue_and_measured_pair_bandwidth():
+    r = RoutingRequest("r", req(8).block_hashes, 8 * BS, BS, decode_worker="d1")
+    fit = PrefillFit(tok_s=4_000.0, ctx_tokens=8_192.0, overhead_s=0.03, num_steps=10)
+    w = WorkerState("w0", prefill_fit=fit, queued_s=2.0, routed_s=0.5, kv_bytes_per_token=1000,
+                    transfer_gbps_to={"d0": 50.0, "d1": 5.0})
+    est, compute = make_policy("locality").estimate(r, w, 2)
+    want_compute = 0.03 + 6 * BS / 4_000.0 * (1 + (8 * BS + 2 * BS) / (2 * 8_192.0))
     assert compute == pytest.approx(want_compute)
-    assert est == pytest.approx(2.0 + want_compute + 8 * BS * 1000 / 5e9)
-    assert prefill_seconds(4096, 0, 4_000.0, 8_192.0) == pytest.approx(4096 / 4000 * 1.25)
+    # wait = reported queue + routed since the report; transfer at the d1 pair's 5 GB/s
+    assert est == pytest.approx(2.5 + want_compute + 8 * BS * 1000 / 5e9)
+    assert fit.seconds(4096, 0) == pytest.approx(0.03 + 4096 / 4000 * 1.25)
+
+
+def test_locality_without_measurements_ranks_but_claims_no_estimate_and_never_rejects():
+    workers = [WorkerState(f"w{i}", queued_tokens=10**7) for i in range(2)]
+    workers[1].queued_tokens = 0
+    p = make_policy("locality", ttft_slo_s=0.001)
+    d = p.choose_prefill(req(4), workers, {})
+    assert d.worker_id == "w1" and d.est_ttft_s is None
+
+
+def test_locality_estimates_an_unmeasured_worker_by_the_pooled_fit():
+    slow = PrefillFit(tok_s=1_000.0, ctx_tokens=0.0, overhead_s=0.0, num_steps=8)
+    workers = [WorkerState("w0", prefill_fit=slow), WorkerState("w1")]
+    p = make_policy("locality")
+    pooled = p.pooled_fit(workers)
+    assert pooled is slow
+    assert p.estimate(req(4), workers[1], 0, pooled)[1] == pytest.approx(4 * BS / 1_000.0)
+
+
+def test_worker_state_has_no_room_for_anything_but_reported_fields():
+    w = WorkerState("w0")
+    with pytest.raises(AttributeError):
+        w.backlog_s = 1.0     # the simulator's oracle of old: not a field, cannot be added
 
 
 def test_locality_rejects_early_when_no_worker_meets_the_slo():

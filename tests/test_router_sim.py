@@ -78,23 +78,32 @@ def test_approximate_index_mode_predicts_hits(head):
 
 @needs_trace
 def test_slo_rejections_are_counted_not_served(head):
-    r = simulate(head, make_policy("locality", ttft_slo_s=0.05),
-                 SimConfig(num_workers=2, capacity_blocks=2000))
+    """The SLO check runs on estimates from reports (lagging, fitted): rejected requests are
+    counted and not served, and shedding keeps the served ones' TTFT far below the unshed
+    run's; it is no guarantee (before any worker has measured its speed nothing is shed)."""
+    cfg = SimConfig(num_workers=2, capacity_blocks=2000)
+    r = simulate(head, make_policy("locality", ttft_slo_s=0.5), cfg)
+    free = simulate(head, make_policy("locality"), cfg)
     assert r["rejected"] > 0 and r["reasons"]["slo_reject"] == r["rejected"]
-    assert r["ttft_p99_s"] <= 0.05 + 1e-6
+    assert sum(v for k, v in r["reasons"].items() if k != "slo_reject") + r["rejected"] == 600
+    assert free["rejected"] == 0
+    assert r["ttft_p50_s"] < 0.25 * free["ttft_p50_s"]
 
 
-@needs_trace
-def test_quick_bench_layout():
-    d = run_routing_bench(quick=True)
-    assert d["num_requests"] == 1000 and d["decision"]["blocks_indexed"] == 100_000
+def test_bench_layout_is_workload_policy_workers():
+    d = run_routing_bench(quick=True, only=("short_independent", "multi_lora"))
+    assert d["decision"]["blocks_indexed"] == 100_000
     assert 0 < d["decision_us_p50"] <= d["decision_us_p99"]
-    assert set(d["policies"]) == set(POLICIES)
-    for per_size in d["policies"].values():
-        assert set(per_size) == {"4", "8", "16"}
-        for r in per_size.values():
-            for key in ("hit_ratio_of_ceiling", "max_over_mean_load", "ttft_p99_s"):
-                assert isinstance(r[key], float)
+    assert set(d["workloads"]) == {"short_independent", "multi_lora"}
+    for per_policy in d["workloads"].values():
+        assert set(per_policy) == set(POLICIES)
+        for per_size in per_policy.values():
+            assert set(per_size) == {"4", "8", "16"}
+            for r in per_size.values():
+                for key in ("hit_ratio_of_ceiling", "max_over_mean_load", "ttft_p99_s",
+                            "goodput"):
+                    assert isinstance(r[key], float)
+    assert d["workload_info"]["multi_lora"]["adapters"] == 16
     json.dumps(d)
 
 

@@ -45,6 +45,7 @@ from kvcache.handoff import (
 from kvcache.ledger import HandoffLedger, Hold
 from kvcache.request_trace import PrefillTiming  # trace hook
 from kvcache.sampling import StepFailed
+from kvcache.step_rates import StepRates
 from kvtransfer import rdt
 from kvtransfer.base import TransferError
 from kvtransfer.endpoint import KVConsumer, KVProducer
@@ -86,6 +87,7 @@ class _EngineHost:
         self._step_errors = 0                          # injected: fail the next steps (tests)
         self._crash_loop = False                       # injected: break the loop (tests)
         self._step_failures = 0                        # steps that raised (their requests failed)
+        self.rates = StepRates()                       # measured prefill / decode speed
 
     def _start_loop(self) -> None:
         """Called last by each subclass constructor, once every field the loop reads exists."""
@@ -113,6 +115,7 @@ class _EngineHost:
                         self._work.clear()
                         continue
                     self._step_started = time.monotonic()
+                    before = _step_snapshot(self.engine)
                     try:
                         if self._stall_s:          # injected hang (fault-tolerance tests)
                             time.sleep(self._stall_s)
@@ -121,6 +124,8 @@ class _EngineHost:
                             self._step_errors -= 1
                             raise RuntimeError("injected engine step failure")
                         outputs = self.engine.step()
+                        _observe_step(self.rates, before,
+                                      time.monotonic() - self._step_started)
                     except Exception as e:   # noqa: BLE001 - only this step's requests fail
                         outputs = self._fail_step(e)
                     finally:
@@ -237,12 +242,24 @@ class _EngineHost:
             running = sum(r.num_tokens for r in sched.running)
         else:
             running = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
+        pfit, dfit = self.rates.prefill_fit(), self.rates.decode_fit()
+        queued_s = None
+        if pfit is not None:   # the worker's own estimate of its prefill work, by its own fit
+            queued_s = sum(pfit.seconds(r.num_tokens, r.num_computed_tokens)
+                           for r in (*sched.waiting, *sched.running) if _prefilling(r))
+        decoding = [r for r in sched.running if not _prefilling(r)]
+        step_s = dfit.step_s(len(decoding), sum(r.num_tokens for r in decoding)) \
+            if dfit is not None and decoding else 0.0
         snap = LoadReport(self.worker_id, queued_tokens=queued, running_tokens=running,
                           num_requests=len(sched.waiting) + len(sched.running)
                           + self._num_reserved(),
                           active_blocks=pool.num_used_blocks, cached_blocks=pool.num_cached_blocks,
                           free_blocks=pool.num_free_blocks, total_blocks=pool.num_blocks,
-                          prefill_tok_s=e.stats.prefill_tok_s(), incarnation=self.incarnation,
+                          queued_s=queued_s, prefill_fit=pfit, decode_fit=dfit,
+                          decode_batch=len(decoding), decode_step_s=step_s,
+                          kv_bytes_per_token=int(e.kv_bytes_per_token),
+                          incarnation=self.incarnation, reported_at=time.monotonic(),
+                          lora_slots=e.cfg.max_loras if e.cfg.lora_adapters else 0,
                           **e.lora_load_report())
         with self._report_lock:
             self._events_out.extend(events)
@@ -259,9 +276,10 @@ class _EngineHost:
             events, self._events_out = self._events_out, []
             released, self._released_out = self._released_out, []
             snap = self._snapshot
-        started = self._step_started
+        started, now = self._step_started, time.monotonic()
         return replace(snap, events=tuple(events), released=tuple(released),
-                       busy_for_s=time.monotonic() - started if started is not None else 0.0)
+                       busy_for_s=now - started if started is not None else 0.0,
+                       age_s=max(0.0, now - snap.reported_at))
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -606,6 +624,36 @@ class DecodeHost(_EngineHost):
             self._finished[r.request_id] = RequestDone(r.output_text, tuple(r.output_token_ids),
                                                        r.lifecycle)
         super()._deliver(out)
+
+
+def _prefilling(req: Any) -> bool:
+    """Computing prompt tokens (a full prefix hit still computes its last prompt token)."""
+    return req.is_prefill or not req.output_token_ids
+
+
+def _step_snapshot(engine: LLMEngine) -> list[tuple[Any, int, bool]]:
+    """Before a step: (request, num_computed_tokens, is_prefill) of every scheduled request."""
+    sched = engine.scheduler
+    return [(r, r.num_computed_tokens, _prefilling(r)) for r in (*sched.running, *sched.waiting)]
+
+
+def _observe_step(rates: StepRates, before: list[tuple[Any, int, bool]], seconds: float) -> None:
+    """Feed one step to the worker's rate fits: a prefill-only step to the prefill fit, a
+    decode-only step to the decode fit; a step mixing both is left out of both."""
+    prefill, decode_ctx, decode_n = [], 0, 0
+    for req, computed, was_prefill in before:
+        new = req.num_computed_tokens - computed
+        if new <= 0:            # not scheduled this step (or preempted)
+            continue
+        if was_prefill:
+            prefill.append((new, computed))
+        else:
+            decode_n += 1
+            decode_ctx += req.num_computed_tokens
+    if prefill and not decode_n:
+        rates.observe_prefill(seconds, prefill)
+    elif decode_n and not prefill:
+        rates.observe_decode(seconds, decode_n, decode_ctx)
 
 
 def prefill_actor_class(**options):

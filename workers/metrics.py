@@ -102,15 +102,19 @@ ROUTER_METRICS = {
     "raypd_router_request_seconds": "request latency at the router, by status",
     "raypd_router_decisions": "routing decisions, by policy, reason and target role",
     "raypd_router_in_flight": "requests in flight through the router",
+    "raypd_router_hash_drift": "1 while the router's predicted prefix hits exceed the hits the "
+                               "engines report beyond the drift margin (router/drift.py)",
+    "raypd_router_hash_drift_alarms": "times the hash drift alarm went on",
 }
 
 COUNTER_NAMES = (*WORKER_COUNTERS, *WORKER_REASON_COUNTERS, *WORKER_ADAPTER_COUNTERS,
                  *WORKER_REQUEST_COUNTERS,
                  "raypd_router_requests", "raypd_router_decisions",
-                 "raypd_router_pair_transfer_bytes", "raypd_router_pair_transfer_seconds")
+                 "raypd_router_pair_transfer_bytes", "raypd_router_pair_transfer_seconds",
+                 "raypd_router_hash_drift_alarms")
 HISTOGRAM_NAMES = (*WORKER_HISTOGRAMS, "raypd_router_request_seconds",
                    "raypd_router_stage_seconds")
-GAUGE_NAMES = (*WORKER_GAUGES, "raypd_router_in_flight")
+GAUGE_NAMES = (*WORKER_GAUGES, "raypd_router_in_flight", "raypd_router_hash_drift")
 METRIC_NAMES = (*WORKER_GAUGES, *WORKER_COUNTERS, *WORKER_REASON_COUNTERS,
                 *WORKER_ADAPTER_COUNTERS, *WORKER_REQUEST_COUNTERS, *WORKER_HISTOGRAMS,
                 *ROUTER_METRICS)
@@ -252,6 +256,19 @@ class RouterMetrics:
         self.pair_seconds = Counter("raypd_router_pair_transfer_seconds",
                                     ROUTER_METRICS["raypd_router_pair_transfer_seconds"],
                                     tag_keys=pair).set_default_tags(tags)
+
+        self.hash_drift = Gauge("raypd_router_hash_drift",
+                                ROUTER_METRICS["raypd_router_hash_drift"],
+                                tag_keys=ROUTER_TAGS).set_default_tags(tags)
+        self.hash_drift_alarms = Counter("raypd_router_hash_drift_alarms",
+                                         ROUTER_METRICS["raypd_router_hash_drift_alarms"],
+                                         tag_keys=ROUTER_TAGS).set_default_tags(tags)
+
+    def record_hash_drift(self, alarm: bool, went_on: bool) -> None:
+        """The hash drift alarm's state after a request (router/drift.py)."""
+        self.hash_drift.set(1.0 if alarm else 0.0)
+        if went_on:
+            self.hash_drift_alarms.inc(1)
 
     def record_request(self, status: int | str, seconds: float | None = None) -> None:
         """One request ended with `status` (an HTTP code: 200, 400, 429, 499, 500, ...)."""

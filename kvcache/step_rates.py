@@ -1,0 +1,155 @@
+"""A worker's measured speed, fitted from its own recent engine steps: prefill seconds as a
+function of new tokens and context, and decode step seconds as a function of the batch.
+
+Torch-free and Ray-free: the live worker actor and the simulator's workers feed it the same
+records, so the router's load reports mean the same thing in both.
+
+Prefill model (per step, over the step's prefill chunks):
+    t = overhead_s + sum(u_i) / tok_s + sum(u_i * ctx_i) / (tok_s * ctx_tokens)
+where u_i are a chunk's new tokens and ctx_i the mean context they attend to
+(num_computed_tokens + u_i / 2): the linear layers cost the same per token, attention grows with
+context. Fitted by non-negative least squares on the last `window` prefill-only steps; a step
+that mixes prefill and decode work is not used for either fit.
+
+Decode model: t = d0 + d1 * batch + d2 * context tokens of the batch, on decode-only steps.
+A fit exists only after `min_steps` steps; before that the report says so (no made-up rate).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MIN_STEPS = 4
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """Measured prefill speed: `seconds(n, cached)` of prompt tokens [cached, n)."""
+
+    tok_s: float            # tokens / s at zero context
+    ctx_tokens: float       # context at which a token costs twice as much; 0: no context cost
+    overhead_s: float       # fixed cost of one prefill step
+    num_steps: int          # steps the fit is made of
+
+    def seconds(self, num_tokens: int, num_cached_tokens: int) -> float:
+        u = num_tokens - num_cached_tokens
+        if u <= 0:
+            return 0.0
+        t = u / self.tok_s
+        if self.ctx_tokens > 0:
+            t *= 1.0 + (num_tokens + num_cached_tokens) / (2.0 * self.ctx_tokens)
+        return self.overhead_s + t
+
+
+@dataclass(frozen=True)
+class DecodeFit:
+    """Measured decode step time: `step_s(batch, context_tokens)`."""
+
+    base_s: float
+    per_seq_s: float
+    per_ctx_token_s: float
+    num_steps: int
+
+    def step_s(self, batch: int, context_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        return self.base_s + self.per_seq_s * batch + self.per_ctx_token_s * context_tokens
+
+
+def nnls(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Least squares with coefficients >= 0 (a few columns: active-set by dropping the most
+    negative coefficient and refitting). Columns that are all zero get 0."""
+    k = len(rows[0]) if rows else 0
+    active = [j for j in range(k) if any(r[j] for r in rows)]
+    while active:
+        coef = _lstsq([[r[j] for j in active] for r in rows], ys)
+        if coef is None:
+            active.pop()            # singular: drop the last column and refit
+            continue
+        worst = min(range(len(active)), key=lambda i: coef[i])
+        if coef[worst] >= 0:
+            out = [0.0] * k
+            for j, c in zip(active, coef, strict=True):
+                out[j] = c
+            return out
+        active.pop(worst)
+    return [0.0] * k
+
+
+def _lstsq(rows: list[list[float]], ys: Sequence[float]) -> list[float] | None:
+    """Normal equations, solved by Gaussian elimination with partial pivoting (k <= 3)."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(k)]
+    scale = [a[i][i] or 1.0 for i in range(k)]   # precondition: columns differ by 1e6+
+    a = [[a[i][j] / (scale[i] ** 0.5 * scale[j] ** 0.5) for j in range(k)] for i in range(k)]
+    b = [b[i] / scale[i] ** 0.5 for i in range(k)]
+    for c in range(k):
+        p = max(range(c, k), key=lambda r: abs(a[r][c]))
+        if abs(a[p][c]) < 1e-12:
+            return None
+        a[c], a[p], b[c], b[p] = a[p], a[c], b[p], b[c]
+        for r in range(c + 1, k):
+            f = a[r][c] / a[c][c]
+            for j in range(c, k):
+                a[r][j] -= f * a[c][j]
+            b[r] -= f * b[c]
+    x = [0.0] * k
+    for c in reversed(range(k)):
+        x[c] = (b[c] - sum(a[c][j] * x[j] for j in range(c + 1, k))) / a[c][c]
+    return [x[i] / scale[i] ** 0.5 for i in range(k)]
+
+
+class StepRates:
+    """The recent steps of one worker and the fits made of them (refitted lazily)."""
+
+    def __init__(self, window: int = 64, min_steps: int = MIN_STEPS) -> None:
+        self.min_steps = min_steps
+        self._prefill: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._decode: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._prefill_fit: PrefillFit | None = None
+        self._decode_fit: DecodeFit | None = None
+        self._dirty_p = self._dirty_d = False
+        self.last_decode_step_s = 0.0
+        self.last_decode_batch = 0
+
+    def observe_prefill(self, seconds: float, chunks: Sequence[tuple[int, int]]) -> None:
+        """One prefill-only step: `chunks` = (new tokens, tokens computed before) per request."""
+        u = sum(n for n, _ in chunks)
+        if u <= 0 or seconds <= 0:
+            return
+        work = sum(n * (c + n / 2.0) for n, c in chunks)
+        self._prefill.append((float(u), work, seconds))
+        self._dirty_p = True
+
+    def observe_decode(self, seconds: float, batch: int, context_tokens: int) -> None:
+        """One decode-only step of `batch` sequences holding `context_tokens` tokens in all."""
+        if batch <= 0 or seconds <= 0:
+            return
+        self._decode.append((batch, context_tokens, seconds))
+        self.last_decode_step_s, self.last_decode_batch = seconds, batch
+        self._dirty_d = True
+
+    def prefill_fit(self) -> PrefillFit | None:
+        if self._dirty_p:
+            self._dirty_p = False
+            steps = list(self._prefill)
+            if len(steps) >= self.min_steps:
+                c0, c1, c2 = nnls([(1.0, u, w) for u, w, _ in steps], [t for *_, t in steps])
+                if c1 <= 0:     # no per-token cost resolved: the mean rate, honestly
+                    c1 = sum(t for *_, t in steps) / sum(u for u, *_ in steps)
+                    c0 = c2 = 0.0
+                self._prefill_fit = PrefillFit(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0,
+                                               len(steps))
+        return self._prefill_fit
+
+    def decode_fit(self) -> DecodeFit | None:
+        if self._dirty_d:
+            self._dirty_d = False
+            steps = list(self._decode)
+            if len(steps) >= self.min_steps:
+                d = nnls([(1.0, b, c) for b, c, _ in steps], [t for *_, t in steps])
+                self._decode_fit = DecodeFit(d[0], d[1], d[2], len(steps))
+        return self._decode_fit

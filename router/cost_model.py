@@ -1,0 +1,198 @@
+"""The simulator's hidden cost model: what a prefill step, a decode step, a KV transfer and an
+adapter load cost. Only the simulator charges time with it; policies never see it (they see the
+workers' load reports, whose speeds the simulated workers fit from the steps charged here).
+
+Prefill step (chunks of (new tokens u, tokens computed before c)):
+    step_s = step_overhead_s + sum(u) / tok_s + sum(u * (c + u/2)) / (tok_s * attn_ctx_tokens)
+Decode step of `batch` sequences holding `ctx` tokens in all:
+    step_s = base_s + per_seq_s * batch + per_ctx_token_s * ctx
+Transfer of n bytes over a link: latency_s + n / (gbps * 1e9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    tok_s: float = 8_000.0             # linear-layer rate at zero context
+    attn_ctx_tokens: float = 32_768.0  # context at which a token costs twice as much; 0: off
+    step_overhead_s: float = 0.02      # fixed cost of one prefill step
+    chunk_tokens: int = 8192           # chunked prefill: new tokens per step at most
+
+    def prefill_s(self, num_tokens: int, num_cached_tokens: int = 0) -> float:
+        """Chunked prefill of tokens [num_cached_tokens, num_tokens) alone on a worker."""
+        t, done = 0.0, num_cached_tokens
+        while done < num_tokens:
+            c = min(self.chunk_tokens, num_tokens - done)
+            t += self.step_s([(c, done)])
+            done += c
+        return t
+
+    def step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        t = self.step_overhead_s
+        for u, c in chunks:
+            t += u / self.tok_s
+            if self.attn_ctx_tokens > 0:
+                t += u * (c + u / 2.0) / (self.tok_s * self.attn_ctx_tokens)
+        return t
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    base_s: float = 0.008
+    per_seq_s: float = 0.0002
+    per_ctx_token_s: float = 2e-8
+
+    def step_s(self, batch: int, ctx_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        return self.base_s + self.per_seq_s * batch + self.per_ctx_token_s * ctx_tokens
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    gbps: float = 25.0
+    latency_s: float = 0.0005
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / (self.gbps * 1e9) if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    label: str = "synthetic"
+    prefill: PrefillCost = PrefillCost()
+    decode: DecodeCost = DecodeCost()
+    link: LinkCost = LinkCost()
+    kv_bytes_per_token: int = 46_080   # SmolLM2-135M, fp32 (2 x 30 layers x 3 kv heads x 64 x 4)
+    kv_capacity_tokens: int = 4_194_304   # KV tokens one worker's pool holds
+    lora_load_s: float = 0.2
+    notes: dict = field(default_factory=dict)   # where the figures come from (stated in output)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- where the figures come from: GPU rooflines and this machine's own measurements --------
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    params: float          # parameters
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+
+MODELS = {
+    "smollm2-135m": ModelShape("smollm2-135m", 134.5e6, 30, 576, 3, 64, 2),
+    "llama3-8b": ModelShape("llama3-8b", 8.03e9, 32, 4096, 8, 128, 2),
+}
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    bf16_tflops: float     # dense
+    hbm_tbps: float
+    hbm_gb: float
+
+
+GPUS = {
+    "h100": GPUSpec("h100", 989.0, 3.35, 80.0),    # SXM5
+    "h200": GPUSpec("h200", 989.0, 4.8, 141.0),
+}
+LINKS = {  # GB/s one way, latency s
+    "nvlink": LinkCost(450.0, 5e-6),
+    "pcie5": LinkCost(64.0, 1e-5),
+    "400g": LinkCost(50.0, 2e-5),
+}
+# efficiency factors of the roofline (stated in every output that uses it)
+ROOFLINE_EFFICIENCY = {"prefill_mfu": 0.5, "decode_mbu": 0.7, "decode_mfu": 0.4,
+                       "link_efficiency": 0.8, "step_overhead_s": 0.003,
+                       "kv_memory_fraction": 0.9}
+
+
+def gpu_cost_model(gpu: str = "h100", model: str = "llama3-8b", link: str = "400g",
+                   chunk_tokens: int = 8192) -> CostModel:
+    """Roofline: prefill is compute-bound at prefill_mfu of the bf16 peak (2 x params FLOPs a
+    token for the linear layers, 4 x layers x hidden x context a token for attention); a decode
+    step reads the weights and the batch's KV at decode_mbu of the HBM bandwidth, plus its
+    linear FLOPs at decode_mfu, plus a fixed step overhead; the KV pool is kv_memory_fraction of what the weights
+    leave of HBM; P -> D transfers on `link` at link_efficiency."""
+    g, m, e = GPUS[gpu], MODELS[model], ROOFLINE_EFFICIENCY
+    flops = g.bf16_tflops * 1e12 * e["prefill_mfu"]
+    tok_s = flops / (2 * m.params)
+    # attention FLOPs a token at context c: 4 * layers * hidden * c; equal to the linear part
+    # (2 * params) at c = params / (2 * layers * hidden)
+    attn_ctx = m.params / (2 * m.layers * m.hidden)
+    bw = g.hbm_tbps * 1e12 * e["decode_mbu"]
+    per_ctx = m.kv_bytes_per_token / bw
+    base = max(m.weight_bytes / bw, 0.0) + e["step_overhead_s"]
+    per_seq = 2 * m.params / (g.bf16_tflops * 1e12 * e["decode_mfu"])
+    lk = LINKS[link]
+    kv_tokens = int((g.hbm_gb * 1e9 - m.weight_bytes) * e["kv_memory_fraction"]
+                    / m.kv_bytes_per_token)
+    return CostModel(
+        label=f"roofline {gpu} {model}",
+        prefill=PrefillCost(tok_s, attn_ctx, e["step_overhead_s"], chunk_tokens),
+        decode=DecodeCost(base, per_seq, per_ctx),
+        link=LinkCost(lk.gbps * e["link_efficiency"], lk.latency_s),
+        kv_bytes_per_token=m.kv_bytes_per_token, kv_capacity_tokens=kv_tokens,
+        notes={"gpu": asdict(g), "model": asdict(m), "link": link,
+               "efficiency": dict(e), "source": "roofline"})
+
+
+# stated defaults for cpu-here when no `raypd bench engine` JSON is given (SmolLM2-135M, fp32,
+# one core here, measured once by hand; see the output's notes)
+CPU_DEFAULTS = {"prefill_tok_s": {"128": 900.0, "512": 1000.0, "2048": 700.0},
+                "decode_step_ms_b1": 14.0, "decode_step_ms_b16": 40.0,
+                "step_overhead_ms": 2.0}
+
+
+def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m",
+                   kv_capacity_tokens: int = 65_536, chunk_tokens: int = 2048) -> CostModel:
+    """This machine, from `raypd bench engine` JSON: prefill seconds fitted to its prefill
+    tok/s at each prompt length (overhead + linear + attention terms), decode step time from
+    its batch-1 and batch-16 step times; without a JSON, CPU_DEFAULTS (said in the notes)."""
+    from kvcache.step_rates import nnls
+
+    src = bench_engine or CPU_DEFAULTS
+    rows, ys = [], []
+    for n, tok_s in src["prefill_tok_s"].items():
+        n = int(n)
+        rows.append((1.0, n, n * n / 2.0))
+        ys.append(n / float(tok_s))
+    if len(rows) >= 3:       # overhead, linear and attention terms need three lengths
+        c0, c1, c2 = nnls(rows, ys)
+    else:                    # fewer (a --quick bench): the mean rate only, said in the notes
+        c0, c1, c2 = 0.0, 0.0, 0.0
+    c1 = c1 or sum(ys) / sum(r[1] for r in rows)
+    t1, t16 = src["decode_step_ms_b1"] / 1e3, src["decode_step_ms_b16"] / 1e3
+    per_seq = max(0.0, (t16 - t1) / 15)
+    m = MODELS[model]
+    return CostModel(
+        label="cpu-here " + ("measured" if bench_engine else "stated defaults"),
+        prefill=PrefillCost(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0, chunk_tokens),
+        decode=DecodeCost(max(t1 - per_seq, 0.0), per_seq, 0.0),
+        link=LinkCost(1.0, 0.002), kv_bytes_per_token=m.kv_bytes_per_token * 2,  # fp32
+        kv_capacity_tokens=kv_capacity_tokens,
+        notes={"prefill_fit": "overhead + linear + attention" if len(rows) >= 3 else
+               f"mean rate only ({len(rows)} prompt length(s) measured)",
+               "source": "raypd bench engine JSON" if bench_engine else
+               "no bench engine JSON given: stated defaults CPU_DEFAULTS", "inputs": {
+                   k: src[k] for k in ("prefill_tok_s", "decode_step_ms_b1",
+                                       "decode_step_ms_b16")},
+               "link": "object store on one host: 1 GB/s, 2 ms (stated)"})
