@@ -184,3 +184,27 @@ def test_tier2_reload_is_bit_exact_and_greedy_identical(tiny_loaded, tiny_refere
     assert small.kv.pool.counts()["referenced"] == 0
     assert stats["tier2_blocks"] == small.kv.pool.num_tier2_blocks
     assert stats["reload_s"] > 0
+
+
+@pytest.mark.realmodel
+def test_smollm2_tier2_reload_matches_transformers():
+    """SmolLM2 (float32): a system prompt demoted to tier 2 and reloaded gives the same greedy
+    tokens as stock transformers generate() (which the tier-1 path equals: test_engine.py)."""
+    from workers.engine import EngineConfig, LLMEngine
+    from workers.model_loader import load_model
+    reference = load_model("smollm2", "float32")[0]
+    engine = LLMEngine(EngineConfig(model="smollm2", dtype="float32", num_blocks=5,
+                                    block_size=16, kv_tier2_gb=0.05))
+    system = ("You are a concise assistant. Answer in one short sentence, name facts plainly, "
+              "and never invent sources or numbers that you are not sure about.")
+    msgs = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in ("What is the capital of France?", "Name a primary color.")]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.generate([msgs[0]], sp)
+    engine.generate([random_prompt(72, seed=5, vocab=5000, low=100)], sp)  # evicts it all
+    [r] = engine.generate([msgs[1]], sp)
+    stats = engine.get_stats()
+    assert r.lifecycle.cached_tokens >= 32
+    assert stats["reloaded_tokens"] == r.lifecycle.cached_tokens == 16 * stats["tier2_hits"]
+    assert r.output_token_ids == hf_greedy(reference, r.prompt_token_ids, 8)
+    engine.check_invariants()
