@@ -187,6 +187,25 @@ def recorded_gate(model: str, revision: str, kv_dtype: str) -> dict | None:
     return json.loads(path.read_text()).get(_gate_key(model, revision, kv_dtype))
 
 
+def recorded_gates(model: str, thresholds: GateThresholds | None = None) -> dict[str, dict]:
+    """{kv_dtype: recorded gate + `passed`} of every quantized dtype measured for `model` at its
+    current revision (what the report's capacity action weighs for compress); {} if none, or
+    when the model's revision cannot be read."""
+    from workers.kv_quant import QUANT_FORMATS
+    thresholds = thresholds or GateThresholds()
+    try:
+        revision = _revision(model)
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for fmt in QUANT_FORMATS:
+        gate = recorded_gate(model, revision, fmt)
+        if gate is not None:
+            out[fmt] = dict(gate, passed=thresholds.passes(gate["ppl_delta_pct"],
+                                                           gate["greedy_agreement"]))
+    return out
+
+
 def check_kv_gate(model: str, kv_dtype: str, thresholds: GateThresholds) -> dict | None:
     """The recorded gate figures of a quantized `kv_dtype` for `model` (None: not measured, or
     not quantized); raises ValueError when they fail `thresholds`."""
