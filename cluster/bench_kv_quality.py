@@ -105,7 +105,7 @@ def run_kv_quality(model: str = "smollm2", kv_dtype: str = "int8", dtype: str = 
     info = loaded[2]
     text_path, text = english_text()
     ids = loaded[1].encode(text, add_special_tokens=False)
-    window = min(text_tokens, info.max_position_embeddings, len(ids))
+    window = min(text_tokens, info.max_position_embeddings - 1, len(ids))   # engine: n < context
     text_ids = ids[:window]
     stride = max(1, (len(ids) - prompt_tokens) // prompts)
     prompt_ids = [ids[i * stride:i * stride + prompt_tokens] for i in range(prompts)]
