@@ -104,7 +104,7 @@ def measure_tpot(model: str, loaded, kv_dtype: str, n: int, context: int, block_
     for i in range(n):
         req = engine.make_request([3 + (i + t) % 200 for t in range(context - 1)], sp)
         assert engine.reserve(req) is not None
-        engine.activate(req, 3)
+        engine.fill(req, [], None, 3)   # placeholder KV: the reserved blocks as they are
     engine.step()                                     # warm-up
     times = []
     for _ in range(steps):

@@ -105,7 +105,7 @@ def run_kv_quality(model: str = "smollm2", kv_dtype: str = "int8", dtype: str = 
     info = loaded[2]
     text_path, text = english_text()
     ids = loaded[1].encode(text, add_special_tokens=False)
-    window = min(text_tokens, info.max_position_embeddings, len(ids))
+    window = min(text_tokens, info.max_position_embeddings - 1, len(ids))   # engine: n < context
     text_ids = ids[:window]
     stride = max(1, (len(ids) - prompt_tokens) // prompts)
     prompt_ids = [ids[i * stride:i * stride + prompt_tokens] for i in range(prompts)]
@@ -185,6 +185,25 @@ def recorded_gate(model: str, revision: str, kv_dtype: str) -> dict | None:
     if not path.is_file():
         return None
     return json.loads(path.read_text()).get(_gate_key(model, revision, kv_dtype))
+
+
+def recorded_gates(model: str, thresholds: GateThresholds | None = None) -> dict[str, dict]:
+    """{kv_dtype: recorded gate + `passed`} of every quantized dtype measured for `model` at its
+    current revision (what the report's capacity action weighs for compress); {} if none, or
+    when the model's revision cannot be read."""
+    from workers.kv_quant import QUANT_FORMATS
+    thresholds = thresholds or GateThresholds()
+    try:
+        revision = _revision(model)
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for fmt in QUANT_FORMATS:
+        gate = recorded_gate(model, revision, fmt)
+        if gate is not None:
+            out[fmt] = dict(gate, passed=thresholds.passes(gate["ppl_delta_pct"],
+                                                           gate["greedy_agreement"]))
+    return out
 
 
 def check_kv_gate(model: str, kv_dtype: str, thresholds: GateThresholds) -> dict | None:

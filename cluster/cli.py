@@ -19,6 +19,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool budget (GiB)")
+    g.add_argument("--kv-tier2-gb", type=float, default=0.0,
+                   help="host tier for evicted KV blocks (GiB; 0 = off): CPU memory for a GPU "
+                   "pool, a memory-mapped file for a CPU pool; prefix hits reload from it")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -33,7 +36,8 @@ def engine_fields(args: argparse.Namespace) -> dict:
     """EngineConfig fields from the engine arguments (threads are set per use)."""
     return dict(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
                 block_size=args.block_size, num_blocks=args.num_blocks,
-                kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_gb=args.kv_cache_gb, kv_tier2_gb=args.kv_tier2_gb,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                 model_impl=args.model_impl, lora_adapters=lora_adapters_from_args(args) or {},
                 max_loras=args.max_loras)

@@ -57,6 +57,8 @@ class EngineSection:
     block_size: int = _opt(16, min=1, pow2=True)
     kv_cache_gb: float = _opt(1.0, gt=0)       # KV pool budget per worker
     num_blocks: int | None = _opt(None, min=1)  # overrides kv_cache_gb
+    kv_tier2_gb: float = _opt(0.0, min=0)      # host tier for evicted blocks per worker (0: off)
+    kv_tier2_dir: str | None = None             # its mmap file's folder (CPU pools; temp dir)
     max_num_batched_tokens: int = _opt(2048, min=1)
     max_num_seqs: int = _opt(64, min=1)
     enable_prefix_caching: bool = True
@@ -141,6 +143,7 @@ class RaypdConfig:
         m, e = self.model, self.engine
         return dict(model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, block_size=e.block_size,
                     num_blocks=e.num_blocks, kv_cache_gb=e.kv_cache_gb,
+                    kv_tier2_gb=e.kv_tier2_gb, kv_tier2_dir=e.kv_tier2_dir,
                     max_num_batched_tokens=e.max_num_batched_tokens,
                     max_num_seqs=e.max_num_seqs, max_model_len=m.max_model_len,
                     enable_prefix_caching=e.enable_prefix_caching, model_impl=e.model_impl,

@@ -107,6 +107,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(cfg, items, opts: SubmitOptions, trace_path: Path, args) -> tuple[dict, list]:
+    from cluster.bench_kv_quality import GateThresholds, recorded_gates
     from cluster.pd import PDCluster
     from cluster.serve import API_KEY_ENV, connect_ray, start_server
     from kvcache.sampling import SamplingParams
@@ -153,7 +154,11 @@ def _run(cfg, items, opts: SubmitOptions, trace_path: Path, args) -> tuple[dict,
                   ("poisson" if opts.rate else "closed-loop"), "rate": opts.rate,
                   "concurrency": opts.concurrency, "block_tokens": args.block_tokens,
                   "max_output_tokens": args.max_output_tokens,
-                  "routing_decisions": dict(cluster.orchestrator.decisions)}
+                  "routing_decisions": dict(cluster.orchestrator.decisions),
+                  "kv_tier2_gb": cfg.engine.kv_tier2_gb,
+                  "kv_gates": recorded_gates(cfg.model.name, GateThresholds(
+                      cfg.model.kv_gate_max_ppl_delta_pct,
+                      cfg.model.kv_gate_min_greedy_agreement))}
         report = build_report(result.records, params=params, wall_s=result.wall_s,
                               stats_before=before, stats_after=after,
                               slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,

@@ -5,16 +5,23 @@ Every block is in exactly one of three states:
   cached      ref_cnt == 0, has a hash    -> in `_evictable`, LRU order (front = evicted first)
   referenced  ref_cnt >= 1 (hash or not)  -> held by at least one request or transfer lease
 so free + cached + referenced == num_blocks always (`check_invariants`).
+
+With a second tier (`tier2` plus a `mover` that copies bytes), an LRU-evicted cached block is
+demoted instead of dropped: its bytes are copied to a host-store slot (kvcache/tier2.py) before
+the block is handed out again, and its hash lives on in tier 2 until tier 2's own LRU drops it.
+`reload` brings tier-2 blocks back into fresh pool blocks. A hash is in one tier at a time.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, RemovalReason
 from kvcache.hashing import BlockHash
+from kvcache.tier2 import KVBlockMover, Tier2Entry, Tier2Index, Tier2Stats
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -34,7 +41,7 @@ class BlockPool:
     """Owns `num_blocks` blocks; decides nothing about requests (see KVCacheManager)."""
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
-                 enable_events: bool = True) -> None:
+                 enable_events: bool = True, tier2: Tier2Index | None = None) -> None:
         assert num_blocks > 0, "a block pool needs at least one block"
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -45,6 +52,9 @@ class BlockPool:
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
         self.evictions = 0
+        self.tier2 = tier2 if enable_prefix_caching else None
+        self.mover: KVBlockMover | None = None   # set by the worker that holds the bytes
+        self.tier2_stats = Tier2Stats()
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -71,6 +81,21 @@ class BlockPool:
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._cached
 
+    @property
+    def tier2_enabled(self) -> bool:
+        return self.tier2 is not None and self.mover is not None
+
+    @property
+    def num_tier2_blocks(self) -> int:
+        return len(self.tier2) if self.tier2 is not None else 0
+
+    def get_tier2_entry(self, block_hash: BlockHash, parent_hash: BlockHash | None,
+                        token_ids: Sequence[int]) -> Tier2Entry | None:
+        """Tier 2's entry for this hash, confirmed by parent and tokens (None: not there)."""
+        if not self.tier2_enabled:
+            return None
+        return self.tier2.get(block_hash, parent_hash, token_ids)
+
     # ---- reference counting ----------------------------------------------------------------
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block (a prefix hit or a transfer pin)."""
@@ -86,20 +111,74 @@ class BlockPool:
             raise NoFreeBlocksError(f"need {n} blocks, {self.num_free_blocks} free")
         out: list[KVBlock] = []
         evicted: list[BlockHash] = []
+        demoted: list[tuple[int, int, BlockHash]] = []   # (block_id, slot, hash)
         for _ in range(n):
             if self._free:
                 block = self.blocks[self._free.popleft()]
             else:
                 block_id, _ = self._evictable.popitem(last=False)
                 block = self.blocks[block_id]
-                evicted.append(self._drop_hash(block))
                 self.evictions += 1
+                if self.tier2_enabled:
+                    self._demote(block, demoted, evicted)
+                else:
+                    evicted.append(self._drop_hash(block))
             assert block.ref_cnt == 0 and block.block_hash is None
             block.ref_cnt = 1
             out.append(block)
+        if demoted:   # before anyone writes the blocks: their bytes are still the evicted KV
+            live = [(b, s) for b, s, h in demoted if self.tier2.slot_of(h) == s]
+            if live:
+                self.mover.demote([b for b, _ in live], [s for _, s in live])
         if evicted:
             self._emit(BlockRemoved(tuple(evicted), RemovalReason.EVICTED))
         return out
+
+    def _demote(self, block: KVBlock, demoted: list[tuple[int, int, BlockHash]],
+                evicted: list[BlockHash]) -> None:
+        """Move an evicted block's hash to tier 2 (its bytes are copied by the caller)."""
+        parent, toks = block.parent_hash, block.token_ids
+        h = self._drop_hash(block)
+        slot, dropped = self.tier2.put(h, parent, toks)
+        if slot is None:
+            evicted.append(h)
+            return
+        if dropped is not None:
+            self.tier2_stats.tier2_dropped += 1
+            self._emit(BlockRemoved((dropped,), RemovalReason.EVICTED, tier=2))
+        self.tier2_stats.tier2_demotions += 1
+        self._emit(BlockStored((h,), parent, len(toks), tier=2))
+        demoted.append((block.block_id, slot, h))
+
+    def reload(self, hashes: Sequence[BlockHash]) -> tuple[list[KVBlock], float]:
+        """Bring these tier-2 blocks (one chain, in order) back into fresh pool blocks, cached
+        in tier 1 and referenced once each (the caller frees them). Returns (blocks, seconds the
+        copy took). The caller checked `num_free_blocks >= len(hashes)`."""
+        assert self.tier2_enabled and hashes
+        if len(hashes) > self.num_free_blocks:
+            raise NoFreeBlocksError(f"reload needs {len(hashes)} blocks, "
+                                    f"{self.num_free_blocks} free")
+        entries = [self.tier2.take(h) for h in hashes]   # slots held: no demotion reuses them
+        try:
+            blocks = self.allocate(len(hashes))
+            t0 = time.perf_counter()
+            self.mover.reload([e.slot for e in entries], [b.block_id for b in blocks])
+            seconds = time.perf_counter() - t0
+        finally:
+            for e in entries:
+                self.tier2.release(e.slot)
+        num_tokens = 0
+        for block, h, e in zip(blocks, hashes, entries, strict=True):
+            assert h not in self._cached
+            block.block_hash, block.parent_hash, block.token_ids = h, e.parent_hash, e.token_ids
+            self._cached[h] = block
+            num_tokens += len(e.token_ids)
+        self._emit(BlockStored(tuple(hashes), entries[0].parent_hash, num_tokens))
+        st = self.tier2_stats
+        st.tier2_hits += len(hashes)
+        st.reloaded_tokens += num_tokens
+        st.reload_s += seconds
+        return blocks, seconds
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the order given.
@@ -136,6 +215,8 @@ class BlockPool:
             if block.block_hash is None and h not in self._cached:
                 block.block_hash, block.parent_hash, block.token_ids = h, parent_hash, tuple(toks)
                 self._cached[h] = block
+                if self.tier2 is not None:   # recomputed: tier 1 holds it now (BlockStored)
+                    self.tier2.discard(h)
                 if not stored:
                     first_parent = parent_hash
                 stored.append(h)
@@ -169,6 +250,8 @@ class BlockPool:
         while self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             self._free.append(block_id)
+        if self.tier2 is not None:
+            self.tier2.clear()
         self._emit(AllBlocksCleared())
 
     def _drop_hash(self, block: KVBlock) -> BlockHash:
@@ -190,8 +273,11 @@ class BlockPool:
     def counts(self) -> dict[str, int]:
         free = len(self._free)
         cached = len(self._evictable)
-        return {"free": free, "cached": cached, "referenced": self.num_blocks - free - cached,
-                "total": self.num_blocks}
+        out = {"free": free, "cached": cached, "referenced": self.num_blocks - free - cached,
+               "total": self.num_blocks}
+        if self.tier2 is not None:
+            out["tier2"] = len(self.tier2)
+        return out
 
     def check_invariants(self) -> None:
         """free + cached + referenced == total; refcounts >= 0; the hash map agrees."""
@@ -212,3 +298,7 @@ class BlockPool:
                 assert self._cached.get(block.block_hash) is block
         assert len(free_ids) + len(evict_ids) + referenced == self.num_blocks
         assert all(b.block_hash == h for h, b in self._cached.items())
+        if self.tier2 is not None:
+            self.tier2.check_invariants()
+            assert not any(h in self._cached for h in self.tier2.hashes()), \
+                "a hash is in both tiers"

@@ -2,6 +2,9 @@
 
 The manager maps request ids to block tables; the pool (block_pool.py) holds the blocks.
 A request's block i holds its tokens [i * block_size, (i + 1) * block_size).
+With a second tier (`tier2_slots`), a prefix match goes on past the pool into tier 2 and reloads
+those blocks when the engine's measured costs say a reload is cheaper than prefilling them
+(`costs`, fed by the engine); otherwise the match stops there and they are recomputed.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from collections.abc import Sequence
 
 from kvcache.block_pool import BlockPool, KVBlock
 from kvcache.hashing import BlockHash
+from kvcache.tier2 import ReloadCostModel, Tier2Index
 
 
 def cdiv(a: int, b: int) -> int:
@@ -18,9 +22,11 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 enable_events: bool = True) -> None:
+                 enable_events: bool = True, tier2_slots: int = 0) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, enable_events)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, enable_events,
+                              Tier2Index(tier2_slots) if tier2_slots > 0 else None)
+        self.costs = ReloadCostModel()
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already in the prefix cache
 
@@ -29,21 +35,59 @@ class KVCacheManager:
         """Leading blocks of this token sequence that the cache holds, covering <= max_tokens.
 
         The caller passes max_tokens = num_tokens - 1 so at least one token is computed
-        (its logits start decoding).
+        (its logits start decoding). Blocks found in tier 2 are reloaded into the pool here
+        (when `costs` prefers it and the pool has room) and returned like any cached block:
+        cached, unreferenced, so `allocate_slots` takes them as prefix hits.
         """
         if not self.pool.enable_prefix_caching:
             return []
         bs = self.block_size
-        hits: list[KVBlock] = []
+        pool = self.pool
+        reload = pool.tier2_enabled and self.costs.prefer_reload()
+        hits: list[KVBlock | None] = []   # None: in tier 2, to reload
         parent = root
         for i in range(min(len(block_hashes), max_tokens // bs)):
-            block = self.pool.get_cached_block(block_hashes[i], parent,
-                                               token_ids[i * bs:(i + 1) * bs])
+            toks = token_ids[i * bs:(i + 1) * bs]
+            block = pool.get_cached_block(block_hashes[i], parent, toks)
             if block is None:
-                break
+                if pool.get_tier2_entry(block_hashes[i], parent, toks) is None:
+                    break
+                if not reload:
+                    pool.tier2_stats.tier2_recomputed += 1
+                    break
             hits.append(block)
             parent = block_hashes[i]
-        return hits
+        if all(b is not None for b in hits):
+            return hits  # type: ignore[return-value]
+        return self._reload(hits, block_hashes)
+
+    def _reload(self, hits: list[KVBlock | None], block_hashes: Sequence[BlockHash]
+                ) -> list[KVBlock]:
+        """Reload the tier-2 hits (None) of `hits`; the chain ends at the first that does not
+        fit. The tier-1 hits are referenced meanwhile, so the reload's allocation cannot
+        evict them."""
+        pool = self.pool
+        tier1 = [b for b in hits if b is not None]
+        pool.touch(tier1)
+        room = pool.num_free_blocks
+        todo = [i for i, b in enumerate(hits) if b is None]
+        cut: list[KVBlock] = []    # tier-1 hits past a reload that did not fit
+        if len(todo) > room:
+            cut = [b for b in hits[todo[room]:] if b is not None]
+            hits = hits[:todo[room]]
+            todo = todo[:room]
+        reloaded: list[KVBlock] = []
+        if todo:
+            reloaded, seconds = pool.reload([block_hashes[i] for i in todo])
+            tokens = sum(len(b.token_ids) for b in reloaded)
+            if self.costs.prefill_s_per_token is not None:
+                pool.tier2_stats.recompute_avoided_s += tokens * self.costs.prefill_s_per_token
+            self.costs.observe_reload(tokens, seconds)
+        it = iter(reloaded)
+        out = [b if b is not None else next(it) for b in hits]
+        pool.free(reversed(cut))     # back to cached, tail first; allocate_slots re-takes them
+        pool.free(reversed(out))
+        return out
 
     def can_allocate(self, req_id: str, num_tokens: int,
                      computed_blocks: Sequence[KVBlock] = ()) -> bool:

@@ -11,6 +11,10 @@ whole prefix, and blocks of one tenant or adapter can never match a request of a
 Workers are kept as bits of an int mask: `_holders[h]` has bit `slot(w)` set iff the index
 believes w holds h; a lookup walks the request's hashes from the front and intersects masks,
 O(prefix length) whatever the number of workers or blocks indexed.
+
+A worker may hold a block in its second tier (host memory / disk, KV events with tier 2): such a
+hit costs a reload, so `match` credits it `tier2_credit` of a block (floored per worker; default
+one half), and `match_tiers` gives the two counts apart.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ from kvcache.events import (
 from kvcache.hashing import BlockHash
 
 DEFAULT_MAX_BLOCKS_PER_WORKER = 1 << 20
+DEFAULT_TIER2_CREDIT = 0.5   # a tier-2 hit is worth half a tier-1 hit to the router
 
 
 class _MaskIndex:
     """Slots for workers, hash -> worker bit mask, one LRU-ordered dict of hashes per slot.
 
-    Invariant: bit s of `_holders[h]` is set iff h is a key of `_blocks[s]`; no empty mask is
-    stored; every `_blocks[s]` holds at most `max_blocks_per_worker` hashes.
+    Invariant: bit s of `_holders[h]` is set iff h is a key of `_blocks[s]`; `_tier2[h]` is a
+    subset of `_holders[h]` (those holding h in tier 2); no empty mask is stored; every `_blocks[s]` holds at most `max_blocks_per_worker` hashes.
     """
 
     def __init__(self, max_blocks_per_worker: int) -> None:
@@ -47,6 +52,8 @@ class _MaskIndex:
         self._worker_of: list[str | None] = []
         self._blocks: list[OrderedDict[BlockHash, float | None]] = []
         self._holders: dict[BlockHash, int] = {}
+        self._tier2: dict[BlockHash, int] = {}   # mask of workers holding h in tier 2 (subset)
+        self.tier2_credit = DEFAULT_TIER2_CREDIT
         self._all_mask = 0
         self.trimmed = 0  # hashes dropped by the per-worker cap (not by the worker itself)
 
@@ -81,7 +88,29 @@ class _MaskIndex:
 
     # ---- queries -----------------------------------------------------------------------------
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Per worker, how many leading blocks of `block_hashes` it holds (absent means 0)."""
+        """Per worker, how many leading blocks of `block_hashes` it holds (absent means 0),
+        a tier-2 block credited `tier2_credit` of one (floored; equal to the count when no
+        worker holds any of them in tier 2)."""
+        held = self._match_held(block_hashes)
+        if not self._tier2 or not held:
+            return held
+        return {w: n1 + int(n2 * self.tier2_credit)
+                for w, (n1, n2) in self._split(block_hashes, held).items()}
+
+    def match_tiers(self, block_hashes: Sequence[BlockHash]) -> dict[str, tuple[int, int]]:
+        """Per worker, (tier-1 blocks, tier-2 blocks) among the leading blocks it holds."""
+        return self._split(block_hashes, self._match_held(block_hashes))
+
+    def _split(self, block_hashes: Sequence[BlockHash], held: dict[str, int]
+               ) -> dict[str, tuple[int, int]]:
+        out = {}
+        for w, n in held.items():
+            bit = 1 << self._slot_of[w]
+            n2 = sum(1 for h in block_hashes[:n] if self._tier2.get(h, 0) & bit)
+            out[w] = (n - n2, n2)
+        return out
+
+    def _match_held(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         holders = self._holders
         out: dict[str, int] = {}
         if not block_hashes:
@@ -121,7 +150,8 @@ class _MaskIndex:
         return len(self._holders)
 
     # ---- mutation helpers --------------------------------------------------------------------
-    def _add(self, slot: int, hashes: Iterable[BlockHash], value: float | None) -> None:
+    def _add(self, slot: int, hashes: Iterable[BlockHash], value: float | None,
+             tier: int = 1) -> None:
         bit = 1 << slot
         od = self._blocks[slot]
         holders = self._holders
@@ -131,6 +161,7 @@ class _MaskIndex:
             else:
                 holders[h] = holders.get(h, 0) | bit
             od[h] = value
+            self._set_tier(h, bit, tier)
         over = len(od) - self.max_blocks_per_worker
         if over > 0:
             self.trimmed += over
@@ -138,14 +169,27 @@ class _MaskIndex:
                 h, _ = od.popitem(last=False)
                 self._unset(h, bit)
 
-    def _remove(self, slot: int, hashes: Iterable[BlockHash]) -> None:
+    def _remove(self, slot: int, hashes: Iterable[BlockHash], tier: int | None = None) -> None:
+        """Forget these hashes of the worker; with `tier`, only those it holds in that tier
+        (tiers are exclusive: a stale removal from the other tier changes nothing)."""
         bit = 1 << slot
         od = self._blocks[slot]
         for h in hashes:
+            if tier is not None and bool(self._tier2.get(h, 0) & bit) != (tier == 2):
+                continue
             if od.pop(h, _MISSING) is not _MISSING:
                 self._unset(h, bit)
 
+    def _set_tier(self, h: BlockHash, bit: int, tier: int) -> None:
+        m = self._tier2.get(h, 0)
+        m = m | bit if tier == 2 else m & ~bit
+        if m:
+            self._tier2[h] = m
+        else:
+            self._tier2.pop(h, None)
+
     def _unset(self, h: BlockHash, bit: int) -> None:
+        self._set_tier(h, bit, 1)
         m = self._holders[h] & ~bit
         if m:
             self._holders[h] = m
@@ -184,9 +228,9 @@ class PrefixIndex(_MaskIndex):
             if isinstance(ev, dict):
                 ev = event_from_dict(ev)
             if isinstance(ev, BlockStored):
-                self._add(slot, ev.block_hashes, None)
+                self._add(slot, ev.block_hashes, None, ev.tier)
             elif isinstance(ev, BlockRemoved):
-                self._remove(slot, ev.block_hashes)
+                self._remove(slot, ev.block_hashes, ev.tier)
             elif isinstance(ev, AllBlocksCleared):
                 self._clear_slot(slot)
             else:

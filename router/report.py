@@ -7,6 +7,10 @@ Decision table (each rule names the figures that triggered it; thresholds below)
   prefixes repeat but the cache misses them, or hits don't cut TTFT -> reuse not effective
   P99 worse at high concurrency with fragmented blocks or preemptions -> allocation/scheduling
   cache mostly free but the engine idle or few requests in flight -> request organisation
+  the pool is the boundary (capacity bound)  -> the capacity action that would have served the
+      run best: keep (evictions cost no reuse), evict to tier 2 (reload measured cheaper than
+      prefill), compress (a quantized KV dtype whose kv-quality gate passed; first choice when
+      requests were preempted, since only more capacity helps running requests), or recompute
 """
 
 from __future__ import annotations
@@ -36,7 +40,11 @@ IDLE_IN_FLIGHT_SHARE = 0.5        # or mean requests in flight below this x the 
 
 COUNTERS = ("prompt_tokens", "reused_tokens", "computed_tokens", "recomputed_tokens",
             "evictions", "preemptions", "requests_finished", "requests_rejected", "busy_s",
-            "steps", "transfer_offered", "transfer_bytes_staged")
+            "steps", "transfer_offered", "transfer_bytes_staged",
+            "tier2_demotions", "tier2_hits", "tier2_recomputed", "reloaded_tokens", "reload_s",
+            "recompute_avoided_s")
+TIER2_COUNTERS = COUNTERS[-6:]
+COST_GAUGES = ("reload_s_per_token", "prefill_s_per_token")   # measured by each engine
 EVIDENCE_LEVELS = ("cpu-measured", "gpu-measured", "simulated")
 
 
@@ -80,7 +88,8 @@ def per_actor_rows(after: Sequence[dict] | None, before: Sequence[dict] | None,
         elif "hit_rate" in s:
             row["hit_rate"] = s["hit_rate"]
         for k in ("num_blocks", "peak_blocks_used", "block_utilization", "blocks_used",
-                  "blocks_cached", "block_size", "kv_dtype"):
+                  "blocks_cached", "block_size", "kv_dtype", "tier2_blocks", "tier2_slots",
+                  *COST_GAUGES):
             if k in s:
                 row[k] = s[k]
         if row.get("num_blocks") and row.get("peak_blocks_used") is not None:
@@ -96,6 +105,11 @@ def _sum(rows: Sequence[dict], key: str) -> Any:
     return sum(vals) if vals else None
 
 
+def _mean(rows: Sequence[dict], key: str) -> Any:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(vals) if vals else None
+
+
 def _weighted_repeated(records) -> float | None:
     w = [(r.repeated_prefix, r.prompt_tokens or 1) for r in records]
     total = sum(n for _, n in w)
@@ -106,8 +120,74 @@ def _r(x: Any, nd: int = 4) -> Any:
     return round(x, nd) if isinstance(x, float) else x
 
 
-def diagnose(m: dict, records: Sequence, per_actor: Sequence[dict]) -> list[dict]:
-    """The decision table applied to measured figures `m`; each line carries its numbers."""
+def _gate_summary(kv_gates: dict | None) -> dict:
+    """{kv_dtype: {passed, ppl_delta_pct, greedy_agreement, capacity_ratio, evidence}} of the
+    recorded kv-quality gates (`raypd bench kv-quality`) of the run's model."""
+    out = {}
+    for fmt, g in (kv_gates or {}).items():
+        out[fmt] = {k: _r(g.get(k)) for k in ("passed", "ppl_delta_pct", "greedy_agreement",
+                                              "capacity_ratio", "evidence")}
+    return out
+
+
+def capacity_action(m: dict, kv_gates: dict | None = None) -> dict:
+    """Which capacity action would have served a run whose pool was the boundary, from its
+    measured figures: the prompt tokens that eviction or preemption made the engines compute
+    again, what recomputing them cost (measured prefill s/token) against reloading them from
+    tier 2 (measured reload s/token, when tier 2 ran), and the kv-quality gates for compress."""
+    tier2_on = bool(m.get("tier2_slots"))
+    pre = m.get("preemptions") or 0
+    recomputed = m.get("recomputed_tokens") or 0
+    rep, prompt, reused = (m.get("repeated_prefix_share"), m.get("prompt_tokens"),
+                           m.get("reused_tokens"))
+    # prompt tokens that repeat an earlier prompt's prefix yet no cache served (evicted, or
+    # routed where the prefix was not): an upper bound of the reuse eviction cost
+    missed = max(0, round(rep * prompt - reused)) if None not in (rep, prompt, reused) else 0
+    reloaded = m.get("reloaded_tokens") or 0
+    lost = missed + reloaded      # reloaded tokens were served (counted reused), but by tier 2
+    lost_source = "repeated-prefix tokens no cache served" + \
+        (" + tokens reloaded from tier 2" if tier2_on else "")
+    prefill, reload = m.get("prefill_s_per_token"), m.get("reload_s_per_token")
+    passed = {f: g for f, g in (kv_gates or {}).items() if g.get("passed")}
+    best_fmt = max(passed, key=lambda f: passed[f].get("capacity_ratio") or 0) if passed else None
+    needed = lost + recomputed
+    reload_cheaper = reload is not None and prefill is not None and reload < prefill
+    if needed == 0:
+        action, why = "keep", "the evicted blocks were never needed again and nothing was " \
+                              "preempted: evicting cost no reuse"
+    elif best_fmt is not None and (pre > 0 or not reload_cheaper):
+        action, why = "compress", f"{best_fmt} passed its kv-quality gate and holds " \
+                                  f"{passed[best_fmt].get('capacity_ratio') or 0:.2f}x the " \
+                                  "tokens" + (" (requests were preempted: only more " \
+                                              "capacity helps running requests)" if pre else "")
+    elif reload_cheaper and lost > 0:
+        action, why = "evict to tier 2", "reloading measured cheaper per token than prefill"
+    else:
+        action = "recompute"
+        if not tier2_on:
+            why = "no measured cheaper action: tier 2 was off (reload cost not measured; " \
+                  "set engine.kv_tier2_gb) and no quantized KV dtype passed its gate"
+        else:
+            why = "reloading was not measured cheaper than prefill, and no quantized KV " \
+                  "dtype passed its gate"
+    est = {"recompute_s": _r(needed * prefill) if prefill is not None else None,
+           "evict_to_tier2_s": _r(lost * reload + recomputed * prefill)
+           if reload is not None and prefill is not None else None}
+    return {"finding": f"capacity action: {action} would have served this run best ({why})",
+            "because": {"action": action, "reuse_lost_tokens": lost,
+                        "reuse_lost_source": lost_source, "recomputed_tokens": recomputed,
+                        "prefill_s_per_token": _r(prefill, 9),
+                        "reload_s_per_token": _r(reload, 9), "estimated_s": est,
+                        "tier2_enabled": tier2_on,
+                        **{k: _r(m.get(k)) for k in TIER2_COUNTERS},
+                        "evictions": m.get("evictions") or 0, "preemptions": pre,
+                        "kv_gate": _gate_summary(kv_gates)}}
+
+
+def diagnose(m: dict, records: Sequence, per_actor: Sequence[dict],
+             kv_gates: dict | None = None) -> list[dict]:
+    """The decision table applied to measured figures `m`; each line carries its numbers.
+    `kv_gates`: the model's recorded kv-quality gates per quantized dtype (for compress)."""
     out = []
     peak = m.get("peak_block_share")
     ev, pre = m.get("evictions") or 0, m.get("preemptions") or 0
@@ -119,6 +199,7 @@ def diagnose(m: dict, records: Sequence, per_actor: Sequence[dict]) -> list[dict
                                 "mean_prompt_tokens": _r(m.get("mean_prompt_tokens"), 1),
                                 "max_prompt_tokens": m.get("max_prompt_tokens"),
                                 "threshold_peak_block_share": CAPACITY_PEAK_SHARE}})
+        out.append(capacity_action(m, kv_gates))
     rep, hit = m.get("repeated_prefix_share"), m.get("hit_rate")
     ok = [r for r in records if r.ok and r.prompt_tokens and r.ttft_s is not None]
     if rep is not None and hit is not None and rep >= REUSE_MIN_REPEATED:
@@ -253,6 +334,10 @@ def build_report(records: Sequence, *, params: dict, wall_s: float,
         "block_utilization": statistics.fmean(utils) if utils else None,
         "evictions": _sum(per_actor, "evictions"),
         "preemptions": _sum(per_actor, "preemptions"),
+        "recomputed_tokens": _sum(per_actor, "recomputed_tokens"),
+        "tier2_slots": _sum(per_actor, "tier2_slots"),
+        **{k: _sum(per_actor, k) for k in TIER2_COUNTERS},
+        **{k: _mean(per_actor, k) for k in COST_GAUGES},
         "transfer_bytes": transfer_bytes,
         "transfer_s": transfer_s,
         "mean_prompt_tokens": prompt_tokens / len(ok) if ok else None,
@@ -268,7 +353,7 @@ def build_report(records: Sequence, *, params: dict, wall_s: float,
         raise ValueError(f"evidence_level must be one of {EVIDENCE_LEVELS}")
     report = {"params": params, **m, "per_actor": per_actor,
               "stats_source": stats_source,
-              "diagnosis": diagnose(m, records, per_actor),
+              "diagnosis": diagnose(m, records, per_actor, params.get("kv_gates")),
               "stage_breakdown": stage_breakdown,
               "evidence_level": evidence_level,
               "errors": [{"id": r.id, "status": r.status, "error": r.error}

@@ -43,3 +43,9 @@ def test_run_and_html_on_tiny(tmp_path):
     assert [b["block_size"] for b in r["block_sizes"]] == [8, 16, 32, 64]
     page = render_html(r)
     assert page.count("<img") == 3
+
+
+def test_tpot_is_timed_on_reserved_requests_decoding(tiny_loaded):
+    from cluster.bench_capacity import measure_tpot
+    assert measure_tpot("tiny", tiny_loaded, "float32", n=2, context=40, block_size=16,
+                        steps=2) > 0

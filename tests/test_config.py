@@ -58,7 +58,8 @@ ray: {address: auto}
     pd.validate()
     assert cfg.served_model_name == "small"
     assert pd.engine == dict(model="tiny", dtype="float32", kv_dtype="bfloat16", block_size=32,
-                             num_blocks=100, kv_cache_gb=1.0, max_num_batched_tokens=256,
+                             num_blocks=100, kv_cache_gb=1.0, kv_tier2_gb=0.0,
+                             kv_tier2_dir=None, max_num_batched_tokens=256,
                              max_num_seqs=8, max_model_len=1024, enable_prefix_caching=False,
                              model_impl="auto", lora_adapters={}, max_loras=4)
     assert (pd.num_prefill, pd.num_decode, pd.threads_per_actor) == (2, 3, 2)

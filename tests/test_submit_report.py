@@ -137,7 +137,8 @@ def _findings(m, records=(), per_actor=()):
 
 
 def test_diagnosis_rules_fire_on_their_figures():
-    assert _findings({"peak_block_share": 0.97, "evictions": 40}) == ["capacity bound"]
+    assert _findings({"peak_block_share": 0.97, "evictions": 40}) == ["capacity bound",
+                                                                      "capacity action"]
     assert _findings({"repeated_prefix_share": 0.7, "hit_rate": 0.1}) == ["reuse not effective"]
     slow_hits = [_rec(i, ttft=1.0, cached=90) for i in range(6)] + \
                 [_rec(i + 6, ttft=1.0, cached=0) for i in range(6)]

@@ -21,6 +21,7 @@ from kvcache.manager import KVCacheManager, cdiv
 from kvcache.sampling import UnknownLoRAError
 from workers.device import DTYPES
 from workers.kv_quant import QUANT_FORMATS, is_quantized
+from workers.kv_tier2 import attach_tier2, observe_prefill_cost, tier2_counters
 from workers.lora import LoRAStats, read_adapter
 from workers.model_runner import MODEL_IMPLS, ModelRunner
 from workers.request import Request, RequestError, RequestStatus, SamplingParams
@@ -39,6 +40,8 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None       # overrides kv_cache_gb
     kv_cache_gb: float = 1.0
+    kv_tier2_gb: float = 0.0            # host tier for evicted blocks (0: off; workers/kv_tier2.py)
+    kv_tier2_dir: str | None = None     # its memory-mapped file's folder (CPU pools; temp dir)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None    # default: the model's max_position_embeddings
@@ -59,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.kv_tier2_gb < 0:
+            raise ValueError(f"kv_tier2_gb must be >= 0, got {self.kv_tier2_gb}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.model_impl not in MODEL_IMPLS:
@@ -97,7 +102,9 @@ class LLMEngine:
         self.kv_bytes_per_token = int(per_token) if per_token.is_integer() else per_token
         num_blocks = cfg.num_blocks or int(cfg.kv_cache_gb * 2**30 // self.kv_bytes_per_block)
         self.max_model_len = cfg.max_model_len or self.info.max_position_embeddings
-        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        tier2_slots = int(cfg.kv_tier2_gb * 2**30 // self.kv_bytes_per_block)
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                 tier2_slots=tier2_slots)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=cfg.block_size,
                                  kv_bytes_per_token=self.kv_bytes_per_token)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
@@ -106,6 +113,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size,
                                   kv_dtype if is_quantized(kv_dtype) else DTYPES[kv_dtype],
                                   cfg.model_impl, self.max_model_len, self.loras, cfg.max_loras)
+        self.tier2 = attach_tier2(self.kv.pool, self.runner, cfg.kv_tier2_dir)
         self.namespace = CacheNamespace(self.info.model_id, self.info.revision,
                                         self.info.tokenizer_fingerprint, kv_dtype)
         self.requests: dict[str, Request] = {}
@@ -221,6 +229,7 @@ class LLMEngine:
         now = time.perf_counter()
         self.stats.busy_s += now - t0
         self.stats.steps += 1
+        observe_prefill_cost(self.kv.costs, chunks, now - t0)
         self.stats.observe_utilization(*self.scheduler.stored_tokens())
         for ch in chunks:
             ch.request.num_computed_tokens += ch.num_new_tokens
@@ -378,6 +387,7 @@ class LLMEngine:
     def get_stats(self) -> dict:
         self.stats.evictions = self.kv.pool.evictions
         d = self.stats.to_dict()
+        d.update(tier2_counters(self.kv))
         d.update(blocks_used=self.kv.pool.num_used_blocks, blocks_cached=self.kv.pool.num_cached_blocks,
                  running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                  kv_dtype=self.kv_dtype, dtype=self.info.dtype,

@@ -38,6 +38,8 @@ WORKER_GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
                                "KV blocks in the prefix cache with no reference (evictable)"),
     "raypd_kv_blocks_total": (("num_blocks", "total"), "KV blocks in the pool"),
     "raypd_active_leases": (("transfer_active",), "transfer leases pinning blocks (prefill)"),
+    "raypd_kv_tier2_blocks": (("tier2_blocks",),
+                              "evicted KV blocks held in the host tier (kv_tier2_gb)"),
 }
 # stats-dict key(s) -> counter fed with the increase of a cumulative value
 WORKER_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -49,6 +51,13 @@ WORKER_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "raypd_recomputed_tokens": (("recomputed_tokens",), "tokens computed again after preemption"),
     "raypd_evictions": (("evictions",), "cached KV blocks evicted (LRU) for new allocations"),
     "raypd_preemptions": (("preemptions",), "running requests preempted for lack of blocks"),
+    "raypd_kv_tier2_hits": (("tier2_hits",), "host-tier KV blocks reloaded for a prefix hit"),
+    "raypd_kv_reloaded_tokens": (("reloaded_tokens",), "tokens whose KV was reloaded from the "
+                                 "host tier instead of recomputed"),
+    "raypd_kv_reload_seconds": (("reload_s",), "seconds spent reloading host-tier KV blocks"),
+    "raypd_kv_recompute_avoided_seconds": (("recompute_avoided_s",),
+                                           "prefill seconds the reloads saved (reloaded tokens x "
+                                           "measured prefill seconds per token)"),
     "raypd_lease_expiries": (("transfer_expired",),
                              "transfer leases that expired before the decode side acked"),
     "raypd_transfers": (("transfer_offered", "transfer_transfers"),
