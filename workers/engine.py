@@ -22,6 +22,7 @@ from workers.device import DEVICES, DTYPES, device_name, load_dtype, resolve_dev
 from workers.kv_quant import QUANT_FORMATS, is_quantized
 from workers.lora import LoRAStats, read_adapter
 from workers.model_runner import MODEL_IMPLS, ModelRunner
+from workers.random_model import build_random, is_random
 from workers.request import Request, RequestError, RequestStatus, SamplingParams
 from workers.sampler import sample
 from workers.scheduler import Scheduler, SchedulerConfig
@@ -90,6 +91,8 @@ class LLMEngine:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device)   # the one device decision (workers/device.py)
+        if loaded is None and is_random(cfg.model):   # benchmarks: built on the device
+            loaded = build_random(cfg.model, cfg.dtype, self.device, seed=cfg.seed)
         if loaded is None:
             from workers.model_loader import load_model
             loaded = load_model(cfg.model, load_dtype(cfg.dtype, cfg.model, self.device),
