@@ -134,3 +134,23 @@ def test_evidence_label_follows_the_pools_device_not_the_gpus_reserved():
     on_gpu = [{"worker_id": "d0", "role": "decode", "device": "cuda", "device_name": "H200"}]
     rep = build_report([], params={"num_gpus_per_worker": 0}, wall_s=1.0, stats_after=on_gpu)
     assert rep["evidence_level"] == "gpu-measured" and rep["devices"] == ["cuda"]
+
+
+def test_padded_static_decode_step_computes_what_the_eager_step_computes(
+        tiny_loaded, tiny_reference, monkeypatch):
+    """What a CUDA graph replays (batch padded to its bucket, one block-table width, padding
+    rows in a scratch block, attention over the whole padded width with per-row masks), run
+    eagerly on the CPU through the attention's torch path (the one cuda takes): the same greedy
+    tokens as generate()."""
+    from workers import kernels
+    from workers.cuda_graphs import StaticDecode
+    monkeypatch.setattr(kernels, "paged_decode", lambda *a, **k: None)
+    engine = make_engine(tiny_loaded, num_blocks=256, max_num_seqs=8)
+    scratch = 255   # the pool is far larger than these prompts need
+    engine.runner.graphs = StaticDecode(engine.runner, 8, scratch, engine.max_model_len)
+    prompts = [random_prompt(n, seed=200 + n) for n in (3, 21, 47, 90, 130)]   # batch 5 -> 8
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert engine.runner.graphs.replays >= 10
+    assert engine.runner.kv_cache[:, :, scratch].abs().sum() > 0   # padding rows wrote there
+    for r, p in zip(reqs, prompts, strict=True):
+        assert r.output_token_ids == hf_greedy(tiny_reference, p, 12), f"{len(p)} tokens"

@@ -50,10 +50,14 @@ def width_bucket(width: int, max_width: int) -> int | None:
     return min(w, max_width)
 
 
-class DecodeGraphs:
+class StaticDecode:
+    """The static-shape decode step a graph replays: fixed buffers, padding to the bucket and
+    one decode group of the bucket's width. Device-agnostic (a CPU test runs it eagerly to
+    check that the padded step computes what the eager step computes); `DecodeGraphs` adds
+    capture and replay."""
+
     def __init__(self, runner: ModelRunner, max_num_seqs: int, scratch_block: int,
                  max_positions: int) -> None:
-        assert runner.device.type == "cuda", "CUDA graphs run on cuda only"
         assert runner.compact is not None and not runner.kv_quant
         self.runner = runner
         self.buckets = batch_buckets(max_num_seqs)
@@ -68,7 +72,6 @@ class DecodeGraphs:
         self.context_lens = torch.ones(max_b, dtype=torch.long, device=dev)
         self.tables = torch.zeros(max_b * self.max_width, dtype=torch.long, device=dev)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
         self.replays = 0
 
     def _shape(self, meta: AttentionMetadata) -> tuple[int, int] | None:
@@ -113,13 +116,36 @@ class DecodeGraphs:
                             tables.shape[1] * r.block_size, needs_mask=True)
         return AttentionMetadata(r.kv_data, self.slots[:b], b, [group], [])
 
+    def _forward(self, b: int, tables: torch.Tensor):
+        """The step on the static buffers (what a graph captures): float32 logits [b, vocab]."""
+        compact = self.runner.compact
+        meta = self._static_meta(b, tables)
+        return lambda: compact.logits(compact(self.input_ids[:b], self.positions[:b],
+                                              meta)).float()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            sample_rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits of `sample_rows`, by the padded static step (eagerly here)."""
+        shape = self._shape(meta)
+        assert shape is not None, "call applies() first"
+        b, w = shape
+        tables = self._fill(b, w, input_ids, positions, meta)
+        self.replays += 1
+        return self._forward(b, tables)()[sample_rows]
+
+
+class DecodeGraphs(StaticDecode):
+    """`StaticDecode` captured once per shape as a CUDA graph and replayed."""
+
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, scratch_block: int,
+                 max_positions: int) -> None:
+        assert runner.device.type == "cuda", "CUDA graphs run on cuda only"
+        super().__init__(runner, max_num_seqs, scratch_block, max_positions)
+        self._pool = None
+
     def _capture(self, b: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         tables = self._fill(b, w, self.input_ids, self.positions, None)   # padding only
-        meta = self._static_meta(b, tables)
-        compact = self.runner.compact
-
-        def forward() -> torch.Tensor:
-            return compact.logits(compact(self.input_ids[:b], self.positions[:b], meta)).float()
+        forward = self._forward(b, tables)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
