@@ -292,6 +292,7 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
                  "model_impl": stats["model_impl"], "linear_kernel": stats["linear_kernel"],
                  "attention_kernel": stats["attention_kernel"],
                  "device": stats["device"], "device_name": stats["device_name"],
+                 "evidence": "gpu-measured" if stats["device"] == "cuda" else "cpu-measured",
                  "prompt_tokens": plen, "new_tokens": new}
     # warm-up: both sides, a short batch
     warm = [prompt(64) for _ in range(4)]

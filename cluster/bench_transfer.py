@@ -107,11 +107,13 @@ def run_bench_transfer(quick: bool = False, model: str = "smollm2",
         rng = random.Random(seed)
         per_transport: dict[str, dict] = {}
         errors: dict[str, str] = {}
+        devices: set[str] = set()
         for i, transport in enumerate(order):
             cluster = PDCluster(PDConfig(engine={"model": model, **(engine or {})},
                                          num_prefill=1, num_decode=1, transport=transport,
                                          policy="round_robin"))
             try:
+                devices.update(i.get("device", "cpu") for i in cluster.info)
                 warmup, prompt = (random_prompt(rng, ttft_prompt_tokens) for _ in range(2))
                 per_transport[transport] = _ttft_share(cluster, prompt, warmup)
                 if i == 0:
@@ -137,6 +139,9 @@ def run_bench_transfer(quick: bool = False, model: str = "smollm2",
                            "non_compute_share = (ttft_s - P's model-step seconds) / ttft_s",
         })
         out.setdefault("delta_bytes_saved_ratio", math.nan)
+        # the bandwidth part moves CPU tensors; the TTFT clusters' pools are where they report
+        out["ttft_worker_devices"] = sorted(devices)
+        out["evidence"] = "gpu-measured" if devices == {"cuda"} else "cpu-measured"
         out["loadavg_1m"] = [load_before, os.getloadavg()[0]]   # others share this machine
     finally:
         if started:

@@ -153,7 +153,9 @@ class DecodeGraphs(StaticDecode):
                 forward()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a transfer copying in another thread of the actor meanwhile (a decode
+        # worker's pull runs outside the engine lock) neither breaks nor joins the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = forward()
         self._pool = graph.pool()
         self._graphs[(b, w)] = (graph, logits)
