@@ -32,14 +32,19 @@ def tiny_cuda():
     return engine_copy, reference
 
 
-@pytest.mark.parametrize("graphs", [True, False])
-def test_tiny_greedy_on_cuda_matches_generate_on_cuda(tiny_cuda, graphs):
+@pytest.mark.parametrize("impl, graphs", [("compact", True), ("compact", False),
+                                          ("stock", False)])
+def test_tiny_greedy_on_cuda_matches_generate_on_cuda(tiny_cuda, impl, graphs):
     from workers.model_runner import ModelRunner
     from workers.request import SamplingParams
     loaded, reference = tiny_cuda
-    engine = make_engine(loaded, device="cuda", cuda_graphs=graphs)
+    if impl == "stock":   # the stock model is moved to the device in place: use its own copy
+        from workers.model_loader import load_model
+        loaded = load_model("tiny")
+    engine = make_engine(loaded, device="cuda", cuda_graphs=graphs, model_impl=impl)
     stats = engine.get_stats()
     assert stats["device"] == "cuda" and stats["cuda_graphs"] == graphs
+    assert stats["model_impl"] == impl
     assert engine.runner.kv_cache.device.type == "cuda"
     prompts = [random_prompt(n, seed=n) for n in (3, 17, 33, 64, 90, 5, 40, 128)]
     before, steps = ModelRunner.h2d_copies, 0
@@ -139,3 +144,13 @@ def test_disagg_on_one_gpu_over_cuda_ipc_matches_generate(ray_gpu, tiny_cuda):
         cluster.check_invariants()
     finally:
         cluster.shutdown()
+
+
+def test_device_page_checksums_equal_the_host_computation():
+    """wsum64 is made on P's GPU and may be checked on a CPU: both must give the same values."""
+    from workers.handoff import checksum_algo, page_checksums
+    pages = torch.randn(4, 2, 40, 16, 2, 64, generator=torch.Generator().manual_seed(5)) \
+        .to(torch.bfloat16)
+    on_gpu = page_checksums(pages.to(CUDA))
+    assert checksum_algo(on_gpu) == "wsum64"
+    assert on_gpu == page_checksums(pages, "wsum64")
