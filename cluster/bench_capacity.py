@@ -93,13 +93,16 @@ def block_size_table(lengths: list[int], bytes_per_token: float) -> list[dict]:
 
 
 def measure_tpot(model: str, loaded, kv_dtype: str, n: int, context: int, block_size: int,
-                 steps: int = 4) -> float:
-    """Median decode step (s) of n requests at `context` tokens over placeholder KV."""
+                 steps: int = 4, devices: set[str] | None = None) -> float:
+    """Median decode step (s) of n requests at `context` tokens over placeholder KV; the
+    engine's device type is added to `devices` (where the pool really was)."""
     from workers.engine import EngineConfig, LLMEngine
     from workers.request import SamplingParams
     engine = LLMEngine(EngineConfig(model=model, kv_dtype=kv_dtype, block_size=block_size,
                                     num_blocks=n * cdiv(context + steps + 2, block_size) + 1,
                                     max_num_seqs=n, enable_prefix_caching=False), loaded=loaded)
+    if devices is not None:
+        devices.add(engine.device.type)
     sp = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     for i in range(n):
         req = engine.make_request([3 + (i + t) % 200 for t in range(context - 1)], sp)
@@ -120,6 +123,7 @@ def run_capacity(model: str = "smollm2", kv_dtype: str = "auto", budget_gb: floa
                  threads: int | None = None) -> dict:
     import torch
 
+    from router.report import evidence_from_devices
     from workers.model_loader import load_model
     if threads:
         torch.set_num_threads(threads)
@@ -152,6 +156,7 @@ def run_capacity(model: str = "smollm2", kv_dtype: str = "auto", budget_gb: floa
     vs_budget = {s: [max_concurrency(s, int(b * 2**30), mid, shared(mid), **args)
                      for b in budgets_gb] for s in SCHEMES}
     tpot = []
+    devices: set[str] = set()
     for c in [256, 1024] if tpot_contexts is None else tpot_contexts:
         if c not in contexts:
             continue
@@ -159,7 +164,8 @@ def run_capacity(model: str = "smollm2", kv_dtype: str = "auto", budget_gb: floa
             n = min(64, max_conc[s][contexts.index(c)])
             if n >= 1:
                 tpot.append({"scheme": s, "context": c, "concurrency": n,
-                             "tpot_s": measure_tpot(model, loaded, kv, n, c, block_size)})
+                             "tpot_s": measure_tpot(model, loaded, kv, n, c, block_size,
+                                                    devices=devices)})
     import random
     rng = random.Random(0)
     lengths = [rng.randint(1, min(max_len, 4096)) for _ in range(1000)]
@@ -180,7 +186,8 @@ def run_capacity(model: str = "smollm2", kv_dtype: str = "auto", budget_gb: floa
         "tpot_at_max_concurrency": tpot,
         "tpot_timing": "raypd's paged engine decoding that many requests at that context: median "
                        "of 4 steps after a warm-up, placeholder KV",
-        "evidence": "cpu-measured" if not torch.cuda.is_available() else "gpu-measured",
+        "evidence": evidence_from_devices(sorted(devices)),   # the engines' pools
+        "devices": sorted(devices),
     }
 
 

@@ -15,6 +15,12 @@ warmed up; every figure is the median of `repeats` runs. Fairness rules:
 Physical scale: `decode_bound_ms` is what reading the weights and the batch's KV once at the
 memory bandwidth measured here takes; `prefill_gflops` is set against `matmul_peak_gflops`, the
 engine's own linear at a large shape.
+
+`--device` runs both sides on that device (generate() gets the stock model moved there). A
+random-weight model of a real shape (`--model random:llama3-8b`) has no answers to compare:
+it gets the engine's own figures only (`run_shape_bench`): prefill tok/s at 2,048 tokens,
+decode tok/s at batch 1/16/64 against the weights-read bound at the device's measured read
+bandwidth.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ import time
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from workers.device import resolve_device
 from workers.engine import EngineConfig, LLMEngine
 from workers.layers import Linear
+from workers.random_model import is_random
 from workers.request import SamplingParams
 
 
@@ -40,19 +48,21 @@ class _StopAtOwnLength(StoppingCriteria):
         self.lengths = torch.tensor(lengths)
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        return (input_ids.shape[1] - self.width) >= self.lengths
+        return (input_ids.shape[1] - self.width) >= self.lengths.to(input_ids.device)
 
 
 def _hf_generate(model, batch: list[list[int]], lengths: list[int], pad_id: int) -> float:
     """Seconds for `generate()` on a left-padded static batch, row i stopping at lengths[i]."""
     width = max(len(p) for p in batch)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                        device=model.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lengths),
                        do_sample=False, pad_token_id=pad_id,
                        stopping_criteria=StoppingCriteriaList([_StopAtOwnLength(width, lengths)]))
+    _sync(model.device)
     return time.perf_counter() - t0
 
 
@@ -82,30 +92,45 @@ def _median(f, repeats: int) -> float:
     return statistics.median(f() for _ in range(repeats))
 
 
-def _memory_read_gbps() -> float:
-    """Bytes read per second by a large sum (well beyond any cache), median of 5."""
-    x = torch.ones(256 * 2**20 // 4)   # 256 MiB
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+CPU = torch.device("cpu")
+
+
+def _memory_read_gbps(device: torch.device = CPU) -> float:
+    """Bytes read per second by a large sum (well beyond any cache; 2 GiB on a GPU), median
+    of 5."""
+    x = torch.ones((2048 if device.type == "cuda" else 256) * 2**20 // 4, device=device)
     x.sum()
+    _sync(device)
 
     def once() -> float:
         t0 = time.perf_counter()
         x.sum()
+        _sync(device)
         return x.numel() * 4 / (time.perf_counter() - t0) / 1e9
     return _median(once, 5)
 
 
-def _matmul_peak_gflops(dtype: torch.dtype) -> float:
-    """The engine's Linear on a 2048 x 2048 x 2048 product in `dtype`, median of 5."""
-    w = torch.randn(2048, 2048).to(dtype)
-    x = torch.randn(2048, 2048).to(dtype)
+def _matmul_peak_gflops(dtype: torch.dtype, device: torch.device = CPU) -> float:
+    """The engine's Linear on a 2048 x 2048 x 2048 product in `dtype` (8192 on a GPU), median
+    of 5."""
+    n = 8192 if device.type == "cuda" else 2048
+    w = torch.randn(n, n, device=device).to(dtype)
+    x = torch.randn(n, n, device=device).to(dtype)
     lin = Linear(w)
     with torch.inference_mode():
         lin(x)
+        _sync(device)
 
         def once() -> float:
             t0 = time.perf_counter()
             lin(x)
-            return 2 * 2048**3 / (time.perf_counter() - t0) / 1e9
+            _sync(device)
+            return 2 * n**3 / (time.perf_counter() - t0) / 1e9
         return _median(once, 5)
 
 
@@ -157,15 +182,83 @@ def _lora_bench(model: str, dtype: str, loaded, prompts: list[list[int]], output
             "lora_load_s_mean": stats["lora_load_s_mean"]}
 
 
+def run_shape_bench(model: str, dtype: str = "auto", device: str = "auto",
+                    cuda_graphs: bool = True, repeats: int = 3, quick: bool = False,
+                    prefill_tokens: int = 2048, decode_batches: tuple[int, ...] = (1, 16, 64),
+                    decode_prompt: int = 512, decode_new: int = 64) -> dict:
+    """The engine's own figures on a random-weight model of a real shape (see the module doc):
+    `prefill_tok_s`, `engine_decode_tok_s_b{B}`, `decode_bound_tok_s_b{B}` (B tokens per
+    weights + KV read at `memory_read_gbps`) and their ratio `decode_vs_bound_b{B}`."""
+    if quick:
+        prefill_tokens, decode_batches, decode_prompt, decode_new = 256, (1, 4), 64, 8
+    bs = 16
+    need = max(decode_batches) * -(-(decode_prompt + decode_new + 1) // bs) \
+        + -(-(prefill_tokens + 2) // bs) + 16
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device,
+                                    cuda_graphs=cuda_graphs, num_blocks=need, block_size=bs,
+                                    max_num_batched_tokens=max(2048, prefill_tokens),
+                                    max_num_seqs=max(decode_batches),
+                                    enable_prefix_caching=False))
+    dev = engine.device
+    rng = random.Random(0)
+    vocab = engine.info.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+    stats = engine.get_stats()
+    out: dict = {"model": model, "quick": quick, "dtype": engine.info.dtype,
+                 "kv_dtype": engine.kv_dtype, "repeats": repeats, "device": stats["device"],
+                 "device_name": stats["device_name"], "cuda_graphs": stats["cuda_graphs"],
+                 "model_impl": stats["model_impl"], "linear_kernel": stats["linear_kernel"],
+                 "attention_kernel": stats["attention_kernel"],
+                 "evidence": "gpu-measured" if dev.type == "cuda" else "cpu-measured"}
+    _engine_run(engine, [prompt(64) for _ in range(2)], [4, 4])   # warm-up
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    read_gbps = _memory_read_gbps(dev)
+    out.update(weight_bytes=weight_bytes, memory_read_gbps=read_gbps)
+    p = prompt(prefill_tokens)
+
+    def prefill_once() -> float:
+        t0 = time.perf_counter()
+        _engine_run(engine, [p], [1])
+        return time.perf_counter() - t0
+    prefill_once()
+    out["prefill_tokens"] = prefill_tokens
+    out["prefill_tok_s"] = {str(prefill_tokens): prefill_tokens / _median(prefill_once, repeats)}
+    for b in decode_batches:
+        batch = [prompt(decode_prompt) for _ in range(b)]
+        _engine_run(engine, batch, [4] * b)   # captures this batch's graphs, if any
+        runs = [_engine_run(engine, batch, [decode_new] * b) for _ in range(repeats)]
+        tok_s = statistics.median(n / max(t, 1e-9) for _, t, n, _ in runs)
+        kv_bytes = b * (decode_prompt + decode_new / 2) * engine.kv_bytes_per_token
+        bound_s = (weight_bytes + kv_bytes) / (read_gbps * 1e9)
+        out[f"engine_decode_tok_s_b{b}"] = tok_s
+        out[f"decode_step_ms_b{b}"] = 1e3 * statistics.median(
+            s for *_, steps in runs for s in steps)
+        out[f"decode_bound_ms_b{b}"] = 1e3 * bound_s
+        out[f"decode_bound_tok_s_b{b}"] = b / bound_s
+        out[f"decode_vs_bound_b{b}"] = tok_s / (b / bound_s)
+    out["cuda_graph_replays"] = engine.get_stats()["cuda_graph_replays"]
+    engine.check_invariants()
+    return out
+
+
 def run_engine_bench(model: str = "smollm2", quick: bool = False,
                      threads: int | None = None, dtype: str = "auto",
-                     repeats: int = 3, lora: int = 0, lora_only: bool = False) -> dict:
-    """Every figure; `lora` > 0 adds the multi-LoRA comparison (`lora_only`: just that)."""
+                     repeats: int = 3, lora: int = 0, lora_only: bool = False,
+                     device: str = "auto", cuda_graphs: bool = True) -> dict:
+    """Every figure; `lora` > 0 adds the multi-LoRA comparison (`lora_only`: just that).
+    A `random:<shape>` model gets `run_shape_bench` (no reference to compare with)."""
+    from workers.device import load_dtype
     from workers.model_loader import load_model
     if threads:
         torch.set_num_threads(threads)
-    hf_model, tok, info = load_model(model, dtype)
+    if is_random(model):
+        return run_shape_bench(model, dtype, device, cuda_graphs, repeats, quick)
+    dev = resolve_device(device)
+    hf_model, tok, info = load_model(model, load_dtype(dtype, model, dev))
     loaded = (copy.deepcopy(hf_model), tok, info)   # the engine builds its own copy anyway
+    hf_model.to(dev)                                # generate() on the engine's device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     rng = random.Random(0)
     vocab = min(info.vocab_size, 30000)
@@ -191,12 +284,15 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     total_tokens = 16 * (plen + new) + hi_p * n_mixed + max(prefill_lens) + 4096
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, num_blocks=-(-total_tokens // 16),
                                     max_num_batched_tokens=2048, max_num_seqs=64,
-                                    enable_prefix_caching=False), loaded=loaded)
+                                    enable_prefix_caching=False, device=device,
+                                    cuda_graphs=cuda_graphs), loaded=loaded)
     stats = engine.get_stats()
     out: dict = {"model": model, "quick": quick, "threads": torch.get_num_threads(),
                  "dtype": info.dtype, "kv_dtype": engine.kv_dtype, "repeats": repeats,
                  "model_impl": stats["model_impl"], "linear_kernel": stats["linear_kernel"],
                  "attention_kernel": stats["attention_kernel"],
+                 "device": stats["device"], "device_name": stats["device_name"],
+                 "evidence": "gpu-measured" if stats["device"] == "cuda" else "cpu-measured",
                  "prompt_tokens": plen, "new_tokens": new}
     # warm-up: both sides, a short batch
     warm = [prompt(64) for _ in range(4)]
@@ -205,7 +301,7 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
 
     # ---- decode at batch 1 and 16 ----------------------------------------------------------
     weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
-    read_gbps = _memory_read_gbps()
+    read_gbps = _memory_read_gbps(dev)
     out["memory_read_gbps"] = read_gbps
     for b in (1, 16):
         batch = [prompt(plen) for _ in range(b)]
@@ -252,14 +348,15 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
         def hf_once(p=p) -> float:
             with torch.inference_mode():
                 t0 = time.perf_counter()
-                hf_model(torch.tensor([p]), logits_to_keep=1)
+                hf_model(torch.tensor([p], device=dev), logits_to_keep=1)
+                _sync(dev)
                 return time.perf_counter() - t0
         t_eng, t_hf = _median(eng_once, repeats), _median(hf_once, repeats)
         flops = 2 * non_embed * n + 2 * info.num_layers * info.num_heads * info.head_dim * n * n
         out["prefill_tok_s"][str(n)] = n / t_eng
         out["hf_prefill_tok_s"][str(n)] = n / t_hf
         out["prefill_gflops"][str(n)] = flops / t_eng / 1e9
-    out["matmul_peak_gflops"] = _matmul_peak_gflops(hf_model.dtype)
+    out["matmul_peak_gflops"] = _matmul_peak_gflops(hf_model.dtype, dev)
 
     # ---- mixed lengths: every request stops at its own length on both sides -----------------
     mixed = [(prompt(rng.randint(lo_p, hi_p)), rng.randint(lo_o, hi_o)) for _ in range(n_mixed)]
@@ -279,7 +376,8 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     # ---- prefix reuse: a fresh engine with prefix caching on, same weights -------------------
     cached = LLMEngine(EngineConfig(model=model, dtype=dtype,
                                     num_blocks=(prefix_len + 256) // 16 * 4 * repeats,
-                                    enable_prefix_caching=True), loaded=loaded)
+                                    enable_prefix_caching=True, device=device,
+                                    cuda_graphs=cuda_graphs), loaded=loaded)
     cold, hit = [], []
     for _ in range(repeats):
         shared = prompt(prefix_len)   # a new prefix each repeat: the first request is cold

@@ -75,7 +75,7 @@ def _text_logprobs(engine, ids: list[int], chunk: int) -> torch.Tensor:
             req.num_computed_tokens = start
             input_ids, positions, meta, _, _ = runner.prepare([ScheduledChunk(req, n, table)])
             logits = runner._forward(input_ids, positions, meta, list(range(n)))
-            out.append(torch.log_softmax(logits, dim=-1))
+            out.append(torch.log_softmax(logits, dim=-1).cpu())
     return torch.cat(out)[:-1]
 
 
@@ -94,6 +94,7 @@ def run_kv_quality(model: str = "smollm2", kv_dtype: str = "int8", dtype: str = 
                    prompt_tokens: int = 64, max_tokens: int = 64, block_size: int = 16,
                    thresholds: GateThresholds = GateThresholds(), threads: int | None = None,
                    record: bool = True) -> dict:
+    from router.report import evidence_from_devices
     from workers.engine import EngineConfig, LLMEngine
     from workers.kv_quant import is_quantized
     from workers.model_loader import load_model
@@ -142,7 +143,8 @@ def run_kv_quality(model: str = "smollm2", kv_dtype: str = "int8", dtype: str = 
         "decode_tok_s_ratio": tps_q / tps_ref,
         "attention_kernel_quant": quant.runner.attention_kernel,
         "attention_kernel_ref": ref.runner.attention_kernel,
-        "evidence": "gpu-measured" if torch.cuda.is_available() else "cpu-measured",
+        "evidence": evidence_from_devices([ref.device.type, quant.device.type]),
+        "device": quant.device.type, "device_name": quant.get_stats()["device_name"],
         "thresholds": asdict(thresholds),
         "gate_passed": thresholds.passes(delta, agreement),
     }

@@ -13,6 +13,12 @@ Three parts, one run:
              P's prefix cache is dropped and X itself is sent: P computes all of X, but D already
              holds the first half, so only the rest travels. Saved = 1 - bytes sent / bytes of
              X's whole KV (blocks x block_size x kv_bytes_per_token).
+
+`--device cuda` (`run_gpu_transfer_bench`): the same questions on one node's GPUs, with pages
+of `--model`'s shape (default random:llama3-8b, bf16): cuda_ipc between two actors holding half
+a GPU each (the same GPU when there is one) against a device-to-device `copy_` of the same
+bytes in the consumer, and the transfer's share of TTFT of a `--ttft-prompt-tokens` (4,096)
+prompt on a 1 prefill + 1 decode cluster on that GPU over cuda_ipc.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import math
 import os
 import random
+import statistics
 from typing import Any
 
 import ray
@@ -100,11 +107,13 @@ def run_bench_transfer(quick: bool = False, model: str = "smollm2",
         rng = random.Random(seed)
         per_transport: dict[str, dict] = {}
         errors: dict[str, str] = {}
+        devices: set[str] = set()
         for i, transport in enumerate(order):
             cluster = PDCluster(PDConfig(engine={"model": model, **(engine or {})},
                                          num_prefill=1, num_decode=1, transport=transport,
                                          policy="round_robin"))
             try:
+                devices.update(i.get("device", "cpu") for i in cluster.info)
                 warmup, prompt = (random_prompt(rng, ttft_prompt_tokens) for _ in range(2))
                 per_transport[transport] = _ttft_share(cluster, prompt, warmup)
                 if i == 0:
@@ -130,7 +139,153 @@ def run_bench_transfer(quick: bool = False, model: str = "smollm2",
                            "non_compute_share = (ttft_s - P's model-step seconds) / ttft_s",
         })
         out.setdefault("delta_bytes_saved_ratio", math.nan)
+        # the bandwidth part moves CPU tensors; the TTFT clusters' pools are where they report
+        out["ttft_worker_devices"] = sorted(devices)
+        out["evidence"] = "gpu-measured" if devices == {"cuda"} else "cpu-measured"
         out["loadavg_1m"] = [load_before, os.getloadavg()[0]]   # others share this machine
+    finally:
+        if started:
+            ray.shutdown()
+    return out
+
+
+GPU_SIZES_MIB = (64, 256, 512)
+
+
+@ray.remote(num_cpus=0)
+class _GpuPeer:
+    """One end of the GPU bandwidth bench: KV caches of the model's block shape on its GPU."""
+
+    def __init__(self, block_shape: tuple[int, ...], dtype: str) -> None:
+        import torch
+
+        from kvtransfer.endpoint import KVConsumer, KVProducer
+        self.torch = torch
+        self.block_shape, self.dtype = block_shape, getattr(torch, dtype)
+        self.producer = KVProducer("cuda_ipc", lease_s=300, device="cuda")
+        self.consumer = KVConsumer("cuda_ipc")
+        self.caches: dict[int, object] = {}
+
+    def prepare(self, num_blocks: int, fill: bool) -> int:
+        t = self.torch
+        layers, two, *rest = self.block_shape
+        shape = (layers, two, num_blocks, *rest)
+        self.caches[num_blocks] = (t.randn(shape, device="cuda").to(self.dtype) if fill
+                                   else t.zeros(shape, dtype=self.dtype, device="cuda"))
+        return self.caches[num_blocks].nbytes
+
+    def offer(self, num_blocks: int):
+        return self.producer.offer_blocks("bench", self.caches[num_blocks], range(num_blocks),
+                                          range(num_blocks))
+
+    def ack(self, transfer_id: str) -> bool:
+        return self.producer.ack(transfer_id)
+
+    def pull(self, handle) -> float:
+        kv = self.caches[handle.num_blocks]
+        return self.consumer.pull_into(handle, kv, range(handle.num_blocks)).seconds
+
+    def device_copy_s(self, num_blocks: int, repeats: int) -> float:
+        """Median seconds of a device-to-device copy_ of the same bytes (one warm-up)."""
+        import statistics
+        import time
+        t = self.torch
+        src = self.caches[num_blocks]
+        dst = t.empty_like(src)
+        times = []
+        for _ in range(repeats + 1):
+            t.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            t.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    def device_name(self) -> str:
+        return self.torch.cuda.get_device_name(0)
+
+
+def block_shape_of(model: str, block_size: int = 16) -> tuple[tuple[int, ...], str]:
+    """([num_layers, 2, block_size, kv_heads, head_dim], dtype) of `model`'s KV pages in bf16."""
+    from workers.random_model import PREFIX, SHAPES
+    if model.startswith(PREFIX):
+        cfg = SHAPES[model.removeprefix(PREFIX)]
+        layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    else:
+        from workers.model_loader import base_config
+        c = base_config(model)
+        layers, heads = c.num_hidden_layers, c.num_key_value_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return (layers, 2, block_size, heads, head_dim), "bfloat16"
+
+
+def run_gpu_transfer_bench(model: str = "random:llama3-8b", ttft_prompt_tokens: int = 4096,
+                           sizes_mib: tuple[int, ...] = GPU_SIZES_MIB, repeats: int = 5,
+                           seed: int = 0) -> dict[str, Any]:
+    """See the module doc; a clear `error` (and nothing measured) without a GPU."""
+    import torch
+    out: dict[str, Any] = {"model": model, "device": "cuda", "transport": "cuda_ipc",
+                           "repeats": repeats}
+    if not torch.cuda.is_available():   # before starting anything
+        out["error"] = "no GPU: torch sees no GPU in this process; run without --device cuda"
+        return out
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if gpus < 1:
+            out["error"] = "no GPU: Ray sees no GPU on this machine; run without --device cuda"
+            return out
+        shape, dtype = block_shape_of(model)
+        block_bytes = 2 * math.prod(shape)   # bf16
+        producer = _GpuPeer.options(num_gpus=0.5).remote(shape, dtype)
+        consumer = _GpuPeer.options(num_gpus=0.5).remote(shape, dtype)
+        try:
+            out["device_name"] = ray.get(consumer.device_name.remote())
+            ipc, copy, nbytes = {}, {}, {}
+            for mib in sizes_mib:
+                n = max(1, mib * (1 << 20) // block_bytes)
+                ray.get([producer.prepare.remote(n, True), consumer.prepare.remote(n, False)])
+                times = []
+                for _ in range(repeats + 1):
+                    handle = ray.get(producer.offer.remote(n))
+                    times.append(ray.get(consumer.pull.remote(handle), timeout=120))
+                    ray.get(producer.ack.remote(handle.transfer_id))
+                copy_s = ray.get(consumer.device_copy_s.remote(n, repeats))
+                nbytes[str(mib)] = n * block_bytes
+                ipc[str(mib)] = n * block_bytes / statistics.median(times[1:]) / 1e9
+                copy[str(mib)] = n * block_bytes / copy_s / 1e9
+        finally:
+            for a in (producer, consumer):
+                ray.kill(a)
+        ref = str(max(sizes_mib))
+        out.update(block_shape=list(shape), dtype=dtype, transfer_bytes=nbytes,
+                   transfer_gbps=ipc, device_copy_gbps=copy,
+                   transfer_vs_device_copy=ipc[ref] / copy[ref], reference_size_mib=int(ref),
+                   timing="cuda_ipc: D's pull_into (map + device-to-device copy into its "
+                          "kv_cache + stream sync); device copy: copy_ of the same bytes")
+        bs = 16
+        num_blocks = 3 * -(-(ttft_prompt_tokens + 2) // bs) + 16
+        cluster = PDCluster(PDConfig(
+            engine={"model": model, "device": "cuda", "num_blocks": num_blocks,
+                    "max_num_batched_tokens": ttft_prompt_tokens, "max_num_seqs": 8},
+            num_prefill=1, num_decode=1, transport="cuda_ipc", num_gpus_per_worker=0.5,
+            policy="round_robin"))
+        try:
+            rng = random.Random(seed)
+            warmup, prompt = (random_prompt(rng, ttft_prompt_tokens) for _ in range(2))
+            share = _ttft_share(cluster, prompt, warmup)
+            stats = ray.get([w.stats.remote() for w in cluster.workers])
+            cluster.check_invariants()
+        finally:
+            cluster.shutdown()
+        out.update({f"transfer_share_of_ttft_{ttft_prompt_tokens}": share["share"],
+                    "ttft_prompt_tokens": ttft_prompt_tokens, "ttft": share,
+                    "worker_devices": sorted({s["device"] for s in stats}),
+                    "evidence": "gpu-measured" if all(s["device"] == "cuda" for s in stats)
+                    else "cpu-measured"})
     finally:
         if started:
             ray.shutdown()
@@ -139,14 +294,26 @@ def run_bench_transfer(quick: bool = False, model: str = "smollm2",
 
 def _cmd(args: argparse.Namespace) -> int:
     from cluster.cli import _emit
-    return _emit(run_bench_transfer(quick=args.quick, model=args.model), args)
+    if args.device == "cuda":
+        result = run_gpu_transfer_bench(model=args.model or "random:llama3-8b",
+                                        ttft_prompt_tokens=args.ttft_prompt_tokens or 4096)
+        _emit(result, args)
+        return 1 if "error" in result else 0
+    return _emit(run_bench_transfer(quick=args.quick, model=args.model or "smollm2",
+                                    ttft_prompt_tokens=args.ttft_prompt_tokens or 2048), args)
 
 
 def add_bench_transfer_parser(bsub) -> argparse.ArgumentParser:
     """Register `bench transfer` on the `bench` subparsers."""
     p = bsub.add_parser("transfer", help="KV transport GB/s vs memcpy; transfer share of TTFT; "
                                          "bytes a decode-side prefix hit saves")
-    p.add_argument("--model", default="smollm2", help="model of the TTFT / delta clusters")
+    p.add_argument("--model", default=None, help="model of the TTFT / delta clusters "
+                   "(default smollm2; with --device cuda: random:llama3-8b)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: cuda_ipc between GPU actors vs a device copy_, TTFT share on a "
+                   "GPU (see the module doc)")
+    p.add_argument("--ttft-prompt-tokens", type=int, default=None,
+                   help="prompt length of the TTFT share (default 2048; cuda: 4096)")
     p.add_argument("--quick", action="store_true",
                    help="sizes 1, 16, 64 MiB; TTFT on shm only")
     p.add_argument("--json", metavar="PATH", help="also write the JSON here")

@@ -30,6 +30,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compact Llama-family model (auto: where it applies) or stock transformers")
     add_lora_arg(g)
     g.add_argument("--max-loras", type=int, default=4, help="LoRA adapters resident at once")
+    add_device_args(g)
+
+
+def add_device_args(p) -> None:
+    """--device and --no-cuda-graphs (engine.device, engine.cuda_graphs), default None: not
+    given (the config chain's value, else EngineConfig's default)."""
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
+                   help="where the engine runs (auto: cuda when the worker holds a GPU)")
+    p.add_argument("--no-cuda-graphs", action="store_true", default=None,
+                   help="cuda: run decode steps eagerly instead of replaying CUDA graphs")
 
 
 def engine_fields(args: argparse.Namespace) -> dict:
@@ -40,7 +50,8 @@ def engine_fields(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                 model_impl=args.model_impl, lora_adapters=lora_adapters_from_args(args) or {},
-                max_loras=args.max_loras)
+                max_loras=args.max_loras, device=args.device or "auto",
+                cuda_graphs=not args.no_cuda_graphs)
 
 
 def add_lora_arg(p: argparse.ArgumentParser) -> None:
@@ -101,7 +112,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     from cluster.bench_engine import run_engine_bench
     return _emit(run_engine_bench(model=args.model, quick=args.quick, threads=args.threads,
                                   dtype=args.dtype, repeats=args.repeats, lora=args.lora,
-                                  lora_only=args.lora_only), args)
+                                  lora_only=args.lora_only, device=args.device or "auto",
+                                  cuda_graphs=not args.no_cuda_graphs), args)
 
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
@@ -154,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (JSON output)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     be = bsub.add_parser("engine", help="paged engine vs transformers generate(), side by side")
-    be.add_argument("--model", default="smollm2")
+    be.add_argument("--model", default="smollm2",
+                    help="smollm2, tiny, a local folder, or random:llama3-8b (random weights "
+                    "of that shape; only the engine's own figures)")
     be.add_argument("--quick", action="store_true")
     be.add_argument("--threads", type=int, default=None)
     be.add_argument("--dtype", default="auto", help="weights: auto | float32 | bfloat16")
@@ -163,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also compare a batch spread over the base and N random LoRA adapters "
                     "with a base-only batch (lora_throughput_ratio)")
     be.add_argument("--lora-only", action="store_true", help="with --lora: only that figure")
+    add_device_args(be)
     be.add_argument("--json", metavar="PATH")
     be.set_defaults(func=cmd_bench_engine)
 

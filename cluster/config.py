@@ -65,6 +65,9 @@ class EngineSection:
     threads_per_worker: int = _opt(1, min=1)   # torch threads in each worker actor
     model_impl: str = _opt("auto", choices=("auto", "compact", "stock"))  # see workers/llama.py
     max_loras: int = _opt(4, min=1)            # LoRA adapters resident per worker (then LRU)
+    device: str = _opt("auto", choices=("auto", "cpu", "cuda"))   # auto: cuda if the worker
+                                                                    # holds a GPU (num_gpus)
+    cuda_graphs: bool = True                   # cuda: decode steps replay CUDA graphs
 
 
 @dataclass
@@ -147,7 +150,8 @@ class RaypdConfig:
                     max_num_batched_tokens=e.max_num_batched_tokens,
                     max_num_seqs=e.max_num_seqs, max_model_len=m.max_model_len,
                     enable_prefix_caching=e.enable_prefix_caching, model_impl=e.model_impl,
-                    lora_adapters=dict(m.lora_adapters), max_loras=e.max_loras)
+                    lora_adapters=dict(m.lora_adapters), max_loras=e.max_loras,
+                    device=e.device, cuda_graphs=e.cuda_graphs)
 
     def to_pd_config(self):
         from cluster.pd import PDConfig
@@ -321,6 +325,9 @@ class _Validator:
                 validate_adapters(m, cfg.model.lora_adapters)
             except LoRAError as e:
                 self.fail(f"model.lora_adapters.{e.name}", str(e))
+        if cfg.engine.device == "cuda" and w.num_gpus == 0:
+            self.fail("engine.device", "cuda needs GPUs for the workers: set workers.num_gpus "
+                      "(e.g. 0.5 puts a prefill and a decode worker on one GPU)")
         if cfg.server.grpc_port is not None and cfg.server.grpc_port == cfg.server.port != 0:
             self.fail("server.grpc_port", f"must differ from server.port ({cfg.server.port})")
         if cfg.server.api_keys_file is not None:

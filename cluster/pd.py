@@ -47,7 +47,6 @@ class PDConfig:
                           index_mode=self.index_mode,
                           local_prefill_max_tokens=self.local_prefill_max_tokens,
                           failure_policy=self.failure_policy, transport=self.transport,
-                          rdt_backend="nccl" if self.num_gpus_per_worker else "gloo",
                           admit_timeout_s=self.admit_timeout_s,
                           request_timeout_s=self.request_timeout_s,
                           max_retries=self.max_retries,
@@ -92,10 +91,16 @@ class PDCluster:
         self.decode = [self._launch("decode") for _ in range(cfg.num_decode)]
         self.workers = self.prefill + self.decode
         self.info = ray.get([w.info.remote() for w in self.workers])
+        from dataclasses import replace
+
+        from kvtransfer.rdt import backend_for_devices
+        # RDT's backend follows where the pools are (nccl for cuda tensors, gloo for CPU ones)
+        self.flow = replace(cfg.flow(), rdt_backend=backend_for_devices(
+            [i.get("device", "cpu") for i in self.info]) if cfg.transport == "rdt" else "gloo")
         self._ensure_rdt_group()
         ids = {w: i["worker_id"] for w, i in zip(self.workers, self.info, strict=True)}
         from workers.metrics import RouterMetrics
-        self.orchestrator = Orchestrator(self.prefill, self.decode, cfg.flow(), ids,
+        self.orchestrator = Orchestrator(self.prefill, self.decode, self.flow, ids,
                                          metrics=RouterMetrics())
         self.run_request = self.orchestrator.run_request
         self.generate = self.orchestrator.generate
@@ -109,7 +114,7 @@ class PDCluster:
     def _ensure_rdt_group(self) -> None:
         if self.cfg.transport == "rdt" and self.prefill:
             from kvtransfer import rdt
-            rdt.ensure_group(self.workers, backend=self.cfg.flow().rdt_backend)
+            rdt.ensure_group(self.workers, backend=self.flow.rdt_backend)
 
     # ---- live scaling --------------------------------------------------------------------------
     def scale(self, prefill: int | None = None, decode: int | None = None,

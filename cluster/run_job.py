@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.cli import add_lora_arg, lora_adapters_from_args
+from cluster.cli import add_device_args, add_lora_arg, lora_adapters_from_args
 from router.submit import SubmitOptions, add_replay_options, replay, write_reports
 from router.trace import TraceError
 from router.workload import SynthConfig, load_workload, synth_trace, write_jsonl
@@ -65,6 +65,7 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     add_replay_options(p, timestamps_default=True)
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
                    help="where the report files go (default %(default)s/)")
+    add_device_args(p)
     p.set_defaults(func=cmd_run)
     return p
 
@@ -77,7 +78,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides = {"model.name": args.model, "workers.prefill.count": args.prefill,
                      "workers.decode.count": args.decode, "router.policy": args.policy,
                      "transfer.transport": args.transport,
-                     "model.lora_adapters": lora_adapters_from_args(args)}
+                     "model.lora_adapters": lora_adapters_from_args(args),
+                     "engine.device": getattr(args, "device", None),
+                     "engine.cuda_graphs": False if getattr(args, "no_cuda_graphs", None)
+                     else None}
         cfg = load_config(args.config, overrides)
         if args.trace is not None:
             trace_path = args.trace

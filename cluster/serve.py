@@ -21,7 +21,7 @@ from typing import Any
 import ray
 import uvicorn
 
-from cluster.cli import add_lora_arg, lora_adapters_from_args
+from cluster.cli import add_device_args, add_lora_arg, lora_adapters_from_args
 from cluster.config import RaypdConfig, RaySection, load_config
 from ingress.auth import KeyRing
 from ingress.core import IngressCore, IngressSettings
@@ -57,6 +57,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--transport", help="transfer.transport")
     p.add_argument("--policy", help="router.policy")
     p.add_argument("--max-inflight", type=int, help="router.max_inflight (then 429)")
+    add_device_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -74,7 +75,9 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             "workers.prefill.count": g("prefill"), "workers.decode.count": g("decode"),
             "transfer.transport": g("transport"), "router.policy": g("policy"),
             "router.max_inflight": g("max_inflight"),
-            "model.lora_adapters": lora_adapters_from_args(args)}
+            "model.lora_adapters": lora_adapters_from_args(args),
+            "engine.device": g("device"),
+            "engine.cuda_graphs": False if g("no_cuda_graphs") else None}
 
 
 

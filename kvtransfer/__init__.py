@@ -1,5 +1,5 @@
 """Moving KV pages between workers: one interface (base.KVTransport), several transports
-(object_store, shm, grpc, rdt), leases, and the producer/consumer ends that actors compose.
+(object_store, shm, grpc, rdt, cuda_ipc), leases, and the producer/consumer ends that actors compose.
 
 Names are imported lazily so that ``kvtransfer.lease`` stays importable without torch.
 """

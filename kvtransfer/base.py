@@ -37,8 +37,10 @@ class TransferError(RuntimeError):
 class TransferHandle:
     """What the consumer needs to pull one staged transfer. Small and picklable.
 
-    ``address`` is transport specific (grpc: "host:port", shm: file path); ``object_ref`` is set
-    by the object_store transport only. ``checksum`` is None when the producer did not compute one.
+    ``address`` is transport specific (grpc: "host:port", shm and cuda_ipc: file path);
+    ``object_ref`` is set by the object_store transport only, ``export`` (how to map the staged
+    memory: kvtransfer.cuda_ipc.SharedPages) by cuda_ipc only. ``checksum`` is None when the
+    producer did not compute one.
     """
 
     transfer_id: str
@@ -55,6 +57,7 @@ class TransferHandle:
     lease_s: float = 0.0  # set by KVProducer.offer: how long the producer keeps the pages
     address: str = ""
     object_ref: Any = None
+    export: Any = None
 
     @property
     def num_blocks(self) -> int:
@@ -350,6 +353,7 @@ class KVTransport(ABC):
 # ---------------------------------------------------------------------------------------------
 
 _TRANSPORTS = {
+    "cuda_ipc": ("kvtransfer.cuda_ipc", "CudaIpcTransport"),
     "grpc": ("kvtransfer.grpc_pages", "GrpcTransport"),
     "object_store": ("kvtransfer.object_store", "ObjectStoreTransport"),
     "rdt": ("kvtransfer.rdt", "RdtTransport"),

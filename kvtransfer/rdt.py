@@ -58,6 +58,19 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def backend_for_devices(devices: Sequence[str]) -> str:
+    """The collective backend for pages living on `devices` (the workers' KV pool device
+    types, as they report them): nccl for cuda tensors, gloo for CPU tensors. GPUs reserved
+    for a worker do not decide it: where its pool really is does. Mixed devices cannot share
+    one group (ValueError)."""
+    kinds = set(devices) or {"cpu"}
+    if len(kinds) > 1:
+        raise ValueError(f"rdt needs every worker's KV pool on one kind of device, got "
+                         f"{', '.join(sorted(kinds))}; use device 'cuda' everywhere, or "
+                         "another transport")
+    return "nccl" if kinds == {"cuda"} else "gloo"
+
+
 def ensure_group(actors: Sequence[Any], backend: str = "gloo"):
     """Return the collective group holding all ``actors`` for ``backend``, creating it once.
 

@@ -39,12 +39,13 @@ SEGMENT_ALIGN = 2 << 20
 IOV_BATCH = 512  # below IOV_MAX (1024 on Linux)
 
 
-def remove_stale_files(directory: str = DEFAULT_DIR) -> list[str]:
-    """Unlink transfer files whose producer pid no longer exists on this host."""
+def remove_stale_files(directory: str = DEFAULT_DIR, prefix: str = PREFIX) -> list[str]:
+    """Unlink transfer files (``<prefix>-<pid>-<name>``) whose producer pid no longer exists on
+    this host."""
     removed = []
     for entry in os.scandir(directory):
         parts = entry.name.split("-")
-        if not entry.name.startswith(PREFIX + "-") or len(parts) != 4 or not parts[2].isdigit():
+        if not entry.name.startswith(prefix + "-") or len(parts) != 4 or not parts[2].isdigit():
             continue
         try:
             os.kill(int(parts[2]), 0)

@@ -70,6 +70,12 @@ def _delta(after: dict, before: dict | None, key: str) -> Any:
     return a - b
 
 
+def evidence_from_devices(devices: Sequence[str]) -> str:
+    """`gpu-measured` only when every worker reported a cuda pool; a run with no device
+    reported, or any CPU pool, is `cpu-measured` (GPUs reserved is not GPUs used)."""
+    return "gpu-measured" if devices and all(d == "cuda" for d in devices) else "cpu-measured"
+
+
 def per_actor_rows(after: Sequence[dict] | None, before: Sequence[dict] | None,
                    wall_s: float) -> list[dict]:
     """One row per worker: counters as deltas over the replay; gauges and peaks as last seen
@@ -89,7 +95,7 @@ def per_actor_rows(after: Sequence[dict] | None, before: Sequence[dict] | None,
             row["hit_rate"] = s["hit_rate"]
         for k in ("num_blocks", "peak_blocks_used", "block_utilization", "blocks_used",
                   "blocks_cached", "block_size", "kv_dtype", "tier2_blocks", "tier2_slots",
-                  *COST_GAUGES):
+                  "device", "device_name", *COST_GAUGES):
             if k in s:
                 row[k] = s[k]
         if row.get("num_blocks") and row.get("peak_blocks_used") is not None:
@@ -346,9 +352,9 @@ def build_report(records: Sequence, *, params: dict, wall_s: float,
         "concurrency": concurrency,
         "wall_s": wall_s,
     }
-    if evidence_level is None:
-        gpus = float(params.get("num_gpus_per_worker") or 0)
-        evidence_level = "gpu-measured" if gpus > 0 else "cpu-measured"
+    devices = sorted({a["device"] for a in per_actor if a.get("device")})
+    if evidence_level is None:   # from where the pools really were (the workers' stats)
+        evidence_level = evidence_from_devices(devices)
     if evidence_level not in EVIDENCE_LEVELS:
         raise ValueError(f"evidence_level must be one of {EVIDENCE_LEVELS}")
     report = {"params": params, **m, "per_actor": per_actor,
@@ -356,6 +362,9 @@ def build_report(records: Sequence, *, params: dict, wall_s: float,
               "diagnosis": diagnose(m, records, per_actor, params.get("kv_gates")),
               "stage_breakdown": stage_breakdown,
               "evidence_level": evidence_level,
+              "devices": devices,
+              "device_names": sorted({a["device_name"] for a in per_actor
+                                      if a.get("device_name")}),
               "errors": [{"id": r.id, "status": r.status, "error": r.error}
                          for r in failed[:20]]}
     return _clean(report)

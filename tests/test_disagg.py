@@ -38,7 +38,7 @@ def _clean(cluster: PDCluster) -> None:
         assert counts["referenced"] == 0, counts
 
 
-@pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "rdt"])
+@pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "rdt", "cuda_ipc"])
 def test_disagg_matches_transformers_generate_for_every_transport(transport, reference):
     cluster = PDCluster(PDConfig(engine=ENGINE, transport=transport))
     try:
@@ -166,7 +166,7 @@ def test_abort_mid_transfer_releases_both_sides():
         cluster.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["shm", "grpc"])
+@pytest.mark.parametrize("transport", ["shm", "grpc", "cuda_ipc"])
 def test_lease_expires_when_decode_never_pulls(transport):
     # (object_store keeps an expired transfer readable while a handle exists; the data is an
     # immutable copy, so a late pull is still correct there)

@@ -108,7 +108,7 @@ def actors(ray_cluster):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("transport", ["object_store", "shm", "grpc"])
+@pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "cuda_ipc"])
 def test_pull_transport_moves_pages_bit_exactly_between_actors(actors, transport, dtype):
     prefill, decode = actors
     handle = ray.get(prefill.offer.remote(transport, dtype, 1))

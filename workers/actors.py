@@ -193,7 +193,8 @@ class _EngineHost:
                 "num_blocks": e.kv.pool.num_blocks, "block_size": e.cfg.block_size,
                 "kv_bytes_per_token": e.kv_bytes_per_token, "model_id": e.info.model_id,
                 "vocab_size": e.info.vocab_size, "max_model_len": e.max_model_len,
-                "namespace": asdict(e.namespace), "transport": self.transport_name}
+                "namespace": asdict(e.namespace), "transport": self.transport_name,
+                "device": e.device.type}
 
     def tokenize(self, prompt: Any, chat: bool = False) -> list[int]:
         return self.engine.tokenize(prompt, chat)

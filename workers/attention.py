@@ -47,6 +47,8 @@ class DecodeGroup:
     block_tables: torch.Tensor       # [count, max_blocks] (padded with block 0)
     context_lens: torch.Tensor       # [count] tokens in KV, this step's token included
     max_context_len: int
+    needs_mask: bool = True          # some row is shorter than max_context_len (known on the
+                                     # host, so the device is never asked)
 
 
 @dataclass
@@ -107,7 +109,7 @@ def _decode_attention_torch(q: torch.Tensor, kv: LayerKV, g: DecodeGroup, scale:
     invalid = pos >= lens
     if window is not None:
         invalid = invalid | (pos < lens - window)
-    if window is not None or bool((g.context_lens != g.max_context_len).any()):
+    if window is not None or g.needs_mask:
         scores.masked_fill_(invalid, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, v.transpose(1, 2))                  # [B, Hkv, G, D]

@@ -1,5 +1,9 @@
 """The one place that decides where an engine runs and in which dtype its weights compute.
 
+`--device auto` is cuda when this process (the worker actor) holds a GPU: Ray gave it one
+(`ray.get_gpu_ids()` non-empty) or, outside Ray, torch sees one; else cpu. `--device cuda`
+without a GPU is an error that says so, never a silent CPU run.
+
 `--dtype auto` takes the checkpoint's own dtype, except that a float32 checkpoint computes in
 bfloat16 where the hardware multiplies bfloat16 natively (CPUs with AVX512-BF16 or AMX, GPUs
 from Ampere on): there bf16 matmuls run 3-5x faster and read half the bytes, as vLLM does by
@@ -9,10 +13,77 @@ default. The built-in `tiny` test model stays float32 (its reference comparisons
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}   # names accepted for weights/KV
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class DeviceError(ValueError):
+    """The requested device is not available in this process."""
+
+
+@dataclass(frozen=True)
+class DeviceProbe:
+    """What the device decision looks at (a test passes a fake one)."""
+
+    cuda_available: bool = False     # torch.cuda.is_available()
+    in_ray_actor: bool = False       # this process is a Ray actor
+    ray_gpu_ids: tuple = ()          # ray.get_gpu_ids() there (the GPUs Ray gave the actor)
+
+    @staticmethod
+    def here() -> DeviceProbe:
+        in_actor, gpu_ids = False, ()
+        try:
+            import ray
+            if ray.is_initialized():
+                in_actor = ray.get_runtime_context().get_actor_id() is not None
+                gpu_ids = tuple(ray.get_gpu_ids()) if in_actor else ()
+        except Exception:   # noqa: BLE001 - Ray missing or half started: not an actor
+            in_actor, gpu_ids = False, ()
+        return DeviceProbe(torch.cuda.is_available(), in_actor, gpu_ids)
+
+
+def resolve_device(requested: str = "auto", probe: DeviceProbe | None = None) -> torch.device:
+    """The engine's device for `requested` (auto | cpu | cuda); DeviceError when cuda is asked
+    for and this process has no GPU. auto: cuda when Ray gave this actor a GPU and torch sees
+    it, or outside Ray when torch sees one; cpu otherwise (an actor without GPUs stays on the
+    CPU even on a GPU node, so fractional placement decides)."""
+    if requested not in DEVICES:
+        raise DeviceError(f"device must be one of {', '.join(DEVICES)}, got {requested!r}")
+    probe = probe or DeviceProbe.here()
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda":
+        if not probe.cuda_available:
+            raise DeviceError("device 'cuda' was asked for but this process sees no GPU "
+                              "(torch.cuda.is_available() is False; give the workers GPUs with "
+                              "workers.num_gpus, or use device 'auto' / 'cpu')")
+        return torch.device("cuda", 0)
+    holds_gpu = bool(probe.ray_gpu_ids) if probe.in_ray_actor else True
+    return torch.device("cuda", 0) if probe.cuda_available and holds_gpu else torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    """Human name of the device: the GPU's product name, or the CPU model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_model_name()
+
+
+@functools.cache
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "cpu"
 
 
 @functools.cache
@@ -39,3 +110,17 @@ def auto_dtype(checkpoint_dtype: str, device: torch.device) -> str:
     if checkpoint_dtype in ("float32", "float16", "bfloat16") and has_native_bf16(device):
         return "bfloat16"
     return checkpoint_dtype if checkpoint_dtype in ("float32", "bfloat16") else "float32"
+
+
+def load_dtype(requested: str, model: str, device: torch.device) -> str:
+    """The dtype to ask the loader for: `requested`, except that `auto` of a checkpoint on a GPU
+    is decided by that GPU (the loader alone would ask the host CPU). tiny stays auto
+    (float32)."""
+    if requested != "auto" or model == "tiny" or device.type != "cuda":
+        return requested
+    return "bfloat16" if has_native_bf16(device) else "float32"
+
+
+def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` in page-locked host memory when it is headed for a GPU (async copies need it)."""
+    return t.pin_memory() if device.type == "cuda" else t

@@ -19,11 +19,12 @@ from kvcache.kv_plan import bytes_per_layer_block, kv_layout
 from kvcache.lifecycle import EngineStats
 from kvcache.manager import KVCacheManager, cdiv
 from kvcache.sampling import UnknownLoRAError
-from workers.device import DTYPES
+from workers.device import DEVICES, DTYPES, device_name, load_dtype, resolve_device
 from workers.kv_quant import QUANT_FORMATS, is_quantized
 from workers.kv_tier2 import attach_tier2, observe_prefill_cost, tier2_counters
 from workers.lora import LoRAStats, read_adapter
 from workers.model_runner import MODEL_IMPLS, ModelRunner
+from workers.random_model import build_random, is_random
 from workers.request import Request, RequestError, RequestStatus, SamplingParams
 from workers.sampler import sample
 from workers.scheduler import Scheduler, SchedulerConfig
@@ -51,6 +52,8 @@ class EngineConfig:
     model_impl: str = "auto"            # auto (compact where it applies) | compact | stock
     lora_adapters: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder
     max_loras: int = 4                  # adapters resident at once (LRU beyond that)
+    device: str = "auto"                # auto (cuda when this actor holds a GPU) | cpu | cuda
+    cuda_graphs: bool = True            # cuda: replay decode steps of bucketed batch sizes
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -71,6 +74,8 @@ class EngineConfig:
                              f"got {self.model_impl!r}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
 
 @dataclass
@@ -86,9 +91,13 @@ class LLMEngine:
         cfg.validate()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        self.device = resolve_device(cfg.device)   # the one device decision (workers/device.py)
+        if loaded is None and is_random(cfg.model):   # benchmarks: built on the device
+            loaded = build_random(cfg.model, cfg.dtype, self.device, seed=cfg.seed)
         if loaded is None:
             from workers.model_loader import load_model
-            loaded = load_model(cfg.model, cfg.dtype, seed=cfg.seed)
+            loaded = load_model(cfg.model, load_dtype(cfg.dtype, cfg.model, self.device),
+                                seed=cfg.seed)
         self.model, self.tokenizer, self.info = loaded
         self.cfg = cfg
         self.loras = {name: read_adapter(name, path, self.model.config)
@@ -112,7 +121,9 @@ class LLMEngine:
                                    self._busy_loras)
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size,
                                   kv_dtype if is_quantized(kv_dtype) else DTYPES[kv_dtype],
-                                  cfg.model_impl, self.max_model_len, self.loras, cfg.max_loras)
+                                  cfg.model_impl, self.max_model_len, self.loras, cfg.max_loras,
+                                  device=self.device, cuda_graphs=cfg.cuda_graphs,
+                                  max_num_seqs=cfg.max_num_seqs)
         self.tier2 = attach_tier2(self.kv.pool, self.runner, cfg.kv_tier2_dir)
         self.namespace = CacheNamespace(self.info.model_id, self.info.revision,
                                         self.info.tokenizer_fingerprint, kv_dtype)
@@ -393,7 +404,10 @@ class LLMEngine:
                  kv_dtype=self.kv_dtype, dtype=self.info.dtype,
                  model_impl=self.runner.model_impl, model_fallback=self.runner.fallback_reason,
                  linear_kernel=self.runner.linear_kernel,
-                 attention_kernel=self.runner.attention_kernel)
+                 attention_kernel=self.runner.attention_kernel,
+                 device=self.device.type, device_name=device_name(self.device),
+                 cuda_graphs=self.runner.graphs is not None,
+                 cuda_graph_replays=self.runner.graphs.replays if self.runner.graphs else 0)
         lora = self.runner.lora
         d.update((lora.stats if lora is not None else LoRAStats()).to_dict(),
                  lora_resident=list(lora.resident) if lora is not None else [])

@@ -41,12 +41,47 @@ from kvcache.ledger import HandoffLedger
 from workers.engine import LLMEngine, StepOutput
 from workers.request import Request, RequestError
 
+WSUM_TAG = 1 << 62        # wsum64 values carry this bit; crc32 values are below 2**32
+_WSUM_CHUNK = 32          # blocks per device pass (bounds the int64 temporary)
 
-def page_checksums(pages: torch.Tensor) -> tuple[int, ...]:
-    """crc32 of each block's pages ([num_layers, 2, n, ...]: one value per block of n)."""
+
+def page_checksums(pages: torch.Tensor, algo: str | None = None) -> tuple[int, ...]:
+    """One checksum per block of ``pages`` ([num_layers, 2, n, ...]), over the block's bytes in
+    layer-major order. ``algo`` None: crc32 on the host for CPU pages; for GPU pages "wsum64",
+    a position-weighted sum of the block's 32-bit words mod 2**62 computed on the device (no
+    host round trip of the pages; any one changed word changes it), tagged with WSUM_TAG so the
+    verifier (``checksum_algo``) recomputes the same function on whatever device it holds."""
+    algo = algo or ("wsum64" if pages.device.type == "cuda" else "crc32")
+    if algo == "wsum64":
+        return _wsum64(pages)
+    assert algo == "crc32", algo
     host = pages.detach().to("cpu")
     return tuple(zlib.crc32(host[:, :, i].contiguous().reshape(-1).view(torch.uint8).numpy())
                  for i in range(host.shape[2]))
+
+
+def checksum_algo(sums) -> str:
+    """The algorithm that made ``sums`` (page_checksums values)."""
+    return "wsum64" if sums and int(sums[0]) & WSUM_TAG else "crc32"
+
+
+def _wsum64(pages: torch.Tensor) -> tuple[int, ...]:
+    n = pages.shape[2]
+    block_bytes = pages[:, :, :1].numel() * pages.element_size()
+    word = torch.int32 if block_bytes % 4 == 0 else torch.uint8
+    words = block_bytes // word.itemsize
+    # odd weights from the word's position (two's complement int64 arithmetic wraps the same
+    # way on every device, and so does the order-free sum)
+    weights = (torch.arange(1, words + 1, dtype=torch.int64, device=pages.device)
+               * -7046029254386353131) | 1
+    out = []
+    for start in range(0, n, _WSUM_CHUNK):
+        chunk = pages[:, :, start:start + _WSUM_CHUNK]
+        c = chunk.shape[2]
+        rows = chunk.movedim(2, 0).contiguous().view(torch.uint8).view(c, -1).view(word)
+        out.append((rows.to(torch.int64) * weights).sum(dim=1))
+    sums = torch.cat(out) & (WSUM_TAG - 1) | WSUM_TAG
+    return tuple(int(v) for v in sums.tolist())
 
 
 class PullState(str, Enum):
@@ -126,7 +161,8 @@ class DecodeHandoff:
         rid = result.worker_request_id
         # checksums first: pulled pages that are corrupt are counted as such even when the
         # reservation is gone meanwhile (they land nowhere either way)
-        corrupt = pages is not None and page_checksums(pages) != tuple(result.page_checksums)
+        corrupt = pages is not None and page_checksums(
+            pages, checksum_algo(result.page_checksums)) != tuple(result.page_checksums)
         if res.state is PullState.CANCELLED or self.reservations.get(rid) is not res:
             if corrupt:
                 raise self._reject(REJECT_CORRUPT, f"page checksums of {rid} do not match "

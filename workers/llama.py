@@ -32,7 +32,7 @@ def layer_windows(config) -> list[int | None]:
 
 
 class _Layer(nn.Module):
-    def __init__(self, hf_layer, config, window: int | None) -> None:
+    def __init__(self, hf_layer, config, window: int | None, device: torch.device) -> None:
         super().__init__()
         a, m = hf_layer.self_attn, hf_layer.mlp
         self.num_heads = config.num_attention_heads
@@ -41,15 +41,19 @@ class _Layer(nn.Module):
         self.scale = a.scaling
         self.window = window
         self.layer_idx = a.layer_idx
-        bias = None
-        if a.q_proj.bias is not None:
-            bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias)
-        self.o = Linear(a.o_proj.weight, a.o_proj.bias)
-        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-        self.down = Linear(m.down_proj.weight)
-        self.ln1 = hf_layer.input_layernorm.weight.detach()
-        self.ln2 = hf_layer.post_attention_layernorm.weight.detach()
+        def on(*ts):   # fused (concatenated) on the engine's device, one layer at a time
+            if ts[0] is None:
+                return None
+            if len(ts) == 1:
+                return ts[0].detach().to(device)
+            return torch.cat([t.detach().to(device) for t in ts])
+        bias = on(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+        self.qkv = Linear(on(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), bias)
+        self.o = Linear(on(a.o_proj.weight), on(a.o_proj.bias))
+        self.gate_up = Linear(on(m.gate_proj.weight, m.up_proj.weight))
+        self.down = Linear(on(m.down_proj.weight))
+        self.ln1 = on(hf_layer.input_layernorm.weight)
+        self.ln2 = on(hf_layer.post_attention_layernorm.weight)
         self.eps = hf_layer.input_layernorm.variance_epsilon
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -75,24 +79,30 @@ class _Layer(nn.Module):
 
 class CompactLlama(nn.Module):
     """forward(input_ids [T], positions [T], meta, lora) -> hidden [T, hidden]; logits(hidden).
-    `lora` (workers/lora.py) adds each token's adapter delta to qkv, o, gate_up and down."""
+    `lora` (workers/lora.py) adds each token's adapter delta to qkv, o, gate_up and down.
+    Its weights are copies on `device` (default: the stock model's); the stock model is left
+    where it is."""
 
-    def __init__(self, hf_model: nn.Module, max_positions: int) -> None:
+    def __init__(self, hf_model: nn.Module, max_positions: int,
+                 device: torch.device | None = None) -> None:
         super().__init__()
         config = hf_model.config
         reason = self.unsupported(config)
         assert reason is None, reason
         inner = hf_model.model
         w = inner.embed_tokens.weight
-        self.embed = w.detach()
-        self.layers = nn.ModuleList(_Layer(layer, config, window)
+        device = device if device is not None else w.device
+        self.embed = w.detach().to(device)
+        self.layers = nn.ModuleList(_Layer(layer, config, window, device)
                                     for layer, window in zip(inner.layers, layer_windows(config),
                                                              strict=True))
-        self.norm = inner.norm.weight.detach()
+        self.norm = inner.norm.weight.detach().to(device)
         self.eps = inner.norm.variance_epsilon
-        self.lm_head = Linear(hf_model.lm_head.weight)
+        head = hf_model.lm_head.weight
+        # tied embeddings: one copy on the device serves both
+        self.lm_head = Linear(self.embed if head is w else head.detach().to(device))
         self.rope = RotaryEmbedding(config, self.layers[0].head_dim, max_positions, w.dtype,
-                                    w.device)
+                                    device)
 
     @staticmethod
     def unsupported(config) -> str | None:

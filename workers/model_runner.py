@@ -2,17 +2,20 @@
 
 Owns the worker's KV pool tensor, `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`
 (a quantized pool: the packed bytes `[num_layers, 2, num_blocks, block_bytes]` of
-workers/kv_quant.py, elements and scales together; dim 2 is the block either way).
+workers/kv_quant.py, elements and scales together; dim 2 is the block either way), on the
+engine's device (workers/device.py decides it; nothing else here picks one).
 The model is the compact Llama-family implementation (workers/llama.py) where it applies, else
 the stock transformers model with the paged attention plugged in (`model_impl` says which).
-The metadata is built from a few Python lists per step, then turned into tensors with tensor
-ops (no per-token Python loop).
+The metadata (token ids, positions, slot mapping, block tables, context lengths, sampled rows)
+is built on the host from a few Python lists per step and reaches the device in ONE copy
+(`StepUpload`: packed into one int64 buffer, pinned and non-blocking on cuda). On cuda, decode
+steps of bucketed batch sizes replay CUDA graphs (workers/cuda_graphs.py) unless switched off.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +25,7 @@ from workers.attention import (
     PrefillSegment,
     register_paged_attention,
 )
+from workers.device import pinned
 from workers.kernels import decode_kernel_name
 from workers.kv_quant import QuantizedPool
 from workers.llama import CompactLlama, layer_windows
@@ -38,38 +42,82 @@ class ScheduledChunk:
     block_table: list[int]
 
 
+@dataclass
+class StepUpload:
+    """A step's host metadata tensors, moved to the device in one copy: every part is packed
+    into one flat int64 host buffer (pinned when the device is a GPU), copied once
+    (non-blocking), and handed back as views of that one device buffer, in `add` order."""
+
+    device: torch.device
+    parts: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, t: torch.Tensor | list[int]) -> int:
+        """Queue a host tensor (or list of ints); returns its index in `upload()`'s list."""
+        t = torch.as_tensor(t, dtype=torch.long)
+        assert t.device.type == "cpu", "metadata is built on the host"
+        self.parts.append(t)
+        return len(self.parts) - 1
+
+    def upload(self) -> list[torch.Tensor]:
+        if not self.parts:
+            return []
+        flat = torch.cat([p.reshape(-1) for p in self.parts])
+        flat = ModelRunner.host_to_device(pinned(flat, self.device), self.device)
+        out, offset = [], 0
+        for p in self.parts:
+            out.append(flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return out
+
+
 class ModelRunner:
+    h2d_copies = 0   # host -> device metadata copies made (a seam for tests; all runners)
+
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype | str, model_impl: str = "auto",
                  max_positions: int | None = None,
-                 lora_specs: dict[str, LoRASpec] | None = None, max_loras: int = 4) -> None:
-        """`kv_dtype`: a float dtype, or "int8" / "fp8" for a quantized pool."""
+                 lora_specs: dict[str, LoRASpec] | None = None, max_loras: int = 4,
+                 device: torch.device | None = None, cuda_graphs: bool = True,
+                 max_num_seqs: int = 64) -> None:
+        """`kv_dtype`: a float dtype, or "int8" / "fp8" for a quantized pool. `device`: where
+        weights, pool and metadata live (default: the model's); `cuda_graphs`: replay decode
+        steps as CUDA graphs (cuda only; ignored elsewhere)."""
         cfg = model.config
         assert model_impl in MODEL_IMPLS, model_impl
         self.block_size = block_size
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.device = next(model.parameters()).device
+        self.device = device if device is not None else next(model.parameters()).device
+        reason = CompactLlama.unsupported(cfg)
+        if model_impl == "compact" and reason:
+            raise ValueError(f"the compact model does not support this checkpoint: {reason}")
+        use_compact = model_impl != "stock" and reason is None
+        if not use_compact and next(model.parameters()).device != self.device:
+            model.to(self.device)   # the stock model computes in place; compact copies below
+        # graphs write padded rows into one scratch block past the pool's last (never
+        # handed out by the KV manager): allocate it only where graphs can run
+        graphs = cuda_graphs and self.device.type == "cuda" and use_compact \
+            and not lora_specs and not isinstance(kv_dtype, str)
+        self.num_blocks = num_blocks
+        pool_blocks = num_blocks + 1 if graphs else num_blocks
         self.kv_quant = kv_dtype if isinstance(kv_dtype, str) else ""
         self.kv_scales: torch.Tensor | None = None
         if self.kv_quant:
-            pool = QuantizedPool.allocate(self.kv_quant, self.num_layers, num_blocks, block_size,
+            pool = QuantizedPool.allocate(self.kv_quant, self.num_layers, pool_blocks, block_size,
                                           self.num_kv_heads, self.head_dim, self.device)
             self.kv_cache = pool.kv_cache      # what transports move: elements + scales
             self.kv_data, self.kv_scales = pool.data, pool.scales
         else:
-            self.kv_cache = torch.zeros(self.num_layers, 2, num_blocks, block_size,
+            self.kv_cache = torch.zeros(self.num_layers, 2, pool_blocks, block_size,
                                         self.num_kv_heads, self.head_dim, dtype=kv_dtype,
                                         device=self.device)
             self.kv_data = self.kv_cache
         self.sliding_window = max((w for w in layer_windows(cfg) if w), default=None)
-        reason = CompactLlama.unsupported(cfg)
-        if model_impl == "compact" and reason:
-            raise ValueError(f"the compact model does not support this checkpoint: {reason}")
         self.compact: CompactLlama | None = None
-        if model_impl != "stock" and reason is None:
-            self.compact = CompactLlama(model, max_positions or cfg.max_position_embeddings)
+        if use_compact:
+            self.compact = CompactLlama(model, max_positions or cfg.max_position_embeddings,
+                                        self.device)
             self.model_impl = "compact"
             self.fallback_reason = ""
         else:
@@ -88,22 +136,37 @@ class ModelRunner:
         self.attention_kernel = decode_kernel_name(self.device)   # builds it once, up front
         if self.kv_quant:   # the native kernel reads float pools; quantized ones dequantize in torch
             self.attention_kernel = f"torch-dequant-{self.kv_quant}"
+        self.graphs = None   # CUDA graphs of decode steps (cuda only; never built on the CPU)
+        if graphs:
+            from workers.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self, max_num_seqs, num_blocks,
+                                       max_positions or cfg.max_position_embeddings)
 
     @property
     def linear_kernel(self) -> str:
         return self.compact.linear_kernel if self.compact is not None else "torch"
 
-    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+    @staticmethod
+    def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The one host -> device copy of a step's metadata (counted: tests check there is
+        one per step). Non-blocking: on cuda `t` is pinned and the copy is stream-ordered."""
+        ModelRunner.h2d_copies += 1
+        return t.to(device, non_blocking=True)
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        """Block ids as an index on the device (page reads and writes, outside steps)."""
+        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
-        """Run the model on `chunks`. Returns logits [n, vocab] (float32) for the chunks that end
-        at their request's last known token, and those chunks' indices."""
+        """Run the model on `chunks`. Returns logits [n, vocab] (float32, on the device) for the
+        chunks that end at their request's last known token, and those chunks' indices."""
         input_ids, positions, meta, sample_rows, sample_chunks = self.prepare(chunks)
         lora = self._lora_step(chunks)
         t0 = time.perf_counter()
         try:
+            if self.graphs is not None and self.graphs.applies(meta, lora):
+                return self.graphs.run(input_ids, positions, meta, sample_rows), sample_chunks
             return self._forward(input_ids, positions, meta, sample_rows, lora), sample_chunks
         finally:
             self.last_forward_s = time.perf_counter() - t0
@@ -133,8 +196,11 @@ class ModelRunner:
         return hook
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 sample_rows: list[int], lora: LoRABatch | None = None) -> torch.Tensor:
-        """The model on the flat batch; float32 logits of `sample_rows`."""
+                 sample_rows: torch.Tensor | list[int], lora: LoRABatch | None = None
+                 ) -> torch.Tensor:
+        """The model on the flat batch; float32 logits of `sample_rows` (a device index)."""
+        if isinstance(sample_rows, list):
+            sample_rows = self._index(sample_rows)
         if self.compact is not None:
             hidden = self.compact(input_ids, positions, meta, lora)
             head = self.compact.logits
@@ -144,14 +210,15 @@ class ModelRunner:
                                       position_ids=positions.unsqueeze(0),
                                       use_cache=False, attn_meta=meta).last_hidden_state[0]
             head = self.model.lm_head
-        if not sample_rows:
+        if not sample_rows.numel():
             return hidden.new_empty(0, 0)
-        return head(hidden[self._tensor(sample_rows)]).float()
+        return head(hidden[sample_rows]).float()
 
     def prepare(self, chunks: list[ScheduledChunk]):
-        """(input_ids, positions, AttentionMetadata (with the slot mapping), sample_rows, sample_chunks)
-        of a step: decodes first (shortest context first, so similar lengths share a group),
-        then prefill chunks."""
+        """(input_ids, positions, AttentionMetadata (with the slot mapping), sample_rows (a device
+        index), sample_chunks) of a step: decodes first (shortest context first, so similar
+        lengths share a group), then prefill chunks. Everything is built on the host, then
+        moved in one copy (`StepUpload`)."""
         bs = self.block_size
         decodes, prefills = self._step_order(chunks)
         tokens: list[int] = []
@@ -168,7 +235,7 @@ class ModelRunner:
         groups, d_slots = self._decode_groups([chunks[i].block_table for i in decodes], d_pos)
         positions = [torch.tensor(d_pos, dtype=torch.long)]
         slots = [d_slots]
-        segs: list[PrefillSegment] = []
+        segs: list[tuple[int, int, int, torch.Tensor | None]] = []
         for i in prefills:
             ch = chunks[i]
             req, n = ch.request, ch.num_new_tokens
@@ -183,12 +250,21 @@ class ModelRunner:
                 sample_rows.append(q_start + n - 1)
                 sample_chunks.append(i)
             own_kv = start == 0 and not self.kv_quant   # quantized: read back what was stored
-            segs.append(PrefillSegment(q_start, n, start + n,
-                                       None if own_kv else table.to(self.device)))
-        meta = AttentionMetadata(self.kv_data, torch.cat(slots).to(self.device), len(decodes),
-                                 groups, segs, self.kv_scales, self.kv_quant)
-        return (self._tensor(tokens), torch.cat(positions).to(self.device), meta, sample_rows,
-                sample_chunks)
+            segs.append((q_start, n, start + n, None if own_kv else table))
+        up = StepUpload(self.device)
+        i_tok, i_pos, i_slot, i_rows = (up.add(tokens), up.add(torch.cat(positions)),
+                                        up.add(torch.cat(slots)), up.add(sample_rows))
+        i_groups = [(up.add(tables), up.add(lens)) for tables, lens, _ in groups]
+        i_segs = [None if t is None else up.add(t) for *_, t in segs]
+        dev = up.upload()
+        decode_groups = [DecodeGroup(start, count, dev[it], dev[il], max_len, needs_mask)
+                         for (it, il), (_, _, (start, count, max_len, needs_mask))
+                         in zip(i_groups, groups, strict=True)]
+        prefill_segs = [PrefillSegment(q_start, n, ctx, None if it is None else dev[it])
+                        for (q_start, n, ctx, _), it in zip(segs, i_segs, strict=True)]
+        meta = AttentionMetadata(self.kv_data, dev[i_slot], len(decodes), decode_groups,
+                                 prefill_segs, self.kv_scales, self.kv_quant)
+        return dev[i_tok], dev[i_pos], meta, dev[i_rows], sample_chunks
 
     @staticmethod
     def _step_order(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
@@ -200,11 +276,11 @@ class ModelRunner:
         dset = set(decodes)
         return decodes, [i for i in range(len(chunks)) if i not in dset]
 
-    def _decode_groups(self, tables: list[list[int]], positions: list[int]
-                       ) -> tuple[list[DecodeGroup], torch.Tensor]:
+    def _decode_groups(self, tables: list[list[int]], positions: list[int]):
         """Decodes sorted by context length, split where the block count doubles (each group
-        is one gather over its longest context, so padding stays under half of what it reads);
-        plus the decodes' slot mapping."""
+        is one gather over its longest context, so padding stays under half of what it reads):
+        per group (host block tables [count, width], host context lens [count], (start, count,
+        max_context_len, needs_mask)); plus the decodes' slot mapping (host)."""
         bs = self.block_size
         if not tables:
             return [], torch.empty(0, dtype=torch.long)
@@ -216,15 +292,17 @@ class ModelRunner:
             padded[r, :nb] = torch.tensor(t[:nb], dtype=torch.long)
         pos = lens - 1
         slots = padded.gather(1, (pos // bs).view(-1, 1)).view(-1) * bs + pos % bs
-        groups: list[DecodeGroup] = []
+        groups = []
         start = 0
         while start < len(tables):
             end = start + 1
             while end < len(tables) and nblocks[end] <= 2 * nblocks[start]:
                 end += 1
             w = nblocks[end - 1]
-            groups.append(DecodeGroup(start, end - start, padded[start:end, :w].to(self.device),
-                                      lens[start:end].to(self.device), int(lens[end - 1])))
+            max_len = positions[end - 1] + 1
+            needs_mask = positions[start] + 1 != max_len
+            groups.append((padded[start:end, :w], lens[start:end],
+                           (start, end - start, max_len, needs_mask)))
             start = end
         return groups, slots
 
@@ -232,8 +310,8 @@ class ModelRunner:
     def read_pages(self, block_ids: list[int]) -> torch.Tensor:
         """Contiguous copy of blocks in their stored form: [num_layers, 2, n, ...] (a quantized
         pool's pages carry their scales)."""
-        return self.kv_cache[:, :, self._tensor(block_ids)].contiguous()
+        return self.kv_cache[:, :, self._index(block_ids)].contiguous()
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
         assert pages.shape[2] == len(block_ids) and pages.shape[3:] == self.kv_cache.shape[3:]
-        self.kv_cache[:, :, self._tensor(block_ids)] = pages.to(self.kv_cache)
+        self.kv_cache[:, :, self._index(block_ids)] = pages.to(self.kv_cache)

@@ -2,7 +2,12 @@
 
 Never NaN: logits are shifted by their max before the temperature divides them (a tiny
 temperature gives -inf for all but the best tokens, not inf - inf), blocked ids outside the
-vocabulary are ignored, and a row with nothing left to sample falls back to greedy."""
+vocabulary are ignored, and a row with nothing left to sample falls back to greedy.
+
+Logits stay on the engine's device: the greedy argmax runs there and only token ids come back
+(one sync per step). A seeded request draws with its own CPU generator (its state travels from
+prefill to decode worker as bytes, whatever their devices), so only its probabilities row is
+copied to the host for the draw; unseeded draws run on the device."""
 
 from __future__ import annotations
 
@@ -58,7 +63,10 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
             out.append(int(x.argmax()))
             continue
-        out.append(int(torch.multinomial(probs, 1, generator=_generator(req))))
+        g = _generator(req)
+        if g is not None and probs.device != g.device:
+            probs = probs.to(g.device)
+        out.append(int(torch.multinomial(probs, 1, generator=g)))
     return out
 
 

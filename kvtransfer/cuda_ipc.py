@@ -1,0 +1,321 @@
+"""Same-node transport for pages on a GPU: P stages them in a private device buffer and exports it
+as a CUDA IPC handle; D maps the handle and copies device to device (no host round trip).
+
+Works for two workers on one GPU (fractional `num_gpus`: both map the same device) and for
+workers on different GPUs of one node when D's process can see P's GPU (the handle names the
+GPU by UUID; D refuses with TransferError when it cannot see it: use `rdt` over NCCL then).
+
+The protocol, whatever the memory:
+  stage    P copies the pages into a private buffer (a gather straight out of its kv_cache with
+           `stage_blocks`), creates the transfer's ticket file in /dev/shm, and returns a
+           handle whose `export` (SharedPages) says how to map the buffer.
+  fetch    D checks the ticket, maps the buffer, copies it into memory it owns (`fetch`) or into
+           its kv_cache blocks (`fetch_into`), waits for the copy, and checks that the ticket
+           still names the same file: a transfer released (lease ended) meanwhile is refused.
+  release  P unlinks the ticket first (late readers now fail), then drops the buffer. torch's
+           CUDA IPC reference counting keeps GPU memory that a reader still maps alive until
+           the reader lets go, so a late reader never reads reused memory either.
+The lease, plan digest and page checksums of the handoff (kvcache/handoff.py,
+workers/handoff.py) sit above this and apply unchanged.
+
+The CPU stand-in: pages on the CPU are staged in the ticket file itself (a POSIX shared-memory
+file, mapped by both sides), with the same handle, checks and release order, so the protocol
+runs end to end on machines without a GPU. `device="cuda"` asks for the GPU path only: on a
+process without a GPU the transport refuses at construction (TransferError).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from kvtransfer.base import (
+    KVTransport,
+    TransferError,
+    TransferHandle,
+    as_bytes,
+    check_fits,
+    scatter_blocks,
+    torch_dtype,
+)
+from kvtransfer.shm import DEFAULT_DIR, remove_stale_files
+
+PREFIX = "raypd-ipc"
+DEVICES = ("auto", "cuda", "cpu")
+_LOCAL: dict[str, torch.Tensor] = {}   # transfer_id -> staged buffer, for readers in this
+                                       # process (CUDA cannot open its own IPC handles)
+
+
+@dataclass(frozen=True)
+class SharedPages:
+    """How D maps a staged buffer: `kind` "cuda" (torch's CUDA IPC rebuild arguments, the
+    GPU's UUID) or "cpu" (the stand-in: the pages are the ticket file's bytes)."""
+
+    kind: str
+    ticket: str                      # /dev/shm path; exists exactly while the pages are staged
+    pid: int                         # the producer's process
+    rebuild_args: tuple = ()         # cuda: torch.multiprocessing.reductions.reduce_tensor's
+    gpu_uuid: str = ""               # cuda: the physical GPU holding the buffer
+
+
+def gpu_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_gpu_index(uuid: str) -> int | None:
+    """This process's index of the GPU with `uuid`, or None when it cannot see it."""
+    if not torch.cuda.is_available():
+        return None
+    return next((i for i in range(torch.cuda.device_count()) if gpu_uuid(i) == uuid), None)
+
+
+@dataclass
+class _Staged:
+    export: SharedPages
+    buffer: torch.Tensor             # cuda: the device buffer; cpu: a view of the mapping
+    mapped: mmap.mmap | None = None  # cpu stand-in only
+
+
+class CudaIpcTransport(KVTransport):
+    name = "cuda_ipc"
+
+    def __init__(self, *, device: str = "auto", directory: str = DEFAULT_DIR,
+                 cleanup_stale: bool = True, **cfg: Any) -> None:
+        """`device`: "auto" (GPU pages over CUDA IPC, CPU pages over the stand-in), "cuda"
+        (GPU only: refuses without a GPU and refuses CPU pages) or "cpu" (the stand-in, GPU
+        pages are copied to the host first)."""
+        if device not in DEVICES:
+            raise TransferError(f"cuda_ipc device must be one of {', '.join(DEVICES)}, "
+                                f"got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise TransferError("the cuda_ipc transport was asked for device 'cuda' but this "
+                                "process sees no GPU (torch.cuda.is_available() is False); give "
+                                "the workers GPUs (workers.num_gpus) or use transport 'shm'")
+        super().__init__(**cfg)
+        self.device = device
+        self.directory = directory
+        if cleanup_stale:
+            remove_stale_files(directory, PREFIX)
+        self._finalizer = weakref.finalize(self, _release_all, self._staged)
+
+    # -- producer -------------------------------------------------------------------------
+
+    def _to_host(self, pages: torch.Tensor) -> torch.Tensor:
+        return pages.detach()   # stays where it is; _stage makes the private copy
+
+    def _stage(self, handle: TransferHandle, pages: torch.Tensor) -> TransferHandle:
+        buffer, staged = self._allocate(handle, pages.device)
+        buffer.copy_(pages)
+        return self._publish(handle, buffer, staged)
+
+    def stage_blocks(self, request_id: str, kv_cache: torch.Tensor, block_ids: Sequence[int],
+                     block_hashes: Sequence[int]) -> TransferHandle:
+        """Gather ``kv_cache[:, :, block_ids]`` straight into the staging buffer: one copy."""
+        ids = list(block_ids)
+        shape = (*kv_cache.shape[:2], len(ids), *kv_cache.shape[3:])
+        self._check_pages(shape, kv_cache.dtype, block_hashes)
+        handle = self._new_handle(request_id, shape, kv_cache.dtype, block_hashes)
+        buffer, staged = self._allocate(handle, kv_cache.device)
+        index = torch.as_tensor(ids, dtype=torch.long, device=kv_cache.device)
+        if buffer.device == kv_cache.device:
+            torch.index_select(kv_cache, 2, index, out=buffer)
+        else:
+            buffer.copy_(torch.index_select(kv_cache, 2, index))
+        return self._publish(handle, buffer, staged)
+
+    def _kind_for(self, device: torch.device) -> str:
+        if device.type == "cuda" and self.device != "cpu":
+            return "cuda"
+        if self.device == "cuda":
+            raise TransferError(f"cuda_ipc (device 'cuda') was given pages on {device}; it "
+                                "moves GPU pages only")
+        return "cpu"
+
+    def _allocate(self, handle: TransferHandle, device: torch.device
+                  ) -> tuple[torch.Tensor, _Staged]:
+        """The private staging buffer and its ticket (the cpu stand-in: one file, both)."""
+        kind = self._kind_for(device)
+        ticket = os.path.join(self.directory, f"{PREFIX}-{os.getpid()}-{handle.transfer_id}")
+        try:
+            fd = os.open(ticket, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as exc:
+            raise TransferError(f"cannot create the transfer ticket {ticket}: {exc}") from exc
+        mapped = None
+        try:
+            if kind == "cpu":
+                os.ftruncate(fd, handle.nbytes)
+                mapped = mmap.mmap(fd, handle.nbytes, flags=mmap.MAP_SHARED)
+                flat = torch.frombuffer(mapped, dtype=torch.uint8)
+                buffer = flat.view(torch_dtype(handle.dtype)).view(handle.shape)
+            else:
+                buffer = torch.empty(handle.shape, dtype=torch_dtype(handle.dtype),
+                                     device=device)
+        except (OSError, RuntimeError) as exc:
+            os.close(fd)
+            _unlink(ticket)
+            raise TransferError(f"cannot allocate {handle.nbytes} bytes to stage "
+                                f"{handle.transfer_id} on {device}: {exc}") from exc
+        os.close(fd)
+        return buffer, _Staged(SharedPages(kind, ticket, os.getpid()), buffer, mapped)
+
+    def _publish(self, handle: TransferHandle, buffer: torch.Tensor,
+                 staged: _Staged) -> TransferHandle:
+        export = staged.export
+        if export.kind == "cuda":
+            from torch.multiprocessing.reductions import reduce_tensor
+            # _share_cuda_ records an event after the copy on this stream; the reader's
+            # rebuild waits on it, so the copy need not be synchronized here
+            _, args = reduce_tensor(buffer)
+            export = replace(export, rebuild_args=tuple(args),
+                             gpu_uuid=gpu_uuid(buffer.device.index or 0))
+            staged.export = export
+        if self.checksum:
+            crc, algo = self._checksum_of(as_bytes(buffer.detach().to("cpu").contiguous()))
+            handle = replace(handle, checksum=crc, checksum_algo=algo)
+        with self._lock:
+            self._staged[handle.transfer_id] = staged
+            if export.kind == "cuda":
+                _LOCAL[handle.transfer_id] = buffer
+        return replace(handle, address=export.ticket, export=export)
+
+    def release(self, transfer_id: str) -> bool:
+        with self._lock:
+            staged = self._staged.pop(transfer_id, None)
+            _LOCAL.pop(transfer_id, None)
+        if staged is None:
+            return False
+        _release(staged)
+        return True
+
+    # -- consumer -------------------------------------------------------------------------
+
+    def fetch(self, handle: TransferHandle) -> torch.Tensor:
+        """A copy the caller owns, on the device the pages were staged on (cuda: this
+        process's index of that GPU)."""
+        out = self._read(handle, lambda pages: pages.clone())
+        self._verify_copy(handle, out)
+        return out
+
+    def fetch_into(self, handle: TransferHandle, kv_cache: torch.Tensor,
+                   dest_block_ids: Sequence[int]) -> None:
+        """Copy device to device straight into ``kv_cache[:, :, dest_block_ids]``."""
+        ids = check_fits(kv_cache, dest_block_ids, handle.shape, handle.dtype)
+        self._read(handle, lambda pages: scatter_blocks(kv_cache, ids, pages))
+        if handle.checksum is not None:
+            self._verify_copy(handle, kv_cache[:, :, ids])
+
+    def _verify_copy(self, handle: TransferHandle, pages: torch.Tensor) -> None:
+        if handle.checksum is not None:
+            self._verify(handle, as_bytes(pages.detach().to("cpu").contiguous()))
+
+    def _read(self, handle: TransferHandle, use):
+        self._check_handle(handle)
+        export = handle.export
+        if not isinstance(export, SharedPages):
+            raise TransferError(f"cuda_ipc handle {handle.transfer_id} carries no export")
+        if handle.node_id != self.node_id:
+            raise TransferError(
+                f"cuda_ipc transfer {handle.transfer_id} was staged on node {handle.node_id} "
+                f"but this process runs on node {self.node_id}; CUDA IPC works within one node "
+                "only: use 'rdt' (NCCL) or 'grpc' across nodes")
+        try:
+            inode = os.stat(export.ticket).st_ino
+        except FileNotFoundError as exc:
+            raise self._gone(handle) from exc
+        mapped = None
+        try:
+            if export.kind == "cuda":
+                pages = self._map_cuda(handle, export)
+            else:
+                pages, mapped = self._map_cpu(handle, export)
+            out = use(pages)
+            if pages.device.type == "cuda":
+                torch.cuda.current_stream(pages.device).synchronize()
+            del pages
+        finally:
+            if mapped is not None:
+                try:
+                    mapped.close()
+                except BufferError:   # a view is still alive: the GC unmaps it
+                    pass
+        try:
+            still = os.stat(export.ticket).st_ino == inode
+        except FileNotFoundError:
+            still = False
+        if not still:
+            raise self._gone(handle, while_reading=True)
+        return out
+
+    def _map_cuda(self, handle: TransferHandle, export: SharedPages) -> torch.Tensor:
+        local = _LOCAL.get(handle.transfer_id) if export.pid == os.getpid() else None
+        if local is not None:
+            return local
+        index = local_gpu_index(export.gpu_uuid)
+        if index is None:
+            raise TransferError(
+                f"cuda_ipc transfer {handle.transfer_id} is on GPU {export.gpu_uuid}, which "
+                "this process cannot see (no GPU here, or another GPU of the node outside its "
+                "CUDA_VISIBLE_DEVICES); use 'rdt' (NCCL) between those workers")
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+        args = list(export.rebuild_args)
+        args[6] = index   # storage_device: the producer's index, renumbered for this process
+        try:
+            return rebuild_cuda_tensor(*args)
+        except RuntimeError as exc:
+            raise TransferError(f"cannot map the CUDA IPC handle of {handle.transfer_id}: "
+                                f"{exc}") from exc
+
+    @staticmethod
+    def _map_cpu(handle: TransferHandle, export: SharedPages
+                 ) -> tuple[torch.Tensor, mmap.mmap]:
+        try:
+            fd = os.open(export.ticket, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise CudaIpcTransport._gone(handle) from exc
+        try:
+            if os.fstat(fd).st_size < handle.nbytes:
+                raise TransferError(f"transfer {handle.transfer_id}: staged file is shorter "
+                                    f"than the handle's {handle.nbytes} bytes")
+            mapped = mmap.mmap(fd, handle.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        import warnings
+        with warnings.catch_warnings():   # read-only mapping: only read from
+            warnings.simplefilter("ignore")
+            flat = torch.frombuffer(mapped, dtype=torch.uint8)
+        return flat.view(torch_dtype(handle.dtype)).view(handle.shape), mapped
+
+    @staticmethod
+    def _gone(handle: TransferHandle, while_reading: bool = False) -> TransferError:
+        when = "was released while being read" if while_reading else "is not staged"
+        return TransferError(f"transfer {handle.transfer_id} (request {handle.request_id}) "
+                             f"{when}: released, expired or never staged")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _release(staged: _Staged) -> None:
+    """Unpublish first (late readers fail), then let the memory go."""
+    _unlink(staged.export.ticket)
+    staged.buffer = None   # type: ignore[assignment]
+    if staged.mapped is not None:
+        try:
+            staged.mapped.close()
+        except BufferError:   # a view is still alive somewhere: the GC will unmap it
+            pass
+
+
+def _release_all(staged: dict[str, _Staged]) -> None:
+    for item in list(staged.values()):
+        _release(item)

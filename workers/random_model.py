@@ -1,0 +1,54 @@
+"""Random-weight Llama models of a named real shape (`random:llama3-8b`), for benchmarks that need
+a model's size and layout but not its answers: built directly on the engine's device (no
+checkpoint, no download), over the tiny model's byte-level tokenizer (benchmarks send token
+ids). Same name, seed and device: the same weights, so a prefill and a decode worker agree.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+PREFIX = "random:"
+SHAPES = {
+    # Meta-Llama-3-8B's config.json
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
+    # the same layout, small enough for a CPU test of the path
+    "llama-test": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                       max_position_embeddings=2048, rope_theta=500000.0, rms_norm_eps=1e-5),
+}
+
+
+def is_random(model: str) -> bool:
+    return model.startswith(PREFIX)
+
+
+def build_random(model: str, dtype: str, device: torch.device, seed: int = 0):
+    """(model, tokenizer, ModelInfo) of `random:<shape>` in `dtype` ("auto": bfloat16 on cuda,
+    float32 elsewhere), initialised on `device`."""
+    from workers.device import DTYPES
+    from workers.model_loader import ModelLoadError, _build_tiny, _model_info
+    shape = model.removeprefix(PREFIX)
+    if shape not in SHAPES:
+        raise ModelLoadError(f"unknown random model shape {shape!r}; known: "
+                             f"{', '.join(sorted(SHAPES))}")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    config = LlamaConfig(**SHAPES[shape], initializer_range=0.02, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         attn_implementation="sdpa")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[dtype])
+    try:
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), device:
+            torch.manual_seed(seed)
+            hf_model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    hf_model.eval().requires_grad_(False)
+    tokenizer = _build_tiny(0)[1]
+    revision = f"{shape}-seed{seed}-{dtype}"
+    return hf_model, tokenizer, _model_info(model, revision, hf_model, tokenizer)
