@@ -8,13 +8,18 @@ a leak, whether its worker lives or not.
 
 Invariants (check_invariants): a hold is opened once and released at most once, with a reason;
 opened == released + open, per kind, in holds and in blocks.
+
+The router learns of a release from whichever answer comes first: a worker's load report can
+tell of a lease that ran out before the router's own thread has opened that hold (a slow
+router). Such an early release is remembered (a bounded set of recent keys) and closes the hold
+as it is opened, with the worker's reason, so it is not left open for ever.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +53,9 @@ class Hold:
         return (self.worker_id, self.kind, self.request_id)
 
 
+EARLY_KEEP = 4096
+
+
 class HandoffLedger:
     """Thread-safe. `clock` is injectable (tests)."""
 
@@ -58,6 +66,8 @@ class HandoffLedger:
         self._on_release = on_release
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str, str], Hold] = {}
+        # releases of holds not open (yet): key -> reason, the most recent EARLY_KEEP
+        self._early: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self.opened: Counter[str] = Counter()          # kind -> holds opened
         self.opened_blocks: Counter[str] = Counter()   # kind -> blocks
         self.released: Counter[str] = Counter()        # reason -> holds released
@@ -76,6 +86,9 @@ class HandoffLedger:
             self._open[h.key] = h
             self.opened[kind] += 1
             self.opened_blocks[kind] += num_blocks
+            early = self._early.pop(h.key, None)
+        if early is not None:              # released before it was opened here
+            self.release(worker_id, kind, request_id, early)
         return h
 
     def release(self, worker_id: str, kind: str, request_id: str, reason: str) -> Hold | None:
@@ -83,8 +96,12 @@ class HandoffLedger:
         harmless, the first reason stays."""
         assert reason in RELEASE_REASONS, reason
         with self._lock:
-            h = self._open.pop((worker_id, kind, request_id), None)
+            key = (worker_id, kind, request_id)
+            h = self._open.pop(key, None)
             if h is None:
+                self._early.setdefault(key, reason)
+                while len(self._early) > EARLY_KEEP:
+                    self._early.popitem(last=False)
                 return None
             h.released = reason
             self.released[reason] += 1

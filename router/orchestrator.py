@@ -165,6 +165,8 @@ class Orchestrator:
         self.recent_rejections: deque[tuple[str, str, str]] = deque(maxlen=4096)
         self.ledger = HandoffLedger()            # both sides' handoff holds, router's view
         self._incarnation: dict[str, str] = {}   # worker id -> incarnation last reported
+        self._refresh_lock = threading.Lock()    # one refresh at a time (the report loop's,
+        self._report_refs: dict[Any, Any] = {}   # a drain's): worker -> report still on its way
         self._lease_pending: set[tuple] = set()  # ledger keys left to a lease (ack lost)
         self._block_size = 16                    # learned from the first admission
         self.metrics = metrics or _NoMetrics()
@@ -189,11 +191,18 @@ class Orchestrator:
         An unhealthy worker gets no new requests and its prefix-index entries are dropped
         (a restarted actor comes back with an empty cache); it is healthy again once it
         answers."""
+        with self._refresh_lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
         with self._lock:
             workers = list(self._id)
-        refs = {w.load_report.remote(): w for w in workers}
+        # a report that did not come back in time is still on its way, carrying KV events
+        # and hold releases the worker has handed over: wait for that one, never drop it
+        refs = {self._report_refs.get(w) or w.load_report.remote(): w for w in workers}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.cfg.health_timeout_s)
         reports, failed = [], [w for r, w in refs.items() if r not in ready]
+        self._report_refs = {w: r for r, w in refs.items() if r not in ready}
         for r in ready:
             try:
                 reports.append(ray.get(r))
