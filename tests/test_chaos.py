@@ -16,7 +16,7 @@ def test_chaos_each_fault_once_loses_nothing_and_leaks_nothing():
     assert r["requests_ok"] > 0
     assert r["requests_lost"] == 0, r["lost_errors"]
     assert r["requests_ok"] + r["requests_failed_explicit"] == 30
-    assert r["leaked_blocks"] == 0, r["ledger"]
+    assert r["leaked_blocks"] == 0, (r["leak_holders"], r["ledger"])
     assert r["greedy_mismatches"] == 0
     assert r["corrupt_stagings"] >= 1     # the corruption landed in a staged copy
     # every corrupt copy a decode worker pulled was refused (D's own record of what arrived)
