@@ -209,9 +209,15 @@ def render_html(r: dict) -> str:
 
     gib = 2**30
 
+    # equal-length requests make plain and paged coincide (no tail waste at block multiples):
+    # distinct line styles and markers keep every curve visible where they overlap
+    styles = {"plain_static": dict(ls=":", marker="x"), "plain": dict(ls="--", marker="s", ms=8,
+                                                                      mfc="none"),
+              "paged": dict(ls="-", marker="o", ms=4), "paged_prefix": dict(ls="-", marker="^")}
+
     def line(ax, xs, series, xlabel, ylabel, logx=True, budget=None):
         for s, ys in series.items():
-            ax.plot(xs, ys, marker="o", label=s)
+            ax.plot(xs, ys, label=s, **styles.get(s, {"marker": "o"}))
         if budget:
             ax.axhline(budget, color="red", ls="--", label=f"budget {budget} GiB")
         ax.set_xlabel(xlabel)

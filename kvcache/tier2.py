@@ -118,29 +118,55 @@ class Tier2Index:
 
 @dataclass
 class ReloadCostModel:
-    """Seconds per token of reloading a block from tier 2 and of prefilling it, each an
-    exponential moving average of the engine's own measurements. Before both are measured a
-    reload is tried (that is how its cost becomes known)."""
+    """Seconds per token of reloading a block from tier 2 and of prefilling it, from the
+    engine's own measurements. Reload: an exponential moving average of seconds / tokens of
+    each reload. Prefill: the marginal cost of a token, the slope of step seconds against step
+    tokens over recent prefill steps (exponentially weighted least squares), since a step's
+    fixed cost is paid whether a prefix is reloaded or not; the mean seconds per token until
+    the steps seen differ enough in size to fit a slope. Before both are measured a reload is
+    tried (that is how its cost becomes known)."""
 
     reload_s_per_token: float | None = None
-    prefill_s_per_token: float | None = None
     alpha: float = 0.2
-
-    def _ewma(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+    _w: float = 0.0        # decayed sums over prefill steps: weight, x, y, xx, xy
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
 
     def observe_reload(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0:
-            self.reload_s_per_token = self._ewma(self.reload_s_per_token, seconds / num_tokens)
+            r = seconds / num_tokens
+            old = self.reload_s_per_token
+            self.reload_s_per_token = r if old is None else (1 - self.alpha) * old + self.alpha * r
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens > 0:
-            self.prefill_s_per_token = self._ewma(self.prefill_s_per_token, seconds / num_tokens)
+        if num_tokens <= 0:
+            return
+        keep = 1 - self.alpha / 4        # ~20 steps of memory
+        x, y = float(num_tokens), seconds
+        self._w = keep * self._w + 1
+        self._x = keep * self._x + x
+        self._y = keep * self._y + y
+        self._xx = keep * self._xx + x * x
+        self._xy = keep * self._xy + x * y
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        if self._w == 0:
+            return None
+        var = self._xx / self._w - (self._x / self._w) ** 2
+        if var > 0.05 * (self._x / self._w) ** 2:      # sizes spread by > ~22 %: fit a slope
+            slope = (self._xy / self._w - self._x * self._y / self._w ** 2) / var
+            if slope > 0:
+                return slope
+        return self._y / self._x
 
     def prefer_reload(self) -> bool:
-        if self.reload_s_per_token is None or self.prefill_s_per_token is None:
+        prefill = self.prefill_s_per_token
+        if self.reload_s_per_token is None or prefill is None:
             return True
-        return self.reload_s_per_token < self.prefill_s_per_token
+        return self.reload_s_per_token < prefill
 
 
 @dataclass

@@ -18,6 +18,7 @@ from kvcache.events import (
 )
 from kvcache.hashing import block_hashes
 from kvcache.manager import KVCacheManager
+from kvcache.tier2 import ReloadCostModel
 from router.prefix_index import PrefixIndex
 from workers.request import SamplingParams
 
@@ -105,6 +106,18 @@ def test_reload_is_skipped_when_measured_costlier_than_prefill():
     assert mgr.pool.tier2_stats.tier2_recomputed >= 1 and mover.reloads == 0
     # recomputing put a's blocks back into tier 1: tier 2 no longer holds them (exclusive)
     assert not any(x in mgr.pool.tier2 for x in block_hashes(a, BS, 0))
+
+
+def test_prefill_cost_is_the_marginal_cost_of_a_token():
+    """A step's fixed cost is paid with or without a reload: steps of 8 and 72 tokens costing
+    0.1 s + 1 ms per token give 1 ms per token, not the 3-13 ms of their means."""
+    costs = ReloadCostModel()
+    assert costs.prefill_s_per_token is None and costs.prefer_reload()
+    for n in (8, 72, 8, 72, 40):
+        costs.observe_prefill(n, 0.1 + 1e-3 * n)
+    assert costs.prefill_s_per_token == pytest.approx(1e-3)
+    costs.observe_reload(64, 64 * 2e-3)
+    assert not costs.prefer_reload()
 
 
 def test_reload_never_evicts_the_tier1_hits_of_the_same_prefix():

@@ -63,6 +63,8 @@ class HostKVStore:
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
         pages = self.store[torch.tensor(list(slots), dtype=torch.long)]
         kv[:, :, ids] = pages.to(kv.device, non_blocking=True).movedim(0, 2)
+        if kv.device.type == "cuda":    # the pool times this call: the copy must have landed
+            torch.cuda.synchronize(kv.device)
 
 
 # ---- engine hooks (kept here so the engine carries three one-line calls) ------------------------
