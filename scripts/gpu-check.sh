@@ -19,13 +19,20 @@ HELPER="$ROOT/scripts/gpu_check.py"
 SYS_PY="$(command -v python3 || true)"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-560}"    # skip steps that would start after this
 PORT="${GPU_CHECK_PORT:-8123}"
+MODEL="${GPU_CHECK_MODEL:-random:llama3-8b}"                 # the benches' model
+SERVE_CONFIG="${GPU_CHECK_SERVE_CONFIG:-configs/serve-one-gpu.yaml}"
+CHAT_TIMEOUT="${GPU_CHECK_CHAT_TIMEOUT:-160}"
+# GPU_CHECK_DRY_RUN=1: skip the GPU checks of steps 0-1 (tries the plumbing on a CPU machine;
+# every GPU step then fails and says why)
+DRY="${GPU_CHECK_DRY_RUN:-0}"
 START=$(date +%s)
 say() { echo "gpu-check [$(( $(date +%s) - START ))s]: $*" >&2; }
 STEPS=()
 record() { STEPS+=("\"$1\": {\"rc\": $2, \"seconds\": $3}"); }
 
 # ---- 0. fail fast, before installing anything, where there is no GPU ----------------------
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q "GPU"; then
+if [ "$DRY" != 1 ] && { ! command -v nvidia-smi >/dev/null 2>&1 || \
+    ! nvidia-smi -L 2>/dev/null | grep -q "GPU"; }; then
   if [ -n "$SYS_PY" ]; then
     "$SYS_PY" "$HELPER" no-gpu "nvidia-smi finds no GPU on $(hostname)"
   else
@@ -33,10 +40,11 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep
   fi
   exit 2
 fi
-say "$(nvidia-smi -L | head -4 | tr '\n' ' ')"
+[ "$DRY" = 1 ] && say "DRY RUN: no GPU check" || say "$(nvidia-smi -L | head -4 | tr '\n' ' ')"
 
 # ---- 1. a Python whose torch sees the GPU, with what the checks import -------------------
 has_cuda_torch() {
+  [ "$DRY" = 1 ] && { "$1" -c 'import torch' >/dev/null 2>&1; return; }
   "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1
 }
 PY=""
@@ -86,10 +94,11 @@ run_step pytest 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py \
   --junitxml="$WORK/pytest.xml"
 
 if (( $(date +%s) - START + 60 < BUDGET_S )); then
-  say "serve: SmolLM2 1P+1D on one GPU over cuda_ipc (configs/serve-one-gpu.yaml)"
-  "${RAYPD[@]}" serve --config configs/serve-one-gpu.yaml --port "$PORT" > "$WORK/serve.log" 2>&1 &
+  say "serve: SmolLM2 1P+1D on one GPU over cuda_ipc ($SERVE_CONFIG)"
+  "${RAYPD[@]}" serve --config "$SERVE_CONFIG" --port "$PORT" > "$WORK/serve.log" 2>&1 &
   SERVE_PID=$!
-  run_step chat 170 "$PY" "$HELPER" chat "http://127.0.0.1:$PORT" "$WORK/chat.json" --timeout 160
+  run_step chat $(( CHAT_TIMEOUT + 10 )) "$PY" "$HELPER" chat "http://127.0.0.1:$PORT" \
+    "$WORK/chat.json" --timeout "$CHAT_TIMEOUT"
   kill -INT "$SERVE_PID" 2>/dev/null
   for _ in $(seq 20); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 1; done
   kill -KILL "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null
@@ -97,12 +106,13 @@ else
   record chat 124 0
 fi
 
-run_step bench_engine 170 "${RAYPD[@]}" bench engine --model random:llama3-8b --device cuda \
+run_step bench_engine 170 "${RAYPD[@]}" bench engine --model "$MODEL" --device cuda \
   --dtype bfloat16 --repeats 3 --json "$WORK/bench_engine.json"
 run_step bench_transfer 200 "${RAYPD[@]}" bench transfer --device cuda \
-  --model random:llama3-8b --ttft-prompt-tokens 4096 --json "$WORK/bench_transfer.json"
+  --model "$MODEL" --ttft-prompt-tokens 4096 --json "$WORK/bench_transfer.json"
 
 # ---- 3. one JSON ------------------------------------------------------------------------
-( IFS=,; echo "{${STEPS[*]}, \"total_seconds\": $(( $(date +%s) - START ))}" ) > "$WORK/steps.json"
+( IFS=,; echo "{\"total_seconds\": $(( $(date +%s) - START ))${STEPS[*]:+,${STEPS[*]}}}" ) \
+  > "$WORK/steps.json"
 "$PY" "$HELPER" assemble "$WORK" | tee "$WORK/report.json"
 exit "${PIPESTATUS[0]}"

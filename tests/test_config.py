@@ -43,7 +43,7 @@ def test_every_section_reaches_the_pd_config(tmp_path):
     cfg = load_config(write(tmp_path, """
 model: {name: tiny, dtype: float32, kv_dtype: bfloat16, served_model_name: small, max_model_len: 1024}
 engine: {block_size: 32, num_blocks: 100, max_num_batched_tokens: 256, max_num_seqs: 8,
-         enable_prefix_caching: false, threads_per_worker: 2}
+         enable_prefix_caching: false, threads_per_worker: 2, device: cpu, cuda_graphs: false}
 workers:
   prefill: {count: 2, resources: {prefill: 1}}
   decode: {count: 3, resources: {decode: 0.5}}
@@ -61,7 +61,8 @@ ray: {address: auto}
                              num_blocks=100, kv_cache_gb=1.0, kv_tier2_gb=0.0,
                              kv_tier2_dir=None, max_num_batched_tokens=256,
                              max_num_seqs=8, max_model_len=1024, enable_prefix_caching=False,
-                             model_impl="auto", lora_adapters={}, max_loras=4)
+                             model_impl="auto", lora_adapters={}, max_loras=4,
+                             device="cpu", cuda_graphs=False)
     assert (pd.num_prefill, pd.num_decode, pd.threads_per_actor) == (2, 3, 2)
     assert pd.prefill_resources == {"prefill": 1.0} and pd.decode_resources == {"decode": 0.5}
     assert (pd.transport, pd.lease_s, pd.failure_policy) == ("grpc", 5.0, "fail")
@@ -90,7 +91,7 @@ def test_an_empty_file_is_the_defaults(tmp_path):
     ("model: {dtype: fp8}", "model.dtype: must be one of auto, float32, bfloat16, got 'fp8'"),
     ("model: {name: /no/such/dir}", "model.name: must be smollm2 or tiny or a local model"),
     ("model: {name: ''}", "model.name: must be a non-empty string"),
-    ("transfer: {transport: tcp}", "transfer.transport: must be one of grpc, object_store"),
+    ("transfer: {transport: tcp}", "transfer.transport: must be one of cuda_ipc, grpc, object_store"),
     ("transfer: {failure_policy: retry}", "transfer.failure_policy: must be one of recompute"),
     ("router: {policy: fastest}", "router.policy: must be one of cache_aware"),
     ("router: {policy: round_robin, slo: {ttft_s: 1}}",

@@ -2,7 +2,10 @@
 (workers/paged_decode.cpp), built once per machine with torch's C++ extension loader into
 raypd's cache. Where it cannot be built (no compiler) or does not apply (a GPU tensor, q and
 cache of different dtypes), the attention falls back to its pure-PyTorch path;
-`RAYPD_NATIVE_KERNELS=0` turns it off.
+`RAYPD_NATIVE_KERNELS=0` turns it off. The build folder is keyed by the source, flags, torch
+version and Python environment (torch's loader rebuilds when the environment's paths differ, so
+checkouts sharing the cache would otherwise rebuild over each other); a build lock older than
+STALE_LOCK_S (left by a build that was killed) is removed instead of waited on forever.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ SOURCE = Path(__file__).with_name("paged_decode.cpp")
 # -ffast-math: reassociated (vectorized) sums and glibc's vector expf; the kernel holds no
 # infinities or NaNs (masked keys are outside its loops), so finite-math is safe
 CFLAGS = ["-O3", "-march=native", "-ffast-math"]
+STALE_LOCK_S = 600.0   # a build takes about a minute; torch's own lock never expires
 
 
 @functools.cache
@@ -32,9 +36,18 @@ def _module():
     build.mkdir(parents=True, exist_ok=True)
     src = SOURCE.read_text()
     import hashlib
-    tag = hashlib.sha256((src + " ".join(CFLAGS) + torch.__version__).encode()).hexdigest()[:12]
-    name = f"raypd_paged_decode_{tag}"
+    import sys
+    import time
+    key = src + " ".join(CFLAGS) + torch.__version__ + sys.prefix
+    name = f"raypd_paged_decode_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     (build / name).mkdir(exist_ok=True)
+    lock = build / name / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("raypd: removing the stale build lock %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
     try:
         return load_inline(name=name, cpp_sources=[src], functions=["paged_decode"],
                            extra_cflags=CFLAGS, build_directory=str(build / name), verbose=False)
