@@ -51,10 +51,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from router.plan import parse_gpus, plan_text, run_plan
 
     try:
-        if args.validate:
-            raise ValueError("--validate (replay on a real 1P+1D cluster against the "
-                             "simulator) is not implemented yet")
         cost = cost_model_of(args)
+        if args.validate:
+            if args.gpu != "cpu-here":
+                raise ValueError("--validate compares with a real cluster here: use "
+                                 "--gpu cpu-here (with --engine-json)")
+            from router.validate import validate
+            result = validate(cost)
+            print(json.dumps(result, indent=2, default=str))
+            if args.json is not None:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+            return 0
+        if args.trace is None:
+            raise ValueError("a TRACE is needed (except with --validate)")
         trace = load_trace(args.trace, limit=args.limit)
         if not trace:
             raise ValueError(f"{args.trace}: the trace is empty")
@@ -100,7 +110,8 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
         "simulate", help="cluster simulator: P/D pools, transfer, SLO goodput; --plan sweeps",
         description="Simulate a prefill/decode cluster on a Mooncake-format trace with the "
                     "production policies, prefix index and block pools (router/cluster_sim.py)")
-    p.add_argument("trace", type=Path, help="Mooncake-format JSONL trace")
+    p.add_argument("trace", type=Path, nargs="?", default=None,
+                   help="Mooncake-format JSONL trace (not needed with --validate)")
     p.add_argument("--prefill", type=int, default=1, help="prefill GPUs/workers")
     p.add_argument("--decode", type=int, default=1, help="decode GPUs/workers")
     p.add_argument("--colocated", action="store_true",
@@ -126,7 +137,8 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plan-requests", type=int, default=800,
                    help="requests per 16 GPUs in the plan's replay (default %(default)s)")
     p.add_argument("--validate", action="store_true",
-                   help="replay on a real 1P+1D cluster vs the simulator (not implemented)")
+                   help="a short replay on a real 1P+1D cluster here against the simulator "
+                        "(cpu-here): sim_vs_real_error")
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--html", type=Path, default=None, metavar="PATH")
     p.set_defaults(func=cmd_simulate)

@@ -135,3 +135,17 @@ def test_simulate_cli_writes_json_and_html(tmp_path, capsys):
     assert d["served"] == 20 and "cpu-here stated defaults" in d["label"]
     assert "stated defaults" in capsys.readouterr().err
     assert "<table>" in page.read_text()
+
+
+def test_validate_simulator_side_replays_the_same_requests():
+    from router.validate import replay_requests, run_sim
+    replay = replay_requests(6, (128, 384), gap_s=1.0)
+    assert [len(p) for _, p in replay] == [128, 384] * 3
+    sim = run_sim(replay, 8, cpu_cost_model(), block_tokens=16)
+    assert sim["served"] == 6 and 0 < sim["ttft_p50_s"] <= sim["ttft_p99_s"]
+    assert sim["tpot_p50_s"] > 0
+
+
+def test_validate_needs_cpu_here(capsys):
+    assert _cli(["--validate", "--gpu", "h100"]) == 2
+    assert "cpu-here" in capsys.readouterr().err
