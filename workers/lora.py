@@ -13,11 +13,11 @@ zeros. Large steps (>= SEGMENT_MIN_TOKENS, prefill): tokens grouped by adapter w
 each group computing only its own A and B (a loop over the step's adapters, never over
 requests). A step without adapter tokens skips all of it.
 
-On the CPU the low-rank products run in float32 whatever the model's dtype: with a rank-sized
-inner or outer dimension, bfloat16 GEMMs leave oneDNN's fast paths (measured here: a [16, 96] x
-[96, 1536] bfloat16 addmm ran 10-60x slower than the same product in float32), while float32
-goes to MKL's sgemm and is the more exact of the two. Elsewhere (cuda) they run in the model's
-dtype. The delta is added to the projection's output in the output's dtype.
+On the CPU the low-rank products run in float32 whatever the model's dtype: they are a few
+percent of the projection's FLOPs, float32 is the more exact, and it goes to MKL's sgemm, while
+bfloat16 GEMMs with a rank-sized dimension were measured 10-60x slower than float32 here (an AMD
+EPYC without native bf16, under load; on a CPU with avx512_bf16 the comparison was not made).
+Elsewhere (cuda) they run in the model's dtype. The delta is added in the output's dtype.
 """
 
 from __future__ import annotations
