@@ -306,7 +306,6 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
            "corrupt_transfers_detected": len(detected),
            "corrupt_stagings": len(log["corrupt_staged"]),
            "corrupt_not_pulled": len(log["corrupt_staged"]) - len(pulled),
-           "corrupt_rejections_seen": orch.rejected.get("corrupt", 0),
            "leaked_blocks": leaked, "leak_holders": _holders(cluster) if leaked else {},
            "greedy_mismatches": mismatches,
            "killed": log["killed"], "delays_armed": log["delays_armed"],

@@ -199,7 +199,8 @@ class Orchestrator:
             workers = list(self._id)
         # a report that did not come back in time is still on its way, carrying KV events
         # and hold releases the worker has handed over: wait for that one, never drop it
-        refs = {self._report_refs.get(w) or w.load_report.remote(): w for w in workers}
+        pending = self._report_refs
+        refs = {pending[w] if w in pending else w.load_report.remote(): w for w in workers}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.cfg.health_timeout_s)
         reports, failed = [], [w for r, w in refs.items() if r not in ready]
         self._report_refs = {w: r for r, w in refs.items() if r not in ready}
