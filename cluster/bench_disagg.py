@@ -39,6 +39,7 @@ import ray
 from cluster.bench_transfer import random_prompt
 from cluster.pd import PDCluster, PDConfig
 from router.policies import RoutingDecision
+from router.report import percentile
 from workers.request import SamplingParams
 
 # The router marks a worker unhealthy when its load report takes longer than this; a report
@@ -123,17 +124,6 @@ def _drive(cluster: PDCluster, jobs: list[Job], prefix: str) -> list[dict]:
     for t in threads:
         t.join()
     return records
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); nan when empty."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def summarize(records: list[dict], walls: list[float]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from kvcache.hashing import CacheNamespace, hash_block
 from kvcache.step_rates import PrefillFit
 from router.policies import POLICIES, RoutingRequest, WorkerState, make_policy
 from router.prefix_index import PrefixIndex
+from router.report import percentile
 from router.sim import SimConfig, ceiling_hit_rate, simulate, trace_hashes
 from router.sim_workloads import TARGET_UTILIZATION, TARGET_WORKERS, make_workloads
 
@@ -74,8 +75,8 @@ def decision_latency(num_blocks: int = 100_000, num_workers: int = 8, num_decisi
         policy.choose_prefill(req, states, matches)
         times.append(clock() - t0)
     us = np.asarray(times[len(times) // 10:]) / 1000.0  # first 10%: warm-up
-    return {"decision_us_p50": float(np.percentile(us, 50)),
-            "decision_us_p99": float(np.percentile(us, 99)),
+    return {"decision_us_p50": percentile(us, 50),
+            "decision_us_p99": percentile(us, 99),
             "blocks_indexed": len(index), "workers": num_workers,
             "mean_request_blocks": float(np.mean([r.num_blocks for r in requests]))}
 

@@ -48,18 +48,25 @@ COST_GAUGES = ("reload_s_per_token", "prefill_s_per_token")   # measured by each
 EVIDENCE_LEVELS = ("cpu-measured", "gpu-measured", "simulated")
 
 
+def percentile(xs: Sequence[float], q: float, empty: float = math.nan) -> float:
+    """The q-th percentile (0-100), linear interpolation between closest ranks (numpy's
+    default); `empty` when there are no values. The project's one percentile helper."""
+    if not len(xs):
+        return empty
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+
+
 def percentiles(values: Sequence[float]) -> dict:
     """p50/p90/p99 (linear interpolation), mean and count; None figures when empty."""
-    v = sorted(x for x in values if x is not None)
+    v = [x for x in values if x is not None]
     if not v:
         return {"p50": None, "p90": None, "p99": None, "mean": None, "n": 0}
-
-    def q(p: float) -> float:
-        k = (len(v) - 1) * p
-        lo, hi = math.floor(k), math.ceil(k)
-        return v[lo] + (v[hi] - v[lo]) * (k - lo)
-    return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "mean": statistics.fmean(v),
-            "n": len(v)}
+    return {"p50": percentile(v, 50), "p90": percentile(v, 90), "p99": percentile(v, 99),
+            "mean": statistics.fmean(v), "n": len(v)}
 
 
 def _delta(after: dict, before: dict | None, key: str) -> Any:

@@ -42,6 +42,7 @@ from router.policies import (
     make_policy,
 )
 from router.prefix_index import ApproxPrefixIndex, PrefixIndex
+from router.report import percentile
 from router.trace import TRACE_MODEL_ID, TraceRequest, scaled_tokens
 from router.worker_view import REPORT_INTERVAL_S, apply_load_report, note_prefill
 
@@ -295,10 +296,6 @@ def _stored_delta(ev: KVEvent) -> int:
     return 0
 
 
-def _pct(xs: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
-
-
 @dataclass
 class ReportLog:
     """Every report the simulated router received, with the tick it arrived at (for tests)."""
@@ -423,9 +420,9 @@ class Simulator:
             "ceiling_hit_rate": ceiling,
             "hit_ratio_of_ceiling": hit_rate / ceiling if ceiling else 0.0,
             "max_over_mean_load": max(loads) / mean_load if mean_load else 1.0,
-            "ttft_p50_s": _pct(ttfts, 50),
-            "ttft_p90_s": _pct(ttfts, 90),
-            "ttft_p99_s": _pct(ttfts, 99),
+            "ttft_p50_s": percentile(ttfts, 50, 0.0),
+            "ttft_p90_s": percentile(ttfts, 90, 0.0),
+            "ttft_p99_s": percentile(ttfts, 99, 0.0),
             "ttft_mean_s": float(np.mean(ttfts)) if ttfts else 0.0,
             "slo_attainment": good / len(reqs) if reqs else 0.0,
             "goodput": good / span if span > 0 else float(good),
