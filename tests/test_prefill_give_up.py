@@ -1,18 +1,20 @@
 """A prefill worker that gives up on a request (its deadline passed, or the step failed) frees
-its blocks even when the request had just finished: a `hold_kv` request keeps its blocks past
-the end of its prefill, so ending it by abort alone would leak them."""
+its blocks, and ends the staged copy, even when the request had just finished: a `hold_kv`
+request keeps its blocks past the end of its prefill and the loop stages it right away, so
+ending it by abort alone would leak the blocks or leave the staging to its lease."""
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import pytest
 from conftest import random_prompt
 
-from kvcache.handoff import RequestInput
+from kvcache.handoff import PrefillResult, RequestInput
 from kvcache.sampling import RequestError, StepFailed
-from workers.actors import _DONE, DecodeHost, PrefillHost
+from workers.actors import DecodeHost, PrefillHost
 from workers.request import SamplingParams
 
 
@@ -37,13 +39,47 @@ def test_a_prefill_given_up_as_it_finishes_frees_its_blocks(hosts, give_up):
 
     def next_then_give_up(q, timeout):
         item = real_next(q, timeout)
-        if item is _DONE:       # the request has finished (and holds its blocks) ...
-            finished.append(p.engine.kv.pool.counts()["referenced"])
+        if isinstance(item, PrefillResult):   # the loop has staged it (a copy under lease) ...
+            finished.append(p.producer.stats().active)
+            q.put(item)                       # ... still unread when the worker gives up
             raise give_up("the deadline passed" if give_up is queue.Empty else "step failed")
-        return item             # ... just as the worker gives up on it
+        return item
     p._next = next_then_give_up
     with pytest.raises((RequestError, StepFailed)):
         p.prefill(adm.request, adm.plan)
-    assert finished and finished[0] > 0       # it did hold blocks when given up
+    assert finished == [1]                    # it did hold a staged copy when given up
     assert p.engine.kv.pool.counts()["referenced"] == 0
+    assert p.producer.stats().active == 0
+    assert p.ledger.counters()["open_holds"] == 0
     p.check_invariants()
+
+
+def test_a_short_prefill_is_staged_before_the_next_prefill_step(hosts):
+    """Staging runs in the loop right after the step that finished the prefill: the step that
+    starts next (here: held on an event, as a long prefill would run) does not delay the first
+    request's answer."""
+    p, d = hosts
+    adm = d.admit(RequestInput("a", tuple(random_prompt(40, 4)), SamplingParams(max_tokens=2),
+                               time.time() + 60))
+    gate, state = threading.Event(), {"hold_next": False, "holding": False}
+    real_step = p.engine.step
+
+    def held_step():
+        if state.pop("hold_next", False):
+            state["holding"] = True
+            gate.wait(60)
+            state["holding"] = False
+        outputs = real_step()
+        if any(o.finished and o.request.hold_kv for o in outputs):   # "a" has its token
+            state["hold_next"] = True
+        return outputs
+    p.engine.step = held_step
+    with p._lock:                             # a second request keeps the loop stepping
+        p.engine.add_request(random_prompt(40, 5), SamplingParams(max_tokens=3))
+    try:
+        result = p.prefill(adm.request, adm.plan)
+        assert state["holding"]               # answered while the next step still runs
+    finally:
+        gate.set()
+    assert result.handle is not None
+    p.abort_transfer(result.handle.transfer_id)

@@ -132,6 +132,7 @@ class _EngineHost:
                         self._step_started = None
                     if self.engine.scheduler.stalled:   # blocks held by reservations / leases:
                         self._work.clear()              # wait for new work, or 0.1 s
+                    self._after_step(outputs)
                     self._publish()
                 for out in outputs:
                     self._deliver(out)
@@ -162,6 +163,10 @@ class _EngineHost:
 
     def _housekeeping(self) -> None:
         """Periodic work under the lock (lease expiry on prefill workers)."""
+
+    def _after_step(self, outputs: list[StepOutput]) -> None:
+        """Under the lock, in the loop thread, right after a step and before the next one
+        (prefill workers stage finished prefills here)."""
 
     def _deliver(self, out: StepOutput) -> None:
         if out.finished:
@@ -327,6 +332,8 @@ class PrefillHost(_EngineHost):
         self.corrupt_injected = 0
         self._corrupt_armed: list[int] = []      # chaos: ids of armed corruptions, in order
         self._corrupt_applied: dict[int, tuple[str, str]] = {}   # chaos: id -> (P, transfer)
+        self._plans: dict[str, TransferPlan] = {}   # worker request id -> plan to stage
+        self._ack_lock = threading.Lock()            # guards _faults["drop_ack"]
         self._start_loop()
 
     def _housekeeping(self) -> None:
@@ -356,57 +363,95 @@ class PrefillHost(_EngineHost):
 
     def prefill(self, admitted: AdmittedRequest, plan: TransferPlan) -> PrefillResult:
         """Compute the prompt's KV (reusing this worker's prefix cache), sample the first token,
-        and stage exactly the plan's blocks under a lease."""
+        and stage exactly the plan's blocks under a lease.
+
+        The loop thread stages the plan right after the step that finished the prefill
+        (`_after_step`), before its next step: staging here would wait for the engine lock
+        until that next step ended, so a short prompt's TTFT would include the whole of the
+        next prompt's prefill step."""
         assert plan.request_id == admitted.request_id and plan.epoch == admitted.epoch
         with self._lock:
             req = self.engine.admitted_request(admitted, max_tokens=1)
             req.hold_kv = True
             q = self._open_queue(req.request_id)
+            self._plans[req.request_id] = plan
             self.engine.add_request(request=req, prompt=None)
         self._work.set()
+        result: PrefillResult | None = None
         try:
-            tokens: list[int] = []
             while (item := self._next(q, max(0.0, admitted.deadline - time.time()))) \
                     is not _DONE:
-                tokens.extend(item)
+                if isinstance(item, PrefillResult):
+                    result = item
         except queue.Empty:
-            self._drop(req.request_id)
+            self._drop(req.request_id, q)
             raise RequestError(f"request {admitted.request_id} passed its deadline in "
                                "prefill") from None
         except BaseException:     # a failed step (or anything else): nothing stays held
-            self._drop(req.request_id)
+            self._drop(req.request_id, q)
             raise
-        finally:
+        finally:   # (no lock: the loop may be in its next step; a dict pop is atomic)
             self._queues.pop(req.request_id, None)
-        with self._lock:
-            if req.lifecycle.finish_reason == "abort" or not tokens:
+            self._plans.pop(req.request_id, None)
+        if result is None:        # aborted before the loop staged it
+            with self._lock:
                 self.engine.release(req.request_id)
-                raise RequestError(f"request {req.request_id} was aborted during prefill")
-            corrupt = self._faults["corrupt"] > 0 or bool(self._corrupt_armed)
-            fid = None
-            if self._faults["corrupt"] > 0:
-                self._faults["corrupt"] -= 1
-            elif corrupt:
-                fid = self._corrupt_armed.pop(0)
-            result = stage_plan(self.engine, self.producer, self.ledger, self.worker_id, req,
-                                plan, tokens[0], corrupt=corrupt)
-            corrupt = corrupt and result.handle is not None   # nothing staged: nothing corrupted
-            self.corrupt_injected += corrupt
-            if fid is not None:
-                if corrupt:
-                    self._corrupt_applied[fid] = (self.worker_id, result.worker_request_id)
-                else:
-                    self._corrupt_armed.insert(0, fid)     # the next staging takes it
+            raise RequestError(f"request {req.request_id} was aborted during prefill")
         timing = PrefillTiming.measure(req.arrival_time, req.first_scheduled_time,  # trace hook
                                        req.first_token_time, time.perf_counter())
         return replace(result, timing=timing)
 
-    def _drop(self, request_id: str) -> None:
-        """A prefill given up: end it if it still runs, and free its blocks even when it had
-        finished meanwhile (a `hold_kv` request keeps its blocks until released)."""
+    def _after_step(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            req = out.request
+            plan = self._plans.pop(req.request_id, None) if out.finished else None
+            q = self._queues.get(req.request_id)
+            if plan is None or q is None:
+                continue
+            if req.lifecycle.finish_reason == "abort" or not req.output_token_ids:
+                continue          # prefill() sees no result and releases
+            try:
+                q.put(self._stage(req, plan))
+            except Exception as e:   # noqa: BLE001 - this request's caller gets the error
+                q.put(e)
+
+    def _stage(self, req: Any, plan: TransferPlan) -> PrefillResult:
+        """Under the lock: stage `plan` of the finished prefill `req` (chaos corruption
+        applied here when armed)."""
+        corrupt = self._faults["corrupt"] > 0 or bool(self._corrupt_armed)
+        fid = None
+        if self._faults["corrupt"] > 0:
+            self._faults["corrupt"] -= 1
+        elif corrupt:
+            fid = self._corrupt_armed.pop(0)
+        try:
+            result = stage_plan(self.engine, self.producer, self.ledger, self.worker_id, req,
+                                plan, req.output_token_ids[0], corrupt=corrupt)
+        except BaseException:
+            if fid is not None:
+                self._corrupt_armed.insert(0, fid)     # the next staging takes it
+            raise
+        corrupt = corrupt and result.handle is not None   # nothing staged: nothing corrupted
+        self.corrupt_injected += corrupt
+        if fid is not None:
+            if corrupt:
+                self._corrupt_applied[fid] = (self.worker_id, result.worker_request_id)
+            else:
+                self._corrupt_armed.insert(0, fid)     # the next staging takes it
+        return result
+
+    def _drop(self, request_id: str, q: queue.Queue | None = None) -> None:
+        """A prefill given up: end it if it still runs, free its blocks even when it had
+        finished meanwhile (a `hold_kv` request keeps its blocks until released), and end a
+        staging the loop made that nobody will hand on (its result still in `q`)."""
         with self._lock:
+            self._plans.pop(request_id, None)     # the loop stages nothing for it from now
             self.engine.abort(request_id)
             self.engine.release(request_id)
+            while q is not None and not q.empty():
+                item = q.get_nowait()
+                if isinstance(item, PrefillResult) and item.handle is not None:
+                    self.producer.abort(item.handle.transfer_id)
 
     def kv_send(self, transfer_id: str):
         """RDT producer method (called with .options(tensor_transport=...))."""
@@ -415,22 +460,21 @@ class PrefillHost(_EngineHost):
     def ack(self, transfer_id: str) -> str:
         """D has the pages: drop the staged copy. Returns the ledger reason the staging ended
         with ("acked", or "expired" / "aborted" when the lease had ended already), or
-        "dropped" when a chaos fault swallowed the ack."""
-        with self._lock:
+        "dropped" when a chaos fault swallowed the ack. The staged copy is not the engine's:
+        no engine lock (it is held through every step; the request's end waits for this)."""
+        with self._ack_lock:
             if self._faults["drop_ack"] > 0:
                 self._faults["drop_ack"] -= 1
                 return "dropped"
-            if self.producer.ack(transfer_id):
-                return L.ACKED
-            return "ended"
+        if self.producer.ack(transfer_id):
+            return L.ACKED
+        return "ended"
 
     def abort_transfer(self, transfer_id: str) -> bool:
-        with self._lock:
-            return self.producer.abort(transfer_id)
+        return self.producer.abort(transfer_id)     # the lease table has its own lock
 
     def expire_leases(self) -> list[str]:
-        with self._lock:
-            return self.producer.expire()
+        return self.producer.expire()
 
     def stats(self) -> dict:
         d = super().stats()
