@@ -393,3 +393,60 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     if lora:
         out.update(lora_out)
     return out
+
+
+# ---- `--calibration`: the engine figures the simulator's cpu-here cost model is fitted to ----
+CALIBRATION_PREFILL = (128, 512, 1024, 2048)
+CALIBRATION_DECODE = ((1, 128), (1, 1024), (4, 512), (16, 128), (16, 512))
+
+
+def run_calibration(model: str = "smollm2", threads: int | None = None, dtype: str = "auto",
+                    repeats: int = 3, device: str = "auto",
+                    prefill_lens: tuple[int, ...] = CALIBRATION_PREFILL,
+                    decode_points: tuple[tuple[int, int], ...] = CALIBRATION_DECODE,
+                    decode_steps: int = 8, max_num_batched_tokens: int = 2048) -> dict:
+    """The engine alone (no transformers baseline), prefix caching off, warmed up:
+    `prefill_tok_s` of one cold request at each length in `prefill_lens` (chunked at
+    `max_num_batched_tokens`, as a worker runs it; median of `repeats` runs) and
+    `decode_step_ms_grid`, the median step time of a decode-only batch of `batch` sequences of
+    `context` prompt tokens each over repeats x decode_steps steps (the first one left out). `raypd simulate --gpu cpu-here` fits its
+    prefill and decode costs to these (router/cost_model.py cpu_cost_model)."""
+    if threads:
+        torch.set_num_threads(threads)
+    max_batch = max(b for b, _ in decode_points)
+    need = max(max(prefill_lens) + 2, max(b * (c + decode_steps + 8) for b, c in decode_points))
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device,
+                                    num_blocks=-(-need // 16) + max_batch + 16, block_size=16,
+                                    max_num_batched_tokens=max_num_batched_tokens,
+                                    max_num_seqs=max(64, max_batch),
+                                    enable_prefix_caching=False))
+    rng = random.Random(0)
+    vocab = min(engine.info.vocab_size, 30000)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+    stats = engine.get_stats()
+    out: dict = {"model": model, "calibration": True, "threads": torch.get_num_threads(),
+                 "dtype": engine.info.dtype, "kv_dtype": engine.kv_dtype, "repeats": repeats,
+                 "device": stats["device"], "device_name": stats["device_name"],
+                 "max_num_batched_tokens": max_num_batched_tokens,
+                 "evidence": "gpu-measured" if stats["device"] == "cuda" else "cpu-measured"}
+    _engine_run(engine, [prompt(64) for _ in range(4)], [4] * 4)   # warm-up
+    out["prefill_tok_s"] = {}
+    for n in prefill_lens:
+        p = prompt(n)
+        _engine_run(engine, [p], [1])
+        out["prefill_tok_s"][str(n)] = n / _median(lambda p=p: _engine_run(engine, [p], [1])[0],
+                                                   repeats)
+    grid = []
+    for b, c in decode_points:   # one prefill per point, then repeats x decode_steps steps
+        steps = _engine_run(engine, [prompt(c) for _ in range(b)],
+                            [repeats * decode_steps + 2] * b)[3]
+        grid.append({"batch": b, "context": c, "step_ms": 1e3 * statistics.median(steps[1:])})
+    out["decode_step_ms_grid"] = grid
+    for b in (1, 16):   # the two points every cost model reads (at the shortest context)
+        pts = [g["step_ms"] for g in grid if g["batch"] == b]
+        if pts:
+            out[f"decode_step_ms_b{b}"] = pts[0]
+    engine.check_invariants()
+    return out

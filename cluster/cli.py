@@ -109,7 +109,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from cluster.bench_engine import run_engine_bench
+    from cluster.bench_engine import run_calibration, run_engine_bench
+    if args.calibration:
+        return _emit(run_calibration(model=args.model, threads=args.threads, dtype=args.dtype,
+                                     repeats=args.repeats, device=args.device or "auto"), args)
     return _emit(run_engine_bench(model=args.model, quick=args.quick, threads=args.threads,
                                   dtype=args.dtype, repeats=args.repeats, lora=args.lora,
                                   lora_only=args.lora_only, device=args.device or "auto",
@@ -177,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also compare a batch spread over the base and N random LoRA adapters "
                     "with a base-only batch (lora_throughput_ratio)")
     be.add_argument("--lora-only", action="store_true", help="with --lora: only that figure")
+    be.add_argument("--calibration", action="store_true",
+                    help="only the engine's prefill tok/s vs length and decode step time vs "
+                    "batch and context that `raypd simulate --gpu cpu-here --engine-json` fits "
+                    "(no transformers baseline; ~2 min)")
     add_device_args(be)
     be.add_argument("--json", metavar="PATH")
     be.set_defaults(func=cmd_bench_engine)

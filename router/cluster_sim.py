@@ -27,8 +27,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from kvcache.block_pool import BlockPool
 from kvcache.handoff import LoadReport
 from kvcache.hashing import BlockHash
@@ -42,6 +40,7 @@ from router.policies import (
     make_policy,
 )
 from router.prefix_index import PrefixIndex
+from router.report import percentile
 from router.sim import SimRequest, SimWorker, as_sim_requests, namespace_root, trace_hashes
 from router.transfer_rates import TransferRates
 from router.worker_view import REPORT_INTERVAL_S, apply_load_report, note_decode, note_prefill
@@ -201,10 +200,6 @@ class _ColocatedWorker(SimWorker):
         if len(self.jobs) > n:
             self.step_log.extend((b, e) for b, e, _, _ in self.jobs[-1].steps)
         return out
-
-
-def _pct(xs, q):
-    return float(np.percentile(np.asarray(xs), q)) if len(xs) else 0.0
 
 
 class ClusterSim:
@@ -376,6 +371,7 @@ class ClusterSim:
             for rid, first, fin in d.finished:
                 n = out_len[rid]
                 tpot[rid] = (fin - first) / (n - 1) if n > 1 else 0.0
+        self.ttft_s, self.tpot_s = dict(ttft), dict(tpot)   # per request, for validation
         served = [j for j in ttft if j in tpot]
         good = [j for j in served if ttft[j] <= cfg.slo_ttft_s and tpot[j] <= cfg.slo_tpot_s]
         span = max(arrival.values()) - min(arrival.values()) if arrival else 0.0
@@ -385,8 +381,8 @@ class ClusterSim:
         return {
             "num_requests": n, "served": len(served), "shed": dict(shed),
             "shed_total": sum(shed.values()),
-            "ttft_p50_s": _pct(tt, 50), "ttft_p99_s": _pct(tt, 99),
-            "tpot_p50_s": _pct(tp, 50), "tpot_p99_s": _pct(tp, 99),
+            "ttft_p50_s": percentile(tt, 50, 0.0), "ttft_p99_s": percentile(tt, 99, 0.0),
+            "tpot_p50_s": percentile(tp, 50, 0.0), "tpot_p99_s": percentile(tp, 99, 0.0),
             "slo_attainment": len(good) / n if n else 0.0,
             "goodput_rps": len(good) / span if span > 0 else float(len(good)),
             "goodput_rps_per_gpu": (len(good) / span if span > 0 else float(len(good)))

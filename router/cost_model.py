@@ -165,8 +165,10 @@ CPU_DEFAULTS = {"prefill_tok_s": {"128": 900.0, "512": 1000.0, "2048": 700.0},
 def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m",
                    kv_capacity_tokens: int = 65_536, chunk_tokens: int = 2048) -> CostModel:
     """This machine, from `raypd bench engine` JSON: prefill seconds fitted to its prefill
-    tok/s at each prompt length (overhead + linear + attention terms), decode step time from
-    its batch-1 and batch-16 step times; without a JSON, CPU_DEFAULTS (said in the notes)."""
+    tok/s at each prompt length (overhead + linear + attention terms), decode step time fitted
+    to its `decode_step_ms_grid` (`bench engine --calibration`: batch and context) or, from a
+    plain bench, its batch-1 and batch-16 step times; without a JSON, CPU_DEFAULTS (said in the
+    notes)."""
     from kvcache.step_rates import nnls
 
     src = bench_engine or CPU_DEFAULTS
@@ -180,13 +182,19 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
     else:                    # fewer (a --quick bench): the mean rate only, said in the notes
         c0, c1, c2 = 0.0, 0.0, 0.0
     c1 = c1 or sum(ys) / sum(r[1] for r in rows)
-    t1, t16 = src["decode_step_ms_b1"] / 1e3, src["decode_step_ms_b16"] / 1e3
-    per_seq = max(0.0, (t16 - t1) / 15)
+    grid = src.get("decode_step_ms_grid")
+    if grid:   # `bench engine --calibration`: step time vs batch and context, fitted
+        base, per_seq, per_ctx = nnls([(1.0, g["batch"], g["batch"] * g["context"])
+                                       for g in grid], [g["step_ms"] / 1e3 for g in grid])
+    else:      # two batch sizes at one context: no context term
+        t1, t16 = src["decode_step_ms_b1"] / 1e3, src["decode_step_ms_b16"] / 1e3
+        per_seq = max(0.0, (t16 - t1) / 15)
+        base, per_ctx = max(t1 - per_seq, 0.0), 0.0
     m = MODELS[model]
     return CostModel(
         label="cpu-here " + ("measured" if bench_engine else "stated defaults"),
         prefill=PrefillCost(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0, chunk_tokens),
-        decode=DecodeCost(max(t1 - per_seq, 0.0), per_seq, 0.0),
+        decode=DecodeCost(base, per_seq, per_ctx),
         link=LinkCost(1.0, 0.002), kv_bytes_per_token=m.kv_bytes_per_token * 2,  # fp32
         kv_capacity_tokens=kv_capacity_tokens,
         notes={"prefill_fit": "overhead + linear + attention" if len(rows) >= 3 else
@@ -194,5 +202,8 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
                "source": "raypd bench engine JSON" if bench_engine else
                "no bench engine JSON given: stated defaults CPU_DEFAULTS", "inputs": {
                    k: src[k] for k in ("prefill_tok_s", "decode_step_ms_b1",
-                                       "decode_step_ms_b16")},
+                                       "decode_step_ms_b16", "decode_step_ms_grid")
+                   if k in src},
+               "decode_fit": "base + per_seq x batch + per_ctx_token x context" if grid else
+               "base + per_seq x batch (no context term: two batch sizes measured)",
                "link": "object store on one host: 1 GB/s, 2 ms (stated)"})

@@ -57,7 +57,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 raise ValueError("--validate compares with a real cluster here: use "
                                  "--gpu cpu-here (with --engine-json)")
             from router.validate import validate
-            result = validate(cost)
+            # without --engine-json the calibration is measured here first, right before the
+            # replay (router/validate.py)
+            result = validate(cost if args.engine_json is not None else None)
             print(json.dumps(result, indent=2, default=str))
             if args.json is not None:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +140,8 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests per 16 GPUs in the plan's replay (default %(default)s)")
     p.add_argument("--validate", action="store_true",
                    help="a short replay on a real 1P+1D cluster here against the simulator "
-                        "(cpu-here): sim_vs_real_error")
+                        "(cpu-here, calibrated here first unless --engine-json is given): "
+                        "sim_vs_real_error")
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--html", type=Path, default=None, metavar="PATH")
     p.set_defaults(func=cmd_simulate)

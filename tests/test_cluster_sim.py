@@ -75,6 +75,24 @@ def test_cpu_cost_model_from_bench_engine_json_reproduces_its_prefill_rates():
     assert "measured" in c.label and "stated defaults" in cpu_cost_model().label
 
 
+def test_cpu_cost_model_fits_decode_steps_to_batch_and_context_from_a_calibration():
+    """`bench engine --calibration` measures decode steps at several (batch, context) points;
+    the cost model recovers a step time linear in both, where a plain bench (two batch sizes
+    at one context) has no context term."""
+    def truth(b: int, c: int) -> float:
+        return 30.0 + 4.0 * b + 0.01 * b * c      # ms
+    grid = [{"batch": b, "context": c, "step_ms": truth(b, c)}
+            for b, c in ((1, 128), (1, 1024), (4, 512), (16, 128), (16, 512))]
+    engine = {"prefill_tok_s": {"128": 800.0, "512": 1100.0, "2048": 900.0},
+              "decode_step_ms_grid": grid, "decode_step_ms_b1": truth(1, 128),
+              "decode_step_ms_b16": truth(16, 128)}
+    c = cpu_cost_model(engine)
+    assert c.decode.step_s(8, 8 * 2048) == pytest.approx(truth(8, 2048) / 1e3, rel=1e-6)
+    assert c.decode.per_ctx_token_s > 0 and "context" in c.notes["decode_fit"]
+    plain = cpu_cost_model({k: v for k, v in engine.items() if k != "decode_step_ms_grid"})
+    assert plain.decode.per_ctx_token_s == 0.0
+
+
 def test_gpu_roofline_states_its_efficiency_factors():
     c = gpu_cost_model("h200")
     assert c.notes["efficiency"]["prefill_mfu"] > 0 and c.notes["gpu"]["name"] == "h200"
@@ -141,6 +159,8 @@ def test_validate_simulator_side_replays_the_same_requests():
     from router.validate import replay_requests, run_sim
     replay = replay_requests(6, (128, 384), gap_s=1.0)
     assert [len(p) for _, p in replay] == [128, 384] * 3
+    arrivals = [at for at, _ in replay]
+    assert arrivals[0] == 0.0 and arrivals == sorted(arrivals) and len(set(arrivals)) == 6
     sim = run_sim(replay, 8, cpu_cost_model(), block_tokens=16)
     assert sim["served"] == 6 and 0 < sim["ttft_p50_s"] <= sim["ttft_p99_s"]
     assert sim["tpot_p50_s"] > 0
@@ -149,3 +169,18 @@ def test_validate_simulator_side_replays_the_same_requests():
 def test_validate_needs_cpu_here(capsys):
     assert _cli(["--validate", "--gpu", "h100"]) == 2
     assert "cpu-here" in capsys.readouterr().err
+
+
+def test_bench_engine_calibration_feeds_the_cpu_cost_model():
+    """`raypd bench engine --calibration` on a real (tiny) engine: the figures the cpu-here
+    cost model reads, measured, and accepted by it."""
+    from cluster.bench_engine import run_calibration
+    cal = run_calibration(model="tiny", repeats=1, prefill_lens=(32, 64, 128),
+                          decode_points=((1, 32), (2, 64), (4, 32)), decode_steps=3)
+    assert cal["evidence"] == "cpu-measured" and set(cal["prefill_tok_s"]) == {"32", "64", "128"}
+    assert all(v > 0 for v in cal["prefill_tok_s"].values())
+    assert [(g["batch"], g["context"]) for g in cal["decode_step_ms_grid"]] == [
+        (1, 32), (2, 64), (4, 32)]
+    assert all(g["step_ms"] > 0 for g in cal["decode_step_ms_grid"])
+    c = cpu_cost_model(cal)
+    assert c.label == "cpu-here measured" and c.decode.step_s(1, 32) > 0
