@@ -319,8 +319,10 @@ class Locality(BasePolicy):
                  + transfer(w)                   bytes of the KV the decode worker lacks (the
                                                  reported kv_bytes_per_token) / the GB/s the
                                                  router measured from w to that decode worker
-      cost(w)    = ttft(w) + beta * compute(w)
+      cost(w)    = ttft(w) + beta * compute(w) + balance_weight * excess(w) * compute(w)
       beta       = work_weight * max(1, shortest wait / overload_wait_s)
+      excess(w)  = max(0, sent(w) / mean sent - balance_ratio), where sent(w) is the prefill
+                   compute this router sent w, decayed over balance_tau_s (its own decisions)
 
     A worker with no fit yet is estimated with the median fit of the workers that have one;
     when no worker has measured anything, with the `unmeasured_tok_s` prior: the decision is
@@ -336,12 +338,20 @@ class Locality(BasePolicy):
     Why the extra `beta * compute`: recomputing a prefix that another worker holds is work that
     every request queued behind it waits for; pure earliest-TTFT routing spreads a popular
     prefix over every worker that is momentarily free, duplicating it in every cache and
-    evicting others' prefixes. Charging the compute again (beta = work_weight, 2 by default: tuned on all five bench
-    workloads together) keeps a prefix on its
-    holder unless the holder's queue is longer than the recompute (a hot prefix then spills
-    to other workers, which pure cache affinity never does). When every worker has a queue
+    evicting others' prefixes. Charging the compute again (beta = work_weight, 1 by
+    default) keeps a prefix on its holder unless the holder's queue is longer than the
+    recompute (a hot prefix then spills to other workers, which pure cache affinity never
+    does). When every worker has a queue
     (overload), each recomputed second delays all of them, so beta grows with the shortest
     wait.
+
+    Why the balance term: affinity (a hot prefix, a hot adapter) can keep sending one worker
+    more work than the others while its queue is still short enough to win on TTFT; the
+    term charges a worker that got more than its share lately in proportion to the excess, so
+    the hot work spills before the queue says so (SGLang's router switches to shortest-queue
+    on an imbalance threshold; this is the soft form of it). Tuned with the other weights on
+    all five bench workloads together (work_weight 1, balance_ratio 1, balance_weight 10,
+    balance_tau_s 300).
 
     The prefix index only knows blocks whose KV events have arrived, i.e. prefills that have
     finished. Locality also remembers its own decisions until `inflight_margin_s` after their
@@ -353,13 +363,18 @@ class Locality(BasePolicy):
 
     name = "locality"
 
-    def __init__(self, ttft_slo_s: float | None = None, work_weight: float = 2.0,
+    def __init__(self, ttft_slo_s: float | None = None, work_weight: float = 1.0,
                  overload_wait_s: float = 5.0, tie_s: float = 0.05,
                  inflight_margin_s: float = 5.0, lora_load_s: float = 0.05,
                  unmeasured_tok_s: float = 10_000.0, tie_frac: float = 0.1,
-                 lora_evict_weight: float = 1.0,
+                 lora_evict_weight: float = 1.0, balance_ratio: float | None = 1.0,
+                 balance_tau_s: float = 300.0, balance_weight: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, **kw) -> None:
         super().__init__(**kw)
+        self.balance_ratio = balance_ratio
+        self.balance_tau_s = balance_tau_s
+        self.balance_weight = balance_weight
+        self._sent: dict[str, tuple[float, float]] = {}   # worker -> (decayed compute s, at)
         self.lora_load_s = lora_load_s
         self.ttft_slo_s = ttft_slo_s
         self.work_weight = work_weight
@@ -404,6 +419,21 @@ class Locality(BasePolicy):
             t += lacking * w.kv_bytes_per_token / (gbps * 1e9)
         return t, compute
 
+    def _sent_s(self, worker_id: str, now: float) -> float:
+        v, at = self._sent.get(worker_id, (0.0, now))
+        return v * math.exp(-max(0.0, now - at) / self.balance_tau_s)
+
+    def _excess(self, ws: Sequence[WorkerState], now: float) -> list[float]:
+        """Per worker: how far the prefill compute this router sent it lately (decayed over
+        `balance_tau_s`) is above `balance_ratio` x the mean, as a fraction of the mean."""
+        if self.balance_ratio is None or len(ws) < 2:
+            return [0.0] * len(ws)
+        sent = [self._sent_s(w.worker_id, now) for w in ws]
+        mean = sum(sent) / len(sent)
+        if mean <= 0:
+            return [0.0] * len(ws)
+        return [max(0.0, s / mean - self.balance_ratio) for s in sent]
+
     def choose_prefill(self, req, workers, matches):
         ws = _available(workers)
         now = self.clock() if req.arrival_s is None else req.arrival_s
@@ -427,6 +457,8 @@ class Locality(BasePolicy):
             computes.append(compute)
         if measured and self.ttft_slo_s is not None and min(est) > self.ttft_slo_s:
             raise SLOUnmeetable(min(est), self.ttft_slo_s)
+        for i, excess in enumerate(self._excess(ws, now)):
+            cost[i] += self.balance_weight * excess * computes[i]
         bound = min(cost) + min(self.tie_s, self.tie_frac * min(computes))
         last = self._last_chosen
         i = min((i for i in range(len(ws)) if cost[i] <= bound),
@@ -437,6 +469,7 @@ class Locality(BasePolicy):
         last[w.worker_id] = self._decisions
         self.inflight.record(w.worker_id, req.block_hashes, now=now,
                              ttl_s=est[i] + self.inflight_margin_s)
+        self._sent[w.worker_id] = (self._sent_s(w.worker_id, now) + computes[i], now)
         return RoutingDecision(w.worker_id, "cache_hit" if hits[i] else "min_ttft",
                                est[i] if measured else None, hits[i])
 

@@ -188,6 +188,23 @@ def test_locality_spills_a_hot_prefix_when_the_holder_is_overloaded():
     assert d.worker_id in ("w0", "w2") and d.reason == "min_ttft"
 
 
+def test_locality_spills_hot_work_once_its_holder_got_more_than_its_share():
+    """The holder of a hot prefix wins every request while the (lagging) reports still show
+    its queue short; the balance term charges it for the compute it was sent beyond the
+    mean, so part of the hot work goes elsewhere before its queue says so. Without the term
+    (balance_ratio=None) it all goes to the holder."""
+    def route(policy) -> dict[str, int]:
+        workers, counts = ws(4), {}
+        for j in range(40):
+            d = policy.choose_prefill(req(20, tag=j, rid=f"r{j}", t=0.5 * j), workers,
+                                      {"w1": 16})   # w1 holds the first 16 blocks of each
+            counts[d.worker_id] = counts.get(d.worker_id, 0) + 1
+        return counts
+    assert route(make_policy("locality", balance_ratio=None)) == {"w1": 40}
+    balanced = route(make_policy("locality"))
+    assert 0 < balanced.get("w1", 0) < 40 and len(balanced) > 1
+
+
 def test_locality_estimate_uses_the_reported_fit_queue_and_measured_pair_bandwidth():
     r = RoutingRequest("r", req(8).block_hashes, 8 * BS, BS, decode_worker="d1")
     fit = PrefillFit(tok_s=4_000.0, ctx_tokens=8_192.0, overhead_s=0.03, num_steps=10)
