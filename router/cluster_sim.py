@@ -6,7 +6,8 @@ One request: decode-first admission (the policy's choose_decode on decode worker
 blocks for prompt + output reserved in D's real BlockPool, or the request waits; it is shed when
 it has waited past the TTFT SLO) -> the policy's choose_prefill on prefill reports (locality
 with the TTFT SLO sheds early: SLOUnmeetable = 429) -> P's chunked prefill (router/sim.py
-SimWorker: prefix cache in a real BlockPool) -> transfer of the KV D lacks over D's link (FIFO
+SimWorker: prefix cache in a real BlockPool; each step batches the waiting prefills first come,
+first served up to the token budget, as the engine does) -> transfer of the KV D lacks over D's link (FIFO
 per D) -> D's running batch, one token a step (step time by the decode cost model of the batch
 and its context) until the output is done; D frees the blocks.
 
@@ -187,21 +188,6 @@ class DecodeSim:
                           kv_bytes_per_token=self.cost.kv_bytes_per_token)
 
 
-class _ColocatedWorker(SimWorker):
-    """A prefill SimWorker that logs its steps' (start, end) so its GPU's decode half stalls."""
-
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
-        self.step_log: list[tuple[float, float]] = []
-
-    def serve(self, *a, **kw):
-        n = len(self.jobs)
-        out = super().serve(*a, **kw)
-        if len(self.jobs) > n:
-            self.step_log.extend((b, e) for b, e, _, _ in self.jobs[-1].steps)
-        return out
-
-
 class ClusterSim:
     def __init__(self, cost: CostModel, cfg: ClusterConfig,
                  policy: BasePolicy | None = None) -> None:
@@ -214,7 +200,7 @@ class ClusterSim:
         total_blocks = max(1, cost.kv_capacity_tokens // bt)
         if cfg.colocated:
             half = max(1, total_blocks // 2)
-            self.prefill = [_ColocatedWorker(f"gpu-{i}", half, cost, 4)
+            self.prefill = [SimWorker(f"gpu-{i}", half, cost, 4, log_steps=True)
                             for i in range(cfg.num_prefill)]
             self.decode = [DecodeSim(f"gpu-{i}", cost, half, cfg.max_decode_batch, p)
                            for i, p in enumerate(self.prefill)]
@@ -308,21 +294,28 @@ class ClusterSim:
                          now)
             key = (r.tenant, r.lora)
             root = roots.get(key) or roots.setdefault(key, namespace_root(*key))
-            _, finish = p_by_id[pd.worker_id].serve(hs, root, r.hash_ids, r.num_tokens, now,
-                                                    bt, r.lora)
-            first = finish
-            if not cfg.colocated:
-                nbytes = r.num_tokens * cost.kv_bytes_per_token
-                start = max(finish, dsim.link_free_at)
-                first = start + cost.link.seconds(nbytes)
-                dsim.link_free_at = first
-                # the router measures a transfer when it ends, not before
-                heapq.heappush(self._transfers_done, (first, pd.worker_id, dd.worker_id,
-                                                      nbytes, first - start))
-                transferred_bytes += nbytes
-            ttft[j] = first - arrival[j]
-            dsim.join(first, _Seq(j, r.output_tokens - 1, r.num_tokens, first, blocks))
+            p_by_id[pd.worker_id].serve(hs, root, r.hash_ids, r.num_tokens, now, bt, r.lora,
+                                        tag=(j, pd.worker_id, dd.worker_id, blocks))
             return True
+
+        def prefills_done(t: float) -> None:
+            """Form the prefill steps that start by t; every prefill that ended by t (in
+            finish order) goes on to its transfer and its decode worker."""
+            nonlocal transferred_bytes
+            done = sorted((x for w in self.prefill for x in w.advance(t)), key=lambda x: x[0])
+            for finish, (j, pid, did, blocks) in done:
+                r, dsim = reqs[j], d_by_id[did]
+                first = finish
+                if not cfg.colocated:
+                    nbytes = r.num_tokens * cost.kv_bytes_per_token
+                    start = max(finish, dsim.link_free_at)
+                    first = start + cost.link.seconds(nbytes)
+                    dsim.link_free_at = first
+                    # the router measures a transfer when it ends, not before
+                    heapq.heappush(self._transfers_done, (first, pid, did, nbytes, first - start))
+                    transferred_bytes += nbytes
+                ttft[j] = first - arrival[j]
+                dsim.join(first, _Seq(j, r.output_tokens - 1, r.num_tokens, first, blocks))
 
         last = 0.0
         for j, r in enumerate(reqs):
@@ -330,6 +323,7 @@ class ClusterSim:
             arrival[j] = now
             out_len[j] = r.output_tokens
             last = now
+            prefills_done(now)
             for d in self.decode:
                 d.advance(now)
             self._reports(now)
@@ -351,6 +345,7 @@ class ClusterSim:
         t = last
         while pending:                   # drain the admission queue on report ticks
             t += cfg.report_interval_s
+            prefills_done(t)
             for d in self.decode:
                 d.advance(t)
             self._reports(t)
@@ -360,6 +355,7 @@ class ClusterSim:
                 shed["admission_timeout"] += 1
             elif try_admit(k, t):
                 pending.popleft()
+        prefills_done(math.inf)
         for d in self.decode:
             d.advance(math.inf)
         return self._result(reqs, arrival, out_len, ttft, shed, transferred_bytes)

@@ -1,6 +1,7 @@
 """Routing simulator without a model: replays a workload through the real prefix index and
-policies against prefill workers that each hold a real `BlockPool` and serve a FIFO queue in
-chunked prefill steps.
+policies against prefill workers that each hold a real `BlockPool` and schedule like the
+engine: every step batches the waiting requests first come, first served, up to the token
+budget (the last one chunked).
 
 What the policies see is exactly what the live router sees: each simulated worker produces the
 same `LoadReport` a live worker does (queue in tokens and in seconds by its own fitted speed,
@@ -13,9 +14,10 @@ charges time; nothing of it, and nothing of the workers' true state, reaches a p
 
 A worker publishes (as the live loop does) after every step and when a request wakes it from
 idle; a request that arrives while it is busy shows up at the end of the running step. KV
-events: evictions when the request starts, stores when its prefill finishes. Since a worker
-serves its queue in order, its pool sees operations in routing order, so a request's real hit is
-known at routing time (for the statistics only).
+events: a request's evictions and stores when its prefill finishes (requests finish in arrival
+order on a worker, so the index sees the pool's operations in the order the pool made them).
+The pool takes a request's hit when it is routed, so its real hit is known at routing time
+(for the statistics only).
 """
 
 from __future__ import annotations
@@ -139,35 +141,50 @@ def ceiling_hit_rate(requests: Sequence[TraceRequest | SimRequest], block_tokens
 
 
 class _Job:
-    """One request on a simulated worker: its chunked prefill steps, as charged."""
+    """One request on a simulated worker, from its arrival until its last step was reported."""
 
-    __slots__ = ("arrival", "start", "finish", "steps", "num_tokens", "uncached", "blocks",
-                 "fed", "done_tokens")
+    __slots__ = ("arrival", "start", "finish", "num_tokens", "uncached", "blocks", "pos",
+                 "fed", "lora", "events", "tag")
 
-    def __init__(self, arrival: float, start: float, num_tokens: int, uncached: int,
-                 blocks: int) -> None:
-        self.arrival, self.start, self.finish = arrival, start, start
-        self.steps: list[tuple[float, float, int, int]] = []  # (start, end, new, computed before)
-        self.num_tokens, self.uncached, self.blocks = num_tokens, uncached, blocks
-        self.fed = 0              # steps already fed to the worker's rate fits
-        self.done_tokens = 0      # of `uncached`, computed by the last fed step
+    def __init__(self, arrival: float, num_tokens: int, cached: int, blocks: int, lora: str,
+                 events: list, tag: object) -> None:
+        self.arrival, self.num_tokens, self.blocks = arrival, num_tokens, blocks
+        self.uncached = num_tokens - cached
+        self.start: float | None = None    # its first step's start (None: still waiting)
+        self.finish: float | None = None   # its last step's end (None: not formed yet)
+        self.pos = cached         # prompt tokens computed by the steps formed so far
+        self.fed = 0              # of `uncached`, computed by the steps already reported
+        self.lora, self.tag = lora, tag
+        self.events = events      # [publish time (its finish; None before), its KV events]
 
 
 class SimWorker:
-    """One simulated prefill worker: its block pool, FIFO of jobs, adapter slots, and what it
-    has published (the KV events, resident adapters and speeds a LoadReport carries)."""
+    """One simulated prefill worker: its block pool, waiting queue, adapter slots, and what it
+    has published (the KV events, resident adapters and speeds a LoadReport carries).
+
+    It schedules like the engine: each step takes the waiting requests first come, first
+    served, up to the token budget (`chunk_tokens`: max_num_batched_tokens), the last one
+    chunked; a request that arrives while a step runs waits for the next one. Steps are formed
+    lazily (`advance`), since a step's batch is known only when it starts."""
 
     def __init__(self, worker_id: str, capacity_blocks: int, cost: CostModel,
-                 max_loras: int) -> None:
+                 max_loras: int, log_steps: bool = False) -> None:
         self.worker_id = worker_id
         self.pool = BlockPool(capacity_blocks)
         self.cost = cost
         self.max_loras = max_loras
-        self.jobs: deque[_Job] = deque()
+        self.jobs: deque[_Job] = deque()      # arrived, not yet reported as done
+        self.waiting: deque[_Job] = deque()   # not yet fully scheduled (FCFS)
+        self.steps: deque[tuple[float, float, list, list]] = deque()   # formed, not reported
+        self.step_log: list[tuple[float, float]] | None = [] if log_steps else None
         self.free_at = 0.0
         self.rates = StepRates()
         self.loras: OrderedDict[str, None] = OrderedDict()   # true LRU of resident adapters
-        self._pending: deque[tuple[float, str, object]] = deque()  # (time, kind, payload)
+        # to publish: KV events in the order the pool made them (each job's at its finish:
+        # jobs finish in arrival order), adapter changes in time order
+        self._events: deque[list] = deque()
+        self._lora_changes: deque[tuple[float, tuple[str, ...], float]] = deque()
+        self._done: deque[tuple[float, object]] = deque()    # (finish, tag) not yet handed on
         self._published_cached = 0
         self._published_loras: tuple[str, ...] = ()
         self._lora_loads: list[float] = []
@@ -179,9 +196,10 @@ class SimWorker:
 
     # ---- the worker's side -------------------------------------------------------------------
     def serve(self, hashes: Sequence[BlockHash], root: BlockHash, hash_ids: Sequence[int],
-              num_tokens: int, arrival: float, block_tokens: int, lora: str = ""
-              ) -> tuple[int, float]:
-        """Queue one request: returns (cached blocks it hits, prefill finish time)."""
+              num_tokens: int, arrival: float, block_tokens: int, lora: str = "",
+              tag: object = None) -> int:
+        """Queue one request (its prefix hit taken now); returns the cached blocks it hits.
+        Its finish comes out of `advance` with `tag`."""
         pool = self.pool
         n = min(len(hashes), pool.num_blocks)  # a prompt longer than the cache caches its head
         hits = []
@@ -195,83 +213,105 @@ class SimWorker:
         k = len(hits)
         pool.touch(hits)
         new = pool.allocate(n - k)
-        evicted = pool.take_events()
         pool.cache_blocks(new, hashes[k:n], parent, [(x,) for x in hash_ids[k:n]])
-        stored = pool.take_events()
+        events = [None, pool.take_events()]   # evictions for its new blocks, then their stores
+        self._events.append(events)
         pool.free(reversed(hits + new))
-
         cached = min(k * block_tokens, num_tokens - 1)   # the last token is always computed
-        u = num_tokens - cached
-        start = max(arrival, self.free_at)
-        if start == arrival:
-            self._last_idle_start = start
-        t = start
-        if lora:
-            if lora in self.loras:
-                self.loras.move_to_end(lora)
-            else:
-                if len(self.loras) >= self.max_loras:
-                    self.loras.popitem(last=False)
-                self.loras[lora] = None
-                self.lora_loads += 1
-                t += self.cost.lora_load_s
-                self._pending.append((t, "lora", (tuple(self.loras), self.cost.lora_load_s)))
-        job = _Job(arrival, start, num_tokens, u, len(hashes))
-        done, chunk = cached, self.cost.prefill.chunk_tokens
-        while done < num_tokens:
-            c = min(chunk, num_tokens - done)
-            begin, t = t, t + self.cost.prefill.step_s([(c, done)])
-            job.steps.append((begin, t, c, done))
-            done += c
-        job.finish = self.free_at = t
+        if not self.waiting and self.free_at <= arrival:
+            self._last_idle_start = arrival              # a request wakes it: it publishes
+        job = _Job(arrival, num_tokens, cached, len(hashes), lora, events, tag)
         self.jobs.append(job)
-        self.computed_tokens += u
-        self.busy_s += t - start
-        if evicted:
-            self._pending.append((start, "events", evicted))
-        if stored:
-            self._pending.append((t, "events", stored))
-        return k, t
+        self.waiting.append(job)
+        self.computed_tokens += job.uncached
+        return k
+
+    def advance(self, t: float) -> list[tuple[float, object]]:
+        """Form every step that starts by `t`; returns (finish, tag) of the requests whose
+        prefill ended by `t`, in finish order."""
+        budget0, waiting = self.cost.prefill.chunk_tokens, self.waiting
+        while waiting:
+            start = max(self.free_at, waiting[0].arrival)
+            if start > t:
+                break
+            budget, chunks, members, load_s = budget0, [], [], 0.0
+            for job in waiting:
+                if job.arrival > start or budget <= 0:
+                    break
+                if job.start is None:
+                    job.start = start
+                    if job.lora:
+                        load_s += self._use_lora(job.lora, start + load_s)
+                c = min(budget, job.num_tokens - job.pos)
+                chunks.append((c, job.pos))
+                members.append((job, c))
+                job.pos += c
+                budget -= c
+            end = start + load_s + self.cost.prefill.step_s(chunks)
+            self.steps.append((start, end, chunks, members))
+            if self.step_log is not None:
+                self.step_log.append((start, end))
+            self.busy_s += end - start
+            self.free_at = end
+            while waiting and waiting[0].pos >= waiting[0].num_tokens:
+                job = waiting.popleft()
+                job.finish = job.events[0] = end
+                self._done.append((end, job.tag))
+        out = []
+        while self._done and self._done[0][0] <= t:
+            out.append(self._done.popleft())
+        return out
+
+    def _use_lora(self, lora: str, at: float) -> float:
+        """The adapter's slot (LRU); seconds to load it when it is not resident."""
+        if lora in self.loras:
+            self.loras.move_to_end(lora)
+            return 0.0
+        if len(self.loras) >= self.max_loras:
+            self.loras.popitem(last=False)
+        self.loras[lora] = None
+        self.lora_loads += 1
+        load_s = self.cost.lora_load_s
+        self._lora_changes.append((at + load_s, tuple(self.loras), load_s))
+        return load_s
 
     def report(self, at: float) -> LoadReport:
-        """The LoadReport a live worker would answer at `at`: its state as of its last publish
-        (a step end, or a request waking it from idle) at or before `at`."""
-        for job in self.jobs:                 # feed the steps that have ended to the fits
-            if job.start > at:
-                break
-            while job.fed < len(job.steps) and job.steps[job.fed][1] <= at:
-                begin, end, c, before = job.steps[job.fed]
-                self.rates.observe_prefill(end - begin, [(c, before)])
-                job.done_tokens += c
-                job.fed += 1
-                self._last_step_end = end
-        while self.jobs and self.jobs[0].fed == len(self.jobs[0].steps) \
-                and self.jobs[0].finish <= at:
+        """The LoadReport a live worker would answer at `at` (steps formed up to `at` by
+        `advance`): its state as of its last publish (a step end, or a request waking it from
+        idle) at or before `at`."""
+        steps = self.steps
+        while steps and steps[0][1] <= at:   # feed the steps that have ended to the fits
+            begin, end, chunks, members = steps.popleft()
+            self.rates.observe_prefill(end - begin, chunks)
+            for job, c in members:
+                job.fed += c
+            self._last_step_end = end
+        while self.jobs and self.jobs[0].finish is not None and self.jobs[0].finish <= at \
+                and self.jobs[0].fed >= self.jobs[0].uncached:
             self.jobs.popleft()
         published = max(self._last_step_end, self._last_idle_start if
                         self._last_idle_start <= at else -1.0)
         events: list = []
-        p = self._pending
-        while p and p[0][0] <= published:
-            _, kind, payload = p.popleft()
-            if kind == "events":
-                events.extend(payload)
-                for ev in payload:
-                    self._published_cached += _stored_delta(ev)
-            else:
-                self._published_loras, load_s = payload
-                self._lora_loads.append(load_s)
+        pe = self._events
+        while pe and pe[0][0] is not None and pe[0][0] <= published:
+            for ev in pe.popleft()[1]:
+                events.append(ev)
+                self._published_cached += _stored_delta(ev)
+        pl = self._lora_changes
+        while pl and pl[0][0] <= published:
+            _, self._published_loras, load_s = pl.popleft()
+            self._lora_loads.append(load_s)
         fit = self.rates.prefill_fit()
         queued = running = active = num = 0
         queued_s = 0.0
         for job in self.jobs:
             if job.arrival > published:
                 break
-            left = job.uncached - job.done_tokens
+            left = job.uncached - job.fed
             num += 1
             active += job.blocks
-            if job is self.jobs[0] and job.start <= published:
-                running = left
+            if job.start is not None and job.start <= published:
+                running += left
             else:
                 queued += left
             if fit is not None:
@@ -357,6 +397,7 @@ class Simulator:
     def flush(self) -> None:
         """Let every worker finish and publish all its events (end of replay)."""
         for w in self.workers:
+            w.advance(float("inf"))
             rep = w.report(float("inf"))
             if self.precise:
                 self.index.apply(w.worker_id, rep.events)
@@ -373,13 +414,19 @@ class Simulator:
             ceiling = ceiling_hit_rate(reqs, bt, hashes)
         by_id = {w.worker_id: w for w in workers}
         roots: dict[tuple[str, str], BlockHash] = {}
-        ttfts: list[float] = []
+        finish: dict[int, float] = {}
         good = 0
         hit_tokens = total_tokens = 0
         reasons: Counter[str] = Counter()
         rejected = 0
+        def finished(done: list[tuple[float, object]]) -> None:
+            for t, j in done:
+                finish[j] = t
+
         for j, (r, hs) in enumerate(zip(reqs, hashes, strict=True)):
             now = r.timestamp_s
+            for w in workers:                # the steps that have started by now
+                finished(w.advance(now))
             self.deliver_reports(now)
             states = [self.states[w.worker_id] for w in workers]
             matches = index.match(hs) if precise else index.match(hs, now=now)
@@ -397,14 +444,19 @@ class Simulator:
             w = by_id[decision.worker_id]
             key = (r.tenant or cfg.tenant, r.lora)
             root = roots.get(key) or roots.setdefault(key, namespace_root(*key))
-            k, finish = w.serve(hs, root, r.hash_ids, r.num_tokens, now, bt, r.lora)
+            k = w.serve(hs, root, r.hash_ids, r.num_tokens, now, bt, r.lora, tag=j)
+            finished(w.advance(now))
             if not precise:
                 index.record(w.worker_id, hs, now=now)
             hit_tokens += min(k * bt, r.num_tokens)
             total_tokens += r.num_tokens
-            ttfts.append(finish - now)
-            if finish - now <= self.ttft_slo(r.num_tokens):
-                good += 1
+        for w in workers:
+            finished(w.advance(float("inf")))
+        ttfts = []
+        for j, t in sorted(finish.items()):
+            r = reqs[j]
+            ttfts.append(t - r.timestamp_s)
+            good += t - r.timestamp_s <= self.ttft_slo(r.num_tokens)
 
         loads = [w.computed_tokens for w in workers]
         mean_load = sum(loads) / len(loads)
