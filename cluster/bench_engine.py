@@ -398,16 +398,20 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
 # ---- `--calibration`: the engine figures the simulator's cpu-here cost model is fitted to ----
 CALIBRATION_PREFILL = (128, 512, 1024, 2048)
 CALIBRATION_DECODE = ((1, 128), (1, 1024), (4, 512), (16, 128), (16, 512))
+CALIBRATION_PREFILL_BATCH = ((4, 128), (2, 512), (8, 128))   # (sequences, tokens each)
 
 
 def run_calibration(model: str = "smollm2", threads: int | None = None, dtype: str = "auto",
                     repeats: int = 3, device: str = "auto",
                     prefill_lens: tuple[int, ...] = CALIBRATION_PREFILL,
                     decode_points: tuple[tuple[int, int], ...] = CALIBRATION_DECODE,
+                    prefill_batches: tuple[tuple[int, int], ...] = CALIBRATION_PREFILL_BATCH,
                     decode_steps: int = 8, max_num_batched_tokens: int = 2048) -> dict:
     """The engine alone (no transformers baseline), prefix caching off, warmed up:
     `prefill_tok_s` of one cold request at each length in `prefill_lens` (chunked at
-    `max_num_batched_tokens`, as a worker runs it; median of `repeats` runs) and
+    `max_num_batched_tokens`, as a worker runs it; median of `repeats` runs),
+    `prefill_batch_s`, the seconds of one step prefilling `batch` cold sequences of `tokens`
+    each (median of `repeats`), and
     `decode_step_ms_grid`, the median step time of a decode-only batch of `batch` sequences of
     `context` prompt tokens each over repeats x decode_steps steps (the first one left out). `raypd simulate --gpu cpu-here` fits its
     prefill and decode costs to these (router/cost_model.py cpu_cost_model)."""
@@ -438,6 +442,13 @@ def run_calibration(model: str = "smollm2", threads: int | None = None, dtype: s
         _engine_run(engine, [p], [1])
         out["prefill_tok_s"][str(n)] = n / _median(lambda p=p: _engine_run(engine, [p], [1])[0],
                                                    repeats)
+    out["prefill_batch_s"] = []
+    for b, n in prefill_batches:
+        assert b * n <= max_num_batched_tokens, "one step per point"
+        ps = [prompt(n) for _ in range(b)]
+        _engine_run(engine, ps, [1] * b)
+        out["prefill_batch_s"].append({"batch": b, "tokens": n, "step_s": _median(
+            lambda ps=ps: _engine_run(engine, ps, [1] * len(ps))[0], repeats)})
     grid = []
     for b, c in decode_points:   # one prefill per point, then repeats x decode_steps steps
         steps = _engine_run(engine, [prompt(c) for _ in range(b)],

@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--calibration", action="store_true",
                     help="only the engine's prefill tok/s vs length and decode step time vs "
                     "batch and context that `raypd simulate --gpu cpu-here --engine-json` fits "
-                    "(no transformers baseline; ~2 min)")
+                    "(no transformers baseline; ~5 min; measured in this process, while "
+                    "`simulate --validate` measures it in a Ray task placed like the workers)")
     add_device_args(be)
     be.add_argument("--json", metavar="PATH")
     be.set_defaults(func=cmd_bench_engine)

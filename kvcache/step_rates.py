@@ -79,7 +79,7 @@ def nnls(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
 
 
 def _lstsq(rows: list[list[float]], ys: Sequence[float]) -> list[float] | None:
-    """Normal equations, solved by Gaussian elimination with partial pivoting (k <= 3)."""
+    """Normal equations, solved by Gaussian elimination with partial pivoting (a few columns)."""
     k = len(rows[0])
     a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
     b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(k)]

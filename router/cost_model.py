@@ -2,8 +2,11 @@
 adapter load cost. Only the simulator charges time with it; policies never see it (they see the
 workers' load reports, whose speeds the simulated workers fit from the steps charged here).
 
-Prefill step (chunks of (new tokens u, tokens computed before c)):
-    step_s = step_overhead_s + sum(u) / tok_s + sum(u * (c + u/2)) / (tok_s * attn_ctx_tokens)
+Prefill step (chunks of (new tokens u, tokens computed before c); T = sum(u)):
+    step_s = step_overhead_s + T / tok_s + step_tok_sq_s * T^2
+             + sum(u * (c + u/2)) / (tok_s * attn_ctx_tokens)
+(the T^2 term: a step's linear layers slow down per token as the step grows, measured on a CPU
+whose caches the activations outgrow; 0 on the GPU rooflines)
 Decode step of `batch` sequences holding `ctx` tokens in all:
     step_s = base_s + per_seq_s * batch + per_ctx_token_s * ctx
 Transfer of n bytes over a link: latency_s + n / (gbps * 1e9).
@@ -21,6 +24,7 @@ class PrefillCost:
     attn_ctx_tokens: float = 32_768.0  # context at which a token costs twice as much; 0: off
     step_overhead_s: float = 0.02      # fixed cost of one prefill step
     chunk_tokens: int = 8192           # chunked prefill: new tokens per step at most
+    step_tok_sq_s: float = 0.0         # seconds per (step tokens)^2
 
     def prefill_s(self, num_tokens: int, num_cached_tokens: int = 0) -> float:
         """Chunked prefill of tokens [num_cached_tokens, num_tokens) alone on a worker."""
@@ -33,6 +37,8 @@ class PrefillCost:
 
     def step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         t = self.step_overhead_s
+        total = sum(u for u, _ in chunks)
+        t += self.step_tok_sq_s * total * total
         for u, c in chunks:
             t += u / self.tok_s
             if self.attn_ctx_tokens > 0:
@@ -173,12 +179,20 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
 
     src = bench_engine or CPU_DEFAULTS
     rows, ys = [], []
-    for n, tok_s in src["prefill_tok_s"].items():
+    for n, tok_s in src["prefill_tok_s"].items():   # one sequence of n tokens
         n = int(n)
-        rows.append((1.0, n, n * n / 2.0))
+        rows.append((1.0, n, n * n / 2.0, float(n * n)))
         ys.append(n / float(tok_s))
-    if len(rows) >= 3:       # overhead, linear and attention terms need three lengths
-        c0, c1, c2 = nnls(rows, ys)
+    batched = src.get("prefill_batch_s") or []       # b sequences of n tokens, one step
+    for p in batched:
+        b, n = p["batch"], p["tokens"]
+        rows.append((1.0, b * n, b * n * n / 2.0, float((b * n) ** 2)))
+        ys.append(p["step_s"])
+    sq = 0.0
+    if batched and len(rows) >= 4:   # attention (per sequence) and step size apart
+        c0, c1, c2, sq = nnls(rows, ys)
+    elif len(rows) >= 3:     # overhead, linear and attention terms need three lengths
+        c0, c1, c2 = nnls([r[:3] for r in rows], ys)
     else:                    # fewer (a --quick bench): the mean rate only, said in the notes
         c0, c1, c2 = 0.0, 0.0, 0.0
     c1 = c1 or sum(ys) / sum(r[1] for r in rows)
@@ -193,15 +207,16 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
     m = MODELS[model]
     return CostModel(
         label="cpu-here " + ("measured" if bench_engine else "stated defaults"),
-        prefill=PrefillCost(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0, chunk_tokens),
+        prefill=PrefillCost(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0, chunk_tokens, sq),
         decode=DecodeCost(base, per_seq, per_ctx),
         link=LinkCost(1.0, 0.002), kv_bytes_per_token=m.kv_bytes_per_token * 2,  # fp32
         kv_capacity_tokens=kv_capacity_tokens,
-        notes={"prefill_fit": "overhead + linear + attention" if len(rows) >= 3 else
+        notes={"prefill_fit": "overhead + linear + step tokens^2 + attention" if batched else
+               "overhead + linear + attention" if len(rows) >= 3 else
                f"mean rate only ({len(rows)} prompt length(s) measured)",
                "source": "raypd bench engine JSON" if bench_engine else
                "no bench engine JSON given: stated defaults CPU_DEFAULTS", "inputs": {
-                   k: src[k] for k in ("prefill_tok_s", "decode_step_ms_b1",
+                   k: src[k] for k in ("prefill_tok_s", "prefill_batch_s", "decode_step_ms_b1",
                                        "decode_step_ms_b16", "decode_step_ms_grid")
                    if k in src},
                "decode_fit": "base + per_seq x batch + per_ctx_token x context" if grid else

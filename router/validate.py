@@ -3,9 +3,9 @@ in the cluster simulator with the cpu-here cost model; `sim_vs_real_error` is th
 relative error of TTFT p50, TTFT p99 and TPOT p50 (simulator against real).
 
 The cost model comes from `raypd bench engine --calibration` figures: a JSON given with
-`--engine-json`, or (without one) measured by this command first, on this machine, with the
-workers' thread count, right before the replay, so that both sides see the machine in the same
-state. The calibration measures the engine alone (prefill of one request at several lengths,
+`--engine-json`, or (without one) measured by this command first, on this machine, in a Ray task
+placed like the workers and with their thread count, right before the replay, so that both
+sides see the machine in the same state. The calibration measures the engine alone (prefill of one request at several lengths,
 decode steps at several batch sizes and contexts); the replay adds what the simulator has to
 predict: queueing behind other prefills, the transfer, decode batches forming and changing.
 
@@ -48,7 +48,7 @@ def run_real(replay, max_tokens: int, engine: dict) -> dict:
     from workers.request import SamplingParams
 
     started = not ray.is_initialized()
-    if started:
+    if started:   # (validate() starts Ray itself; a caller of run_real may not have)
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     cluster = PDCluster(PDConfig(engine=engine, num_prefill=1, num_decode=1))
     per: dict[int, tuple[float, float | None]] = {}
@@ -121,19 +121,19 @@ def run_sim(replay, max_tokens: int, cost: CostModel, block_tokens: int) -> dict
                      for j, t in sim.ttft_s.items() if j in sim.tpot_s})
 
 
-def calibrate(engine: dict, threads: int = 1, repeats: int = 3) -> dict:
-    """`raypd bench engine --calibration` figures for the workers' engine, measured here now
-    with the workers' thread count (the driver's torch threads are restored after)."""
-    import torch
-
+def _calibration(engine: dict, threads: int, repeats: int) -> dict:
     from cluster.bench_engine import run_calibration
-    before = torch.get_num_threads()
-    try:
-        return run_calibration(model=engine.get("model", "smollm2"), threads=threads,
-                               dtype=engine.get("dtype", "auto"), repeats=repeats,
-                               device="cpu")
-    finally:
-        torch.set_num_threads(before)
+    return run_calibration(model=engine.get("model", "smollm2"), threads=threads,
+                           dtype=engine.get("dtype", "auto"), repeats=repeats, device="cpu")
+
+
+def calibrate(engine: dict, threads: int = 1, repeats: int = 3) -> dict:
+    """`raypd bench engine --calibration` figures for the workers' engine, measured here now,
+    in a Ray task placed like the workers (num_cpus=0, `threads` torch threads): Ray's worker
+    environment (OMP_NUM_THREADS=1 among others) made the same prefill ~15% slower than in a
+    plain process on this machine, so a calibration outside it predicts the workers wrong."""
+    import ray
+    return ray.get(ray.remote(num_cpus=0)(_calibration).remote(engine, threads, repeats))
 
 
 def validate(cost: CostModel | None = None, num_requests: int = 12,
@@ -143,7 +143,20 @@ def validate(cost: CostModel | None = None, num_requests: int = 12,
     `gap_s` or else the cost model's mean prefill time over `prompt_lens` divided by `load`
     (the prefill worker's utilization: queueing without an ever-growing queue, whose TTFT
     would only say how long the replay ran)."""
+    import ray
     engine = engine or {"block_size": 16}
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        return _validate(cost, num_requests, prompt_lens, max_tokens, load, gap_s, engine)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _validate(cost: CostModel | None, num_requests: int, prompt_lens, max_tokens: int,
+              load: float, gap_s: float | None, engine: dict) -> dict:
     calibration = None
     if cost is None:
         calibration = calibrate(engine)

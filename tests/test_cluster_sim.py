@@ -93,6 +93,23 @@ def test_cpu_cost_model_fits_decode_steps_to_batch_and_context_from_a_calibratio
     assert plain.decode.per_ctx_token_s == 0.0
 
 
+def test_cpu_cost_model_tells_step_size_from_attention_by_batched_prefills():
+    """One sequence of n tokens cannot tell a step's size (T^2) from attention (n^2 / 2):
+    `prefill_batch_s` (b sequences in one step) can; the fit recovers both."""
+    from router.cost_model import PrefillCost
+    truth = PrefillCost(tok_s=250.0, attn_ctx_tokens=4096.0, step_overhead_s=0.02,
+                        chunk_tokens=2048, step_tok_sq_s=2e-7)
+    engine = {"prefill_tok_s": {str(n): n / truth.step_s([(n, 0)])
+                                for n in (128, 512, 1024, 2048)},
+              "prefill_batch_s": [{"batch": b, "tokens": n, "step_s": truth.step_s([(n, 0)] * b)}
+                                  for b, n in ((4, 128), (2, 512), (8, 128))],
+              "decode_step_ms_b1": 100.0, "decode_step_ms_b16": 200.0}
+    fit = cpu_cost_model(engine).prefill
+    assert fit.step_tok_sq_s == pytest.approx(2e-7, rel=1e-3)
+    assert fit.step_s([(384, 0), (128, 0)]) == pytest.approx(
+        truth.step_s([(384, 0), (128, 0)]), rel=1e-3)
+
+
 def test_gpu_roofline_states_its_efficiency_factors():
     c = gpu_cost_model("h200")
     assert c.notes["efficiency"]["prefill_mfu"] > 0 and c.notes["gpu"]["name"] == "h200"
@@ -176,11 +193,13 @@ def test_bench_engine_calibration_feeds_the_cpu_cost_model():
     cost model reads, measured, and accepted by it."""
     from cluster.bench_engine import run_calibration
     cal = run_calibration(model="tiny", repeats=1, prefill_lens=(32, 64, 128),
-                          decode_points=((1, 32), (2, 64), (4, 32)), decode_steps=3)
+                          decode_points=((1, 32), (2, 64), (4, 32)), decode_steps=3,
+                          prefill_batches=((2, 32),))
     assert cal["evidence"] == "cpu-measured" and set(cal["prefill_tok_s"]) == {"32", "64", "128"}
     assert all(v > 0 for v in cal["prefill_tok_s"].values())
     assert [(g["batch"], g["context"]) for g in cal["decode_step_ms_grid"]] == [
         (1, 32), (2, 64), (4, 32)]
     assert all(g["step_ms"] > 0 for g in cal["decode_step_ms_grid"])
+    assert [(p["batch"], p["tokens"]) for p in cal["prefill_batch_s"]] == [(2, 32)]
     c = cpu_cost_model(cal)
     assert c.label == "cpu-here measured" and c.decode.step_s(1, 32) > 0
