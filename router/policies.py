@@ -319,8 +319,9 @@ class Locality(BasePolicy):
                  + transfer(w)                   bytes of the KV the decode worker lacks (the
                                                  reported kv_bytes_per_token) / the GB/s the
                                                  router measured from w to that decode worker
-      cost(w)    = ttft(w) + beta * compute(w) + balance_weight * excess(w) * compute(w)
-      beta       = work_weight * max(1, shortest wait / overload_wait_s)
+      cost(w)    = ttft(w) + beta * compute(w) + gamma * excess(w) * compute(w)
+      overload   = max(1, shortest wait / overload_wait_s)
+      beta       = work_weight * overload,   gamma = balance_weight / overload
       excess(w)  = max(0, sent(w) / mean sent - balance_ratio), where sent(w) is the prefill
                    compute this router sent w, decayed over balance_tau_s (its own decisions)
 
@@ -349,7 +350,8 @@ class Locality(BasePolicy):
     more work than the others while its queue is still short enough to win on TTFT; the
     term charges a worker that got more than its share lately in proportion to the excess, so
     the hot work spills before the queue says so (SGLang's router switches to shortest-queue
-    on an imbalance threshold; this is the soft form of it). Tuned with the other weights on
+    on an imbalance threshold; this is the soft form of it). In overload every queue says so
+    and each recomputed second delays everyone, so the term fades as beta grows. Tuned with the other weights on
     all five bench workloads together (work_weight 1, balance_ratio 1, balance_weight 10,
     balance_tau_s 300).
 
@@ -445,10 +447,11 @@ class Locality(BasePolicy):
         lora_load_s = sum(lora_s) / len(lora_s) if lora_s else None
         gbps_all = [g for w in ws for g in w.transfer_gbps_to.values() if g > 0]
         pooled_gbps = sum(gbps_all) / len(gbps_all) if gbps_all else None
-        beta = self.work_weight
+        overload = 1.0
         if self.overload_wait_s > 0:
             waits = [w.wait_s(w.prefill_fit or pooled or self.unmeasured_fit) or 0.0 for w in ws]
-            beta *= max(1.0, min(waits) / self.overload_wait_s)
+            overload = max(1.0, min(waits) / self.overload_wait_s)
+        beta = self.work_weight * overload
         est, cost, computes = [], [], []
         for w, h in zip(ws, hits, strict=True):
             t, compute = self.estimate(req, w, h, pooled, lora_load_s, pooled_gbps)
@@ -458,7 +461,7 @@ class Locality(BasePolicy):
         if measured and self.ttft_slo_s is not None and min(est) > self.ttft_slo_s:
             raise SLOUnmeetable(min(est), self.ttft_slo_s)
         for i, excess in enumerate(self._excess(ws, now)):
-            cost[i] += self.balance_weight * excess * computes[i]
+            cost[i] += self.balance_weight / overload * excess * computes[i]
         bound = min(cost) + min(self.tie_s, self.tie_frac * min(computes))
         last = self._last_chosen
         i = min((i for i in range(len(ws)) if cost[i] <= bound),
