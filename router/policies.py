@@ -322,8 +322,10 @@ class Locality(BasePolicy):
       cost(w)    = ttft(w) + beta * compute(w) + gamma * excess(w) * compute(w)
       overload   = max(1, shortest wait / overload_wait_s)
       beta       = work_weight * overload,   gamma = balance_weight / overload
-      excess(w)  = max(0, sent(w) / mean sent - balance_ratio), where sent(w) is the prefill
-                   compute this router sent w, decayed over balance_tau_s (its own decisions)
+      excess(w)  = max(0, sent(w) - balance_ratio * mean)
+                   / max(mean, balance_min_requests * smallest compute), where sent(w) is the
+                   prefill compute this router sent w, decayed over balance_tau_s (its own
+                   decisions)
 
     A worker with no fit yet is estimated with the median fit of the workers that have one;
     when no worker has measured anything, with the `unmeasured_tok_s` prior: the decision is
@@ -371,11 +373,13 @@ class Locality(BasePolicy):
                  unmeasured_tok_s: float = 10_000.0, tie_frac: float = 0.1,
                  lora_evict_weight: float = 1.0, balance_ratio: float | None = 1.0,
                  balance_tau_s: float = 300.0, balance_weight: float = 10.0,
+                 balance_min_requests: float = 4.0,
                  clock: Callable[[], float] = time.monotonic, **kw) -> None:
         super().__init__(**kw)
         self.balance_ratio = balance_ratio
         self.balance_tau_s = balance_tau_s
         self.balance_weight = balance_weight
+        self.balance_min_requests = balance_min_requests
         self._sent: dict[str, tuple[float, float]] = {}   # worker -> (decayed compute s, at)
         self.lora_load_s = lora_load_s
         self.ttft_slo_s = ttft_slo_s
@@ -425,16 +429,20 @@ class Locality(BasePolicy):
         v, at = self._sent.get(worker_id, (0.0, now))
         return v * math.exp(-max(0.0, now - at) / self.balance_tau_s)
 
-    def _excess(self, ws: Sequence[WorkerState], now: float) -> list[float]:
+    def _excess(self, ws: Sequence[WorkerState], now: float, compute: float) -> list[float]:
         """Per worker: how far the prefill compute this router sent it lately (decayed over
-        `balance_tau_s`) is above `balance_ratio` x the mean, as a fraction of the mean."""
+        `balance_tau_s`) is above `balance_ratio` x the mean, as a fraction of the mean, or of
+        `balance_min_requests` x this request's `compute` while the mean is below that (a
+        handful of requests is no imbalance: a quiet cluster's first requests follow their
+        prefixes)."""
         if self.balance_ratio is None or len(ws) < 2:
             return [0.0] * len(ws)
         sent = [self._sent_s(w.worker_id, now) for w in ws]
         mean = sum(sent) / len(sent)
-        if mean <= 0:
+        scale = max(mean, self.balance_min_requests * compute)
+        if scale <= 0:
             return [0.0] * len(ws)
-        return [max(0.0, s / mean - self.balance_ratio) for s in sent]
+        return [max(0.0, s - self.balance_ratio * mean) / scale for s in sent]
 
     def choose_prefill(self, req, workers, matches):
         ws = _available(workers)
@@ -460,7 +468,7 @@ class Locality(BasePolicy):
             computes.append(compute)
         if measured and self.ttft_slo_s is not None and min(est) > self.ttft_slo_s:
             raise SLOUnmeetable(min(est), self.ttft_slo_s)
-        for i, excess in enumerate(self._excess(ws, now)):
+        for i, excess in enumerate(self._excess(ws, now, min(computes))):
             cost[i] += self.balance_weight / overload * excess * computes[i]
         bound = min(cost) + min(self.tie_s, self.tie_frac * min(computes))
         last = self._last_chosen

@@ -205,6 +205,15 @@ def test_locality_spills_hot_work_once_its_holder_got_more_than_its_share():
     assert 0 < balanced.get("w1", 0) < 40 and len(balanced) > 1
 
 
+def test_locality_balance_leaves_a_quiet_clusters_first_requests_to_their_prefixes():
+    """A couple of requests is no imbalance: the second request of a quiet two-worker cluster
+    still goes where its prefix is, though that worker got all the work so far."""
+    p, workers = make_policy("locality"), ws(2)
+    first = p.choose_prefill(req(20, tag=1, rid="a", t=0.0), workers, {})
+    second = p.choose_prefill(req(20, tag=2, rid="b", t=1.0), workers, {first.worker_id: 16})
+    assert second.worker_id == first.worker_id and second.reason == "cache_hit"
+
+
 def test_locality_estimate_uses_the_reported_fit_queue_and_measured_pair_bandwidth():
     r = RoutingRequest("r", req(8).block_hashes, 8 * BS, BS, decode_worker="d1")
     fit = PrefillFit(tok_s=4_000.0, ctx_tokens=8_192.0, overhead_s=0.03, num_steps=10)
