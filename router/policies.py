@@ -353,9 +353,9 @@ class Locality(BasePolicy):
     term charges a worker that got more than its share lately in proportion to the excess, so
     the hot work spills before the queue says so (SGLang's router switches to shortest-queue
     on an imbalance threshold; this is the soft form of it). In overload every queue says so
-    and each recomputed second delays everyone, so the term fades as beta grows. Tuned with the other weights on
-    all five bench workloads together (work_weight 1, balance_ratio 1, balance_weight 10,
-    balance_tau_s 300).
+    and each recomputed second delays everyone, so the term fades as beta grows. Tuned with
+    the other weights on all five bench workloads together (work_weight 1, balance_ratio 1,
+    balance_weight 10, balance_tau_s 300, balance_min_requests 4).
 
     The prefix index only knows blocks whose KV events have arrived, i.e. prefills that have
     finished. Locality also remembers its own decisions until `inflight_margin_s` after their
