@@ -411,10 +411,10 @@ def run_calibration(model: str = "smollm2", threads: int | None = None, dtype: s
     `prefill_tok_s` of one cold request at each length in `prefill_lens` (chunked at
     `max_num_batched_tokens`, as a worker runs it; median of `repeats` runs),
     `prefill_batch_s`, the seconds of one step prefilling `batch` cold sequences of `tokens`
-    each (median of `repeats`), and
-    `decode_step_ms_grid`, the median step time of a decode-only batch of `batch` sequences of
-    `context` prompt tokens each over repeats x decode_steps steps (the first one left out). `raypd simulate --gpu cpu-here` fits its
-    prefill and decode costs to these (router/cost_model.py cpu_cost_model)."""
+    each (median of `repeats`), and `decode_step_ms_grid`, the median step time of a
+    decode-only batch of `batch` sequences of `context` prompt tokens each over
+    repeats x decode_steps steps (the first one left out). `raypd simulate --gpu cpu-here`
+    fits its prefill and decode costs to these (router/cost_model.py cpu_cost_model)."""
     if threads:
         torch.set_num_threads(threads)
     max_batch = max(b for b, _ in decode_points)
@@ -456,8 +456,8 @@ def run_calibration(model: str = "smollm2", threads: int | None = None, dtype: s
         grid.append({"batch": b, "context": c, "step_ms": 1e3 * statistics.median(steps[1:])})
     out["decode_step_ms_grid"] = grid
     for b in (1, 16):   # the two points every cost model reads (at the shortest context)
-        pts = [g["step_ms"] for g in grid if g["batch"] == b]
+        pts = [g for g in grid if g["batch"] == b]
         if pts:
-            out[f"decode_step_ms_b{b}"] = pts[0]
+            out[f"decode_step_ms_b{b}"] = min(pts, key=lambda g: g["context"])["step_ms"]
     engine.check_invariants()
     return out

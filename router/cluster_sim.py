@@ -7,8 +7,8 @@ blocks for prompt + output reserved in D's real BlockPool, or the request waits;
 it has waited past the TTFT SLO) -> the policy's choose_prefill on prefill reports (locality
 with the TTFT SLO sheds early: SLOUnmeetable = 429) -> P's chunked prefill (router/sim.py
 SimWorker: prefix cache in a real BlockPool; each step batches the waiting prefills first come,
-first served up to the token budget, as the engine does) -> transfer of the KV D lacks over D's link (FIFO
-per D) -> D's running batch, one token a step (step time by the decode cost model of the batch
+first served up to the token budget, as the engine does) -> transfer of the KV D lacks over D's
+link (FIFO per D) -> D's running batch, one token a step (step time by the decode cost model of the batch
 and its context) until the output is done; D frees the blocks.
 
 TTFT = first token at the client = P's prefill done + transfer (D streams from there); TPOT =
@@ -257,7 +257,6 @@ class ClusterSim:
         def try_admit(j: int, now: float) -> bool:
             """Decode-first: reserve on D, route to P, schedule prefill, transfer and decode.
             False: no decode worker has room now (the request keeps waiting)."""
-            nonlocal transferred_bytes
             r, hs = reqs[j], hashes[j]
             req = RoutingRequest(str(j), hs, r.num_tokens, bt, r.tenant, r.output_tokens,
                                  arrival_s=now, lora=r.lora)

@@ -5,8 +5,9 @@ workers' load reports, whose speeds the simulated workers fit from the steps cha
 Prefill step (chunks of (new tokens u, tokens computed before c); T = sum(u)):
     step_s = step_overhead_s + T / tok_s + step_tok_sq_s * T^2
              + sum(u * (c + u/2)) / (tok_s * attn_ctx_tokens)
-(the T^2 term: a step's linear layers slow down per token as the step grows, measured on a CPU
-whose caches the activations outgrow; 0 on the GPU rooflines)
+(the T^2 term lets a calibration with batched prefill steps tell a step's size from
+per-sequence attention, which one sequence a step cannot; on this machine's calibrations it
+fitted to 0, the batched points going to the attention term; 0 on the GPU rooflines)
 Decode step of `batch` sequences holding `ctx` tokens in all:
     step_s = base_s + per_seq_s * batch + per_ctx_token_s * ctx
 Transfer of n bytes over a link: latency_s + n / (gbps * 1e9).

@@ -55,7 +55,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.validate:
             if args.gpu != "cpu-here":
                 raise ValueError("--validate compares with a real cluster here: use "
-                                 "--gpu cpu-here (with --engine-json)")
+                                 "--gpu cpu-here (--engine-json optional)")
             from router.validate import validate
             # without --engine-json the calibration is measured here first, right before the
             # replay (router/validate.py)

@@ -5,15 +5,18 @@ relative error of TTFT p50, TTFT p99 and TPOT p50 (simulator against real).
 The cost model comes from `raypd bench engine --calibration` figures: a JSON given with
 `--engine-json`, or (without one) measured by this command first, on this machine, in a Ray task
 placed like the workers and with their thread count, right before the replay, so that both
-sides see the machine in the same state. The calibration measures the engine alone (prefill of one request at several lengths,
-decode steps at several batch sizes and contexts); the replay adds what the simulator has to
-predict: queueing behind other prefills, the transfer, decode batches forming and changing.
+sides see the machine in the same state. The calibration measures the engine alone (prefill of
+one request at several lengths and of a few batched prompts in one step, decode steps at
+several batch sizes and contexts); the replay adds what the simulator has to predict: queueing
+behind other prefills, prompts batched into one step, the transfer, decode batches forming and
+changing.
 
-The replay: `num_requests` prompts of random token ids (lengths cycling over `prompt_lens`),
-`max_tokens` each (ignore_eos), arrivals every `gap_s`; the real side measures TTFT at the
-client (first streamed token) and TPOT from the first to the last streamed token, after one
-warm-up request of each prompt length through both workers. Both sides are `cpu-measured`; `per_request` gives each request's figures on both
-sides, to see where they part."""
+The replay (`replay_requests`): `num_requests` prompts of random token ids (lengths cycling
+over `prompt_lens`), `max_tokens` each (ignore_eos), Poisson arrivals; the real side measures
+TTFT at the client (first streamed token) and TPOT from the first to the last streamed token,
+after one warm-up request of each prompt length through both workers. Both sides are
+`cpu-measured`; `per_request` gives each request's figures on both sides (and its real stage
+seconds), to see where they part."""
 
 from __future__ import annotations
 
@@ -42,14 +45,10 @@ def replay_requests(num_requests: int, prompt_lens: tuple[int, ...], gap_s: floa
 
 
 def run_real(replay, max_tokens: int, engine: dict) -> dict:
-    import ray
-
+    """The replay on a real 1P+1D cluster (Ray already started: `validate`)."""
     from cluster.pd import PDCluster, PDConfig
     from workers.request import SamplingParams
 
-    started = not ray.is_initialized()
-    if started:   # (validate() starts Ray itself; a caller of run_real may not have)
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     cluster = PDCluster(PDConfig(engine=engine, num_prefill=1, num_decode=1))
     per: dict[int, tuple[float, float | None]] = {}
     errors: list[str] = []
@@ -89,8 +88,6 @@ def run_real(replay, max_tokens: int, engine: dict) -> dict:
             stages[idx] = trace.stage_seconds() if trace is not None else {}
     finally:
         cluster.shutdown()
-        if started:
-            ray.shutdown()
     out = _summary(per, errors)
     for idx, st in stages.items():
         out["per_request"][idx]["stage_s"] = st
@@ -127,12 +124,16 @@ def _calibration(engine: dict, threads: int, repeats: int) -> dict:
                            dtype=engine.get("dtype", "auto"), repeats=repeats, device="cpu")
 
 
-def calibrate(engine: dict, threads: int = 1, repeats: int = 3) -> dict:
+def calibrate(engine: dict, threads: int | None = None, repeats: int = 3) -> dict:
     """`raypd bench engine --calibration` figures for the workers' engine, measured here now,
     in a Ray task placed like the workers (num_cpus=0, `threads` torch threads): Ray's worker
     environment (OMP_NUM_THREADS=1 among others) made the same prefill ~15% slower than in a
-    plain process on this machine, so a calibration outside it predicts the workers wrong."""
+    plain process on this machine, so a calibration outside it predicts the workers wrong.
+    `threads` None: the workers' own (PDConfig.threads_per_actor)."""
     import ray
+
+    from cluster.pd import PDConfig
+    threads = threads or PDConfig().threads_per_actor
     return ray.get(ray.remote(num_cpus=0)(_calibration).remote(engine, threads, repeats))
 
 
