@@ -15,6 +15,11 @@ TTFT = first token at the client = P's prefill done + transfer (D streams from t
 (finish - first token) / (output - 1). A request attains the SLO when TTFT <= slo_ttft and
 TPOT <= slo_tpot; goodput = attained requests / s of the trace span (shed ones fail).
 
+Shared host (`shared_host=True`, cpu-here's 1P+1D validation): prefill i and decode i share
+cores and memory; a decode step overlapping a prefill step runs cost.shared_host.decode_x
+times slower over the overlap, a prefill step that starts while decode i has a batch
+prefill_x times slower.
+
 Colocated mode (`colocated=True`): `num_prefill` GPUs that each prefill and decode; prefill
 steps have priority (the decode batch waits while a prefill step runs: the interference
 DistServe measures), the prefix cache and the decode KV split the GPU's KV memory in half.
@@ -60,10 +65,14 @@ class ClusterConfig:
     report_rpc_s: float = 0.002
     max_decode_batch: int = 256
     shed_on_slo: bool = True         # locality rejects (429) a request it cannot serve in SLO
+    shared_host: bool = False        # prefill i and decode i share a host (cost.shared_host)
 
     def validate(self) -> None:
         if self.num_prefill < 1 or (not self.colocated and self.num_decode < 1):
             raise ValueError("--prefill and --decode must be >= 1")
+        if self.shared_host and (self.colocated or self.num_prefill != self.num_decode):
+            raise ValueError("shared_host pairs prefill i with decode i: equal pool sizes, "
+                             "not colocated")
         if self.slo_ttft_s <= 0 or self.slo_tpot_s <= 0:
             raise ValueError("--slo-ttft and --slo-tpot must be > 0")
 
@@ -77,10 +86,14 @@ class _Seq:
 
 class DecodeSim:
     """One decode worker (or the decode half of a colocated GPU): continuous batching, advanced
-    in jumps between batch changes; `busy` (colocated) gives the prefill steps that stall it."""
+    in jumps between batch changes. `prefill`: the worker whose prefill steps slow it down,
+    decode running at `busy_rate` of its speed while one runs (0, colocated: the GPU is the
+    prefill's; 1 / decode_x on a shared host)."""
 
     def __init__(self, worker_id: str, cost: CostModel, capacity_blocks: int,
-                 max_batch: int, prefill: SimWorker | None = None) -> None:
+                 max_batch: int, prefill: SimWorker | None = None,
+                 busy_rate: float = 0.0) -> None:
+        assert 0.0 <= busy_rate <= 1.0
         self.worker_id = worker_id
         self.cost = cost
         self.pool = BlockPool(capacity_blocks, enable_prefix_caching=False)
@@ -92,16 +105,18 @@ class DecodeSim:
         self.link_free_at = 0.0
         self.finished: list[tuple[int, float, float]] = []  # (rid, first token, finish)
         self.prefill = prefill                              # colocated: the same GPU's prefill
+        self.busy_rate = busy_rate
         self._busy_i = 0
         self._n = 0
 
-    # colocated: seconds of [a, b) not taken by prefill steps
     def _busy_steps(self):
         if self.prefill is None:
             return []
         return self.prefill.step_log
 
     def _free_time(self, a: float, b: float) -> float:
+        """Seconds of decode progress in [a, b): full speed outside prefill steps, busy_rate
+        inside them."""
         if b <= a:
             return 0.0
         steps = self._busy_steps()
@@ -112,12 +127,12 @@ class DecodeSim:
         self._busy_i = i
         while i < len(steps) and steps[i][0] < b:
             s, e = steps[i]
-            free -= max(0.0, min(e, b) - max(s, a))
+            free -= (1.0 - self.busy_rate) * max(0.0, min(e, b) - max(s, a))
             i += 1
         return max(free, 0.0)
 
     def _time_after(self, a: float, need: float) -> float:
-        """Wall time at which `need` seconds of free time have passed since a."""
+        """Wall time at which `need` seconds of decode progress have passed since a."""
         steps = self._busy_steps()
         if not steps:
             return a + need
@@ -130,8 +145,23 @@ class DecodeSim:
             s, e = steps[i]
             if s > t:
                 need -= s - t
-            t = max(t, e)
+                t = s
+            # inside the step [t, e): progress at busy_rate
+            if self.busy_rate > 0 and (e - t) * self.busy_rate >= need:
+                return t + need / self.busy_rate
+            need -= (e - t) * self.busy_rate
+            t = e
             i += 1
+
+    def busy_at(self, t: float) -> bool:
+        """Whether this worker has a decode batch at t (as far as it has been advanced: a
+        sequence that joined by t, or one running whose tokens last past t)."""
+        if self.joins and self.joins[0][0] <= t:
+            return True
+        if not self.running:
+            return False
+        dt = self.cost.decode.step_s(len(self.running), sum(s.ctx for s in self.running))
+        return self.now + max(s.left for s in self.running) * dt > t
 
     def join(self, at: float, seq: _Seq) -> None:
         self._n += 1
@@ -204,6 +234,14 @@ class ClusterSim:
                             for i in range(cfg.num_prefill)]
             self.decode = [DecodeSim(f"gpu-{i}", cost, half, cfg.max_decode_batch, p)
                            for i, p in enumerate(self.prefill)]
+        elif cfg.shared_host:   # P i and D i on one host: each slows the other (measured)
+            sh = cost.shared_host
+            self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, log_steps=True)
+                            for i in range(cfg.num_prefill)]
+            self.decode = [DecodeSim(f"decode-{i}", cost, total_blocks, cfg.max_decode_batch,
+                                     p, 1.0 / sh.decode_x) for i, p in enumerate(self.prefill)]
+            for p, d in zip(self.prefill, self.decode, strict=True):
+                p.slowdown_at = (lambda t, d=d: sh.prefill_x if d.busy_at(t) else 1.0)
         else:
             self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4)
                             for i in range(cfg.num_prefill)]

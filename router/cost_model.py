@@ -3,18 +3,30 @@ adapter load cost. Only the simulator charges time with it; policies never see i
 workers' load reports, whose speeds the simulated workers fit from the steps charged here).
 
 Prefill step (chunks of (new tokens u, tokens computed before c); T = sum(u)):
-    step_s = step_overhead_s + T / tok_s + step_tok_sq_s * T^2
-             + sum(u * (c + u/2)) / (tok_s * attn_ctx_tokens)
+    fit_s = step_overhead_s + T / tok_s + step_tok_sq_s * T^2
+            + sum(u * (c + u/2)) / (tok_s * attn_ctx_tokens)
 (the T^2 term lets a calibration with batched prefill steps tell a step's size from
 per-sequence attention, which one sequence a step cannot; on this machine's calibrations it
-fitted to 0, the batched points going to the attention term; 0 on the GPU rooflines)
+fitted to 0, the batched points going to the attention term; 0 on the GPU rooflines).
+With a measured table `solo_s` (seconds of one cold sequence of n tokens alone: cpu-here),
+a chunk alone costs what the table says (interpolated: S(c + u) - S(c) + overhead, S(0) =
+overhead; past the table, the fit's growth) and a step of several chunks the sum of those
+times fit_s(step) / sum(fit_s(chunk alone)): solo costs measured, batching from the fit
+(on this machine the per-token cost is flat to 512 tokens and then rises faster than the
+fit's form can follow: the fit came out 8-10% short at 1024 tokens in three calibrations).
 Decode step of `batch` sequences holding `ctx` tokens in all:
     step_s = base_s + per_seq_s * batch + per_ctx_token_s * ctx
 Transfer of n bytes over a link: latency_s + n / (gbps * 1e9).
+Shared host (`SharedHost`, cpu-here: a prefill and a decode worker on the same cores and
+memory): a decode step that overlaps a prefill step runs `decode_x` times slower over the
+overlap, a prefill step that starts while the decode worker has a batch `prefill_x` times
+slower; `raypd simulate --validate` measures both on the real cluster before its replay
+(router/validate.py probe_shared_host); 1.0 elsewhere.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -27,6 +39,8 @@ class PrefillCost:
     chunk_tokens: int = 8192           # chunked prefill: new tokens per step at most
     step_tok_sq_s: float = 0.0         # seconds per (step tokens)^2
 
+    solo_s: tuple[tuple[int, float], ...] = ()   # (n, s) one cold sequence alone, measured
+
     def prefill_s(self, num_tokens: int, num_cached_tokens: int = 0) -> float:
         """Chunked prefill of tokens [num_cached_tokens, num_tokens) alone on a worker."""
         t, done = 0.0, num_cached_tokens
@@ -37,6 +51,31 @@ class PrefillCost:
         return t
 
     def step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        fit = self.fit_s(chunks)
+        if not self.solo_s or not chunks:
+            return fit
+        solo = sum(self._solo_chunk_s(u, c) for u, c in chunks)
+        if len(chunks) == 1:
+            return solo
+        return solo * fit / sum(self.fit_s([ch]) for ch in chunks)
+
+    def _solo_curve(self, n: float) -> float:
+        """Seconds of one cold sequence of n tokens alone: the table, linear between its
+        points (and from (0, overhead)); past its last point, that point plus the fit's
+        growth."""
+        xs = [0] + [p[0] for p in self.solo_s]
+        ys = [self.step_overhead_s] + [p[1] for p in self.solo_s]
+        if n >= xs[-1]:
+            return ys[-1] + self.fit_s([(int(n), 0)]) - self.fit_s([(xs[-1], 0)])
+        i = bisect.bisect_right(xs, n)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    def _solo_chunk_s(self, u: int, c: int) -> float:
+        return self._solo_curve(c + u) - self._solo_curve(c) + self.step_overhead_s
+
+    def fit_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """The fitted form alone (module doc)."""
         t = self.step_overhead_s
         total = sum(u for u, _ in chunks)
         t += self.step_tok_sq_s * total * total
@@ -69,6 +108,13 @@ class LinkCost:
 
 
 @dataclass(frozen=True)
+class SharedHost:
+    """Slowdowns of a prefill and a decode worker sharing one host (module doc); 1.0: none."""
+    prefill_x: float = 1.0
+    decode_x: float = 1.0
+
+
+@dataclass(frozen=True)
 class CostModel:
     label: str = "synthetic"
     prefill: PrefillCost = PrefillCost()
@@ -77,6 +123,7 @@ class CostModel:
     kv_bytes_per_token: int = 46_080   # SmolLM2-135M, fp32 (2 x 30 layers x 3 kv heads x 64 x 4)
     kv_capacity_tokens: int = 4_194_304   # KV tokens one worker's pool holds
     lora_load_s: float = 0.2
+    shared_host: SharedHost = SharedHost()
     notes: dict = field(default_factory=dict)   # where the figures come from (stated in output)
 
     def to_dict(self) -> dict:
@@ -206,9 +253,12 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
         per_seq = max(0.0, (t16 - t1) / 15)
         base, per_ctx = max(t1 - per_seq, 0.0), 0.0
     m = MODELS[model]
+    solo = tuple(sorted((int(n), int(n) / float(v)) for n, v in src["prefill_tok_s"].items()
+                        if int(n) <= chunk_tokens))   # one step each
     return CostModel(
         label="cpu-here " + ("measured" if bench_engine else "stated defaults"),
-        prefill=PrefillCost(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0, chunk_tokens, sq),
+        prefill=PrefillCost(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0, chunk_tokens, sq,
+                            solo),
         decode=DecodeCost(base, per_seq, per_ctx),
         link=LinkCost(1.0, 0.002), kv_bytes_per_token=m.kv_bytes_per_token * 2,  # fp32
         kv_capacity_tokens=kv_capacity_tokens,
@@ -222,4 +272,5 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
                    if k in src},
                "decode_fit": "base + per_seq x batch + per_ctx_token x context" if grid else
                "base + per_seq x batch (no context term: two batch sizes measured)",
-               "link": "object store on one host: 1 GB/s, 2 ms (stated)"})
+               "link": "object store on one host: 1 GB/s, 2 ms (stated)",
+               "solo_prefill": "one sequence: the measured prefill_tok_s table, interpolated"})

@@ -23,7 +23,7 @@ The pool takes a request's hit when it is routed, so its real hit is known at ro
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -177,6 +177,8 @@ class SimWorker:
         self.waiting: deque[_Job] = deque()   # not yet fully scheduled (FCFS)
         self.steps: deque[tuple[float, float, list, list]] = deque()   # formed, not reported
         self.step_log: list[tuple[float, float]] | None = [] if log_steps else None
+        # a step starting at t runs slowdown_at(t) times its cost (a shared host's neighbour)
+        self.slowdown_at: Callable[[float], float] | None = None
         self.free_at = 0.0
         self.rates = StepRates()
         self.loras: OrderedDict[str, None] = OrderedDict()   # true LRU of resident adapters
@@ -247,7 +249,10 @@ class SimWorker:
                 members.append((job, c))
                 job.pos += c
                 budget -= c
-            end = start + load_s + self.cost.prefill.step_s(chunks)
+            step_s = self.cost.prefill.step_s(chunks)
+            if self.slowdown_at is not None:
+                step_s *= self.slowdown_at(start)
+            end = start + load_s + step_s
             self.steps.append((start, end, chunks, members))
             if self.step_log is not None:
                 self.step_log.append((start, end))

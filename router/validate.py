@@ -20,13 +20,16 @@ seconds), to see where they part."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
+import statistics
 import threading
 import time
 from dataclasses import asdict
 
 from router.cluster_sim import ClusterConfig, ClusterSim
-from router.cost_model import CostModel, cpu_cost_model
+from router.cost_model import CostModel, SharedHost, cpu_cost_model
 from router.report import percentile
 from router.sim import SimRequest
 
@@ -44,8 +47,67 @@ def replay_requests(num_requests: int, prompt_lens: tuple[int, ...], gap_s: floa
     return out
 
 
+def _timed_request(cluster, prompt: list[int], max_tokens: int, request_id: str | None = None,
+                   first: threading.Event | None = None) -> tuple[float, list[float], int]:
+    """(start, arrival time of each delta that carries tokens, tokens) of one request through
+    the cluster; `first` is set at its first token."""
+    from workers.request import SamplingParams
+    start, token_times = time.perf_counter(), []
+
+    def on_delta(delta: dict) -> None:
+        if delta["token_ids"]:
+            token_times.append(time.perf_counter())
+            if first is not None:
+                first.set()
+    res = cluster.run_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                              request_id=request_id, on_delta=on_delta)
+    return start, token_times, len(res["token_ids"])
+
+
+def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens: int,
+                      decode_tokens: int = 64) -> dict:
+    """How much the real prefill and decode workers slow each other on this host (they share
+    its cores, its memory and the serving processes' CPU): the median gap between streamed
+    tokens of one `context`-token sequence while a `prefill_tokens` prompt prefills, over the
+    same alone (decode_x); that prompt's TTFT beside the decoding sequence, over alone
+    (prefill_x). Run after the warm-up and before the replay, with probe requests of its own
+    (none of the replay's)."""
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, 30000) for _ in range(n)]
+
+    def gaps(ts: list[float], a: float = -math.inf, b: float = math.inf) -> list[float]:
+        return [y - x for x, y in zip(ts, ts[1:], strict=False) if x >= a and y <= b]
+    s, ts, _ = _timed_request(cluster, prompt(prefill_tokens), 2)
+    ttft_alone = ts[0] - s
+    _, ts, _ = _timed_request(cluster, prompt(context), decode_tokens)
+    gap_alone = statistics.median(gaps(ts))
+    started, box = threading.Event(), {}
+
+    def decode() -> None:
+        try:
+            box["d"] = _timed_request(cluster, prompt(context), decode_tokens, first=started)
+        finally:
+            started.set()
+    th = threading.Thread(target=decode)
+    th.start()
+    started.wait()
+    s, ts, _ = _timed_request(cluster, prompt(prefill_tokens), 2)
+    th.join()
+    assert "d" in box, "the probe's decode request failed"
+    ttft_beside = ts[0] - s
+    inside = gaps(box["d"][1], s, ts[0])
+    gap_beside = statistics.median(inside) if len(inside) >= 5 else gap_alone
+    return {"context": context, "prefill_tokens": prefill_tokens,
+            "decode_gap_s_alone": gap_alone, "decode_gap_s_beside_prefill": gap_beside,
+            "decode_gaps_beside": len(inside), "prefill_ttft_s_alone": ttft_alone,
+            "prefill_ttft_s_beside_decode": ttft_beside,
+            "decode_x": max(1.0, gap_beside / gap_alone),
+            "prefill_x": max(1.0, ttft_beside / ttft_alone)}
+
+
 def run_real(replay, max_tokens: int, engine: dict) -> dict:
-    """The replay on a real 1P+1D cluster (Ray already started: `validate`)."""
+    """The replay on a real 1P+1D cluster (Ray already started: `validate`), after a warm-up
+    and the shared-host probe (both not measured as the replay)."""
     from cluster.pd import PDCluster, PDConfig
     from workers.request import SamplingParams
 
@@ -55,28 +117,22 @@ def run_real(replay, max_tokens: int, engine: dict) -> dict:
     stages: dict[int, dict[str, float]] = {}
     try:   # warm-up, not measured: one request of each prompt length through both workers
         rng = random.Random(1)
-        for n in sorted({len(p) for _, p in replay}):
+        lens = sorted({len(p) for _, p in replay})
+        for n in lens:
             cluster.run_request([rng.randrange(100, 30000) for _ in range(n)],
                                 SamplingParams(max_tokens=4, ignore_eos=True))
+        probe = probe_shared_host(cluster, rng, lens[len(lens) // 2], lens[-1])
         t0 = time.perf_counter()
 
         def one(idx, at, prompt):
             time.sleep(max(0.0, at - (time.perf_counter() - t0)))
-            start = time.perf_counter()
-            token_times: list[float] = []     # arrival of each delta that carries tokens
-
-            def on_delta(delta: dict) -> None:
-                if delta["token_ids"]:
-                    token_times.append(time.perf_counter())
             try:
-                res = cluster.run_request(prompt, SamplingParams(max_tokens=max_tokens,
-                                                                 ignore_eos=True),
-                                          request_id=f"validate-{idx}", on_delta=on_delta)
+                start, token_times, n = _timed_request(cluster, prompt, max_tokens,
+                                                       f"validate-{idx}")
             except Exception as e:   # noqa: BLE001 - counted, reported
                 errors.append(str(e))
                 return
-            n = len(res["token_ids"])   # TTFT: first token; TPOT: first -> last token
-            per[idx] = (token_times[0] - start,
+            per[idx] = (token_times[0] - start,   # TTFT: first token; TPOT: first -> last
                         (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else None)
         threads = [threading.Thread(target=one, args=(i, *r)) for i, r in enumerate(replay)]
         for t in threads:
@@ -91,6 +147,7 @@ def run_real(replay, max_tokens: int, engine: dict) -> dict:
     out = _summary(per, errors)
     for idx, st in stages.items():
         out["per_request"][idx]["stage_s"] = st
+    out["shared_host_probe"] = probe
     return out
 
 
@@ -112,7 +169,8 @@ def run_sim(replay, max_tokens: int, cost: CostModel, block_tokens: int) -> dict
             for j, (at, p) in enumerate(replay)]
     sim = ClusterSim(cost, ClusterConfig(num_prefill=1, num_decode=1, policy="locality",
                                          block_tokens=block_tokens, slo_ttft_s=1e9,
-                                         slo_tpot_s=1e9, shed_on_slo=False))
+                                         slo_tpot_s=1e9, shed_on_slo=False,
+                                         shared_host=True))
     sim.run(reqs)
     return _summary({j: (t, sim.tpot_s.get(j) if max_tokens > 1 else None)
                      for j, t in sim.ttft_s.items() if j in sim.tpot_s})
@@ -167,15 +225,19 @@ def _validate(cost: CostModel | None, num_requests: int, prompt_lens, max_tokens
         mean_prefill = sum(cost.prefill.prefill_s(n) for n in prompt_lens) / len(prompt_lens)
         gap_s = mean_prefill / load
     replay = replay_requests(num_requests, tuple(prompt_lens), gap_s)
-    sim = run_sim(replay, max_tokens, cost, engine.get("block_size", 16))
     real = run_real(replay, max_tokens, engine)
+    probe = real["shared_host_probe"]
+    cost = dataclasses.replace(cost, shared_host=SharedHost(probe["prefill_x"],
+                                                            probe["decode_x"]))
+    sim = run_sim(replay, max_tokens, cost, engine.get("block_size", 16))
     errors = {k: abs(sim[k] - real[k]) / real[k] if real[k] else None
               for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s")}
     known = [e for e in errors.values() if e is not None]
     return {"label": "cpu-measured (real) vs simulated cpu-here", "cost_model": cost.label,
             "calibration": calibration or "given (--engine-json)",
             "cost_model_fit": {"prefill": asdict(cost.prefill), "decode": asdict(cost.decode),
-                               "link": asdict(cost.link)},
+                               "link": asdict(cost.link),
+                               "shared_host": asdict(cost.shared_host)},
             "replay": {"requests": num_requests, "prompt_lens": list(prompt_lens),
                        "load": load if derived else None,
                        "max_tokens": max_tokens, "gap_s": gap_s, "engine": engine},

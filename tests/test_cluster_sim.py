@@ -106,8 +106,62 @@ def test_cpu_cost_model_tells_step_size_from_attention_by_batched_prefills():
               "decode_step_ms_b1": 100.0, "decode_step_ms_b16": 200.0}
     fit = cpu_cost_model(engine).prefill
     assert fit.step_tok_sq_s == pytest.approx(2e-7, rel=1e-3)
-    assert fit.step_s([(384, 0), (128, 0)]) == pytest.approx(
+    assert fit.fit_s([(384, 0), (128, 0)]) == pytest.approx(
         truth.step_s([(384, 0), (128, 0)]), rel=1e-3)
+
+
+def test_cpu_prefill_of_one_sequence_follows_the_measured_table_and_batches_by_the_fit():
+    """A per-token cost flat to 512 tokens and steep after it (as measured here) is not the
+    fit's form: one sequence costs what the table says at its points and in between,
+    chunks continue the curve, and a batched step scales the solo costs by the fit's ratio."""
+    engine = {"prefill_tok_s": {"128": 200.0, "512": 200.0, "1024": 160.0, "2048": 130.0},
+              "decode_step_ms_b1": 100.0, "decode_step_ms_b16": 200.0}
+    p = cpu_cost_model(engine).prefill
+    for n, tok_s in engine["prefill_tok_s"].items():
+        assert p.step_s([(int(n), 0)]) == pytest.approx(int(n) / tok_s, rel=1e-9)
+    assert p.step_s([(768, 0)]) == pytest.approx((2.56 + 6.4) / 2, rel=1e-9)
+    # chunked: the two chunks add up to the whole (one step overhead more)
+    assert p.step_s([(512, 0)]) + p.step_s([(512, 512)]) == pytest.approx(
+        6.4 + p.step_overhead_s, rel=1e-9)
+    assert max(abs(p.fit_s([(int(n), 0)]) * v / int(n) - 1)    # the fit alone misses some
+               for n, v in engine["prefill_tok_s"].items()) > 0.03
+    batch = [(384, 0), (128, 0)]
+    solo = p.step_s([batch[0]]) + p.step_s([batch[1]])
+    assert p.step_s(batch) == pytest.approx(
+        solo * p.fit_s(batch) / (p.fit_s([batch[0]]) + p.fit_s([batch[1]])), rel=1e-9)
+
+
+def test_shared_host_slows_decode_during_prefill_steps_and_prefill_beside_decode():
+    """Validation's 1P+1D on one host: decode steps overlapping a prefill step run decode_x
+    slower, a prefill step starting while decode has a batch prefill_x slower."""
+    import dataclasses
+
+    from router.cost_model import PrefillCost, SharedHost
+    base = CostModel(prefill=PrefillCost(tok_s=1000.0, attn_ctx_tokens=0.0,
+                                         step_overhead_s=0.0, chunk_tokens=4096),
+                     decode=DecodeCost(base_s=0.1, per_seq_s=0.0, per_ctx_token_s=0.0),
+                     link=dataclasses.replace(CostModel().link, gbps=1e6, latency_s=0.0),
+                     kv_capacity_tokens=16 * 1000)
+    slow = dataclasses.replace(base, shared_host=SharedHost(prefill_x=1.5, decode_x=2.0))
+    # request 0 decodes 40 tokens (4 s) from ~0.1 s; request 1 (2000 tokens: 2 s alone)
+    # arrives at 1 s, while request 0 decodes
+    work = [SimRequest(0.0, 100, 41, (1,)), SimRequest(1.0, 2000, 2, (2, 3, 4, 5))]
+
+    def run(cost, shared):
+        sim = ClusterSim(cost, ClusterConfig(num_prefill=1, num_decode=1, block_tokens=512,
+                                             policy="round_robin", slo_ttft_s=1e9,
+                                             slo_tpot_s=1e9, shared_host=shared))
+        sim.run(work)
+        return sim.ttft_s, sim.tpot_s
+    (t0, p0), (t1, p1) = run(base, False), run(slow, True)
+    assert run(base, True) == (t0, p0)                 # factors of 1: no change
+    assert t1[1] == pytest.approx(1.5 * t0[1], rel=0.01)   # 2 s prefill -> 3 s
+    # request 0's 4 s of decode: the 3 s it overlaps the prefill (1..4 s) at half speed
+    # make 1.5 s of progress, losing 1.5 s
+    assert p0[0] * 40 == pytest.approx(4.0)
+    assert p1[0] * 40 == pytest.approx(4.0 + 3.0 * (1 - 1 / 2.0), abs=0.01)
+    with pytest.raises(ValueError, match="shared_host"):
+        ClusterConfig(num_prefill=2, num_decode=1, shared_host=True).validate()
 
 
 def test_gpu_roofline_states_its_efficiency_factors():
