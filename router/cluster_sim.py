@@ -153,15 +153,17 @@ class DecodeSim:
             t = e
             i += 1
 
-    def busy_at(self, t: float) -> bool:
-        """Whether this worker has a decode batch at t (as far as it has been advanced: a
-        sequence that joined by t, or one running whose tokens last past t)."""
-        if self.joins and self.joins[0][0] <= t:
-            return True
-        if not self.running:
-            return False
-        dt = self.cost.decode.step_s(len(self.running), sum(s.ctx for s in self.running))
-        return self.now + max(s.left for s in self.running) * dt > t
+    def busy_until(self, t: float) -> float:
+        """When the decode work this worker has by t ends (t: none), estimated from where it
+        has been advanced to: its running and joined sequences' tokens at the step time of
+        all of them together, no slowdown counted (the prefill step asking is what would
+        slow it)."""
+        seqs = self.running + [s for at, _, s in self.joins if at <= t]
+        if not seqs:
+            return t
+        start = min([self.now] + [at for at, _, _ in self.joins if at <= t])
+        dt = self.cost.decode.step_s(len(seqs), sum(s.ctx for s in seqs))
+        return max(t, start + max(s.left for s in seqs) * dt)
 
     def join(self, at: float, seq: _Seq) -> None:
         self._n += 1
@@ -218,6 +220,17 @@ class DecodeSim:
                           kv_bytes_per_token=self.cost.kv_bytes_per_token)
 
 
+def _slowed(start: float, step_s: float, busy_until: float, x: float) -> float:
+    """Duration of a prefill step of `step_s` alone that starts at `start` on a host whose
+    decode worker is busy until `busy_until`: 1/x of its speed while the decode runs."""
+    overlap = busy_until - start
+    if overlap <= 0 or x <= 1.0:
+        return step_s
+    if step_s * x <= overlap:
+        return step_s * x
+    return overlap + step_s - overlap / x
+
+
 class ClusterSim:
     def __init__(self, cost: CostModel, cfg: ClusterConfig,
                  policy: BasePolicy | None = None) -> None:
@@ -241,7 +254,8 @@ class ClusterSim:
             self.decode = [DecodeSim(f"decode-{i}", cost, total_blocks, cfg.max_decode_batch,
                                      p, 1.0 / sh.decode_x) for i, p in enumerate(self.prefill)]
             for p, d in zip(self.prefill, self.decode, strict=True):
-                p.slowdown_at = (lambda t, d=d: sh.prefill_x if d.busy_at(t) else 1.0)
+                p.slowed = (lambda t, step_s, d=d: _slowed(t, step_s, d.busy_until(t),
+                                                            sh.prefill_x))
         else:
             self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4)
                             for i in range(cfg.num_prefill)]

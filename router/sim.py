@@ -177,8 +177,8 @@ class SimWorker:
         self.waiting: deque[_Job] = deque()   # not yet fully scheduled (FCFS)
         self.steps: deque[tuple[float, float, list, list]] = deque()   # formed, not reported
         self.step_log: list[tuple[float, float]] | None = [] if log_steps else None
-        # a step starting at t runs slowdown_at(t) times its cost (a shared host's neighbour)
-        self.slowdown_at: Callable[[float], float] | None = None
+        # a shared host's neighbour: (step start, its cost alone) -> its duration
+        self.slowed: Callable[[float, float], float] | None = None
         self.free_at = 0.0
         self.rates = StepRates()
         self.loras: OrderedDict[str, None] = OrderedDict()   # true LRU of resident adapters
@@ -250,8 +250,8 @@ class SimWorker:
                 job.pos += c
                 budget -= c
             step_s = self.cost.prefill.step_s(chunks)
-            if self.slowdown_at is not None:
-                step_s *= self.slowdown_at(start)
+            if self.slowed is not None:
+                step_s = self.slowed(start, step_s)
             end = start + load_s + step_s
             self.steps.append((start, end, chunks, members))
             if self.step_log is not None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import statistics
 import threading
 import time
 from dataclasses import asdict
@@ -48,16 +47,17 @@ def replay_requests(num_requests: int, prompt_lens: tuple[int, ...], gap_s: floa
 
 
 def _timed_request(cluster, prompt: list[int], max_tokens: int, request_id: str | None = None,
-                   first: threading.Event | None = None) -> tuple[float, list[float], int]:
+                   first: threading.Event | None = None, first_at: int = 1
+                   ) -> tuple[float, list[float], int]:
     """(start, arrival time of each delta that carries tokens, tokens) of one request through
-    the cluster; `first` is set at its first token."""
+    the cluster; `first` is set once `first_at` tokens arrived."""
     from workers.request import SamplingParams
     start, token_times = time.perf_counter(), []
 
     def on_delta(delta: dict) -> None:
         if delta["token_ids"]:
             token_times.append(time.perf_counter())
-            if first is not None:
+            if first is not None and len(token_times) >= first_at:
                 first.set()
     res = cluster.run_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                               request_id=request_id, on_delta=on_delta)
@@ -65,49 +65,62 @@ def _timed_request(cluster, prompt: list[int], max_tokens: int, request_id: str 
 
 
 def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens: int,
-                      decode_tokens: int = 64) -> dict:
+                      decode_tokens: int) -> dict:
     """How much the real prefill and decode workers slow each other on this host (they share
-    its cores, its memory and the serving processes' CPU): the median gap between streamed
-    tokens of one `context`-token sequence while a `prefill_tokens` prompt prefills, over the
-    same alone (decode_x); that prompt's TTFT beside the decoding sequence, over alone
-    (prefill_x). Run after the warm-up and before the replay, with probe requests of its own
-    (none of the replay's)."""
+    its cores, its memory and the serving processes' CPU), with probe requests of its own (none
+    of the replay's), after the warm-up and before the replay, from the router's request
+    traces: one `context`-token sequence decodes `decode_tokens` tokens while, after its tenth
+    token, a `prefill_tokens` prompt prefills; decode_x = its mean gap between streamed tokens
+    inside that prefill's compute over its mean gap outside it (before the prefill, and after
+    the prompt's KV landed); prefill_x = that prefill's compute over the mean of the same
+    prefill alone right before and right after (the machine's speed drifts over minutes)."""
+    traces = cluster.orchestrator.traces
+
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, 30000) for _ in range(n)]
 
-    def gaps(ts: list[float], a: float = -math.inf, b: float = math.inf) -> list[float]:
-        return [y - x for x, y in zip(ts, ts[1:], strict=False) if x >= a and y <= b]
-    s, ts, _ = _timed_request(cluster, prompt(prefill_tokens), 2)
-    ttft_alone = ts[0] - s
-    _, ts, _ = _timed_request(cluster, prompt(context), decode_tokens)
-    gap_alone = statistics.median(gaps(ts))
-    started, box = threading.Event(), {}
+    def compute_span(rid: str):
+        return next(x for x in traces.get(rid).spans if x.stage == "prefill_compute")
+
+    def mean_gap(ts: list[float]) -> float | None:
+        return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) >= 4 else None
+    _timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-before")
+    tenth, box = threading.Event(), {}
 
     def decode() -> None:
         try:
-            box["d"] = _timed_request(cluster, prompt(context), decode_tokens, first=started)
+            box["d"] = _timed_request(cluster, prompt(context), decode_tokens,
+                                      "probe-decode", first=tenth, first_at=10)
         finally:
-            started.set()
+            tenth.set()
     th = threading.Thread(target=decode)
     th.start()
-    started.wait()
-    s, ts, _ = _timed_request(cluster, prompt(prefill_tokens), 2)
+    tenth.wait()
+    _timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-beside")
     th.join()
     assert "d" in box, "the probe's decode request failed"
-    ttft_beside = ts[0] - s
-    inside = gaps(box["d"][1], s, ts[0])
-    gap_beside = statistics.median(inside) if len(inside) >= 5 else gap_alone
+    _timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-after")
+    span = compute_span("probe-prefill-beside")
+    landed = traces.get("probe-prefill-beside").token_times[1]   # D's first step after it
+    ts = traces.get("probe-decode").token_times[1:]              # D's steps
+    inside = mean_gap([t for t in ts if span.start <= t <= span.end])
+    before = [t for t in ts if t < span.start]
+    after = [t for t in ts if t > landed]
+    gaps = [g for g in (mean_gap(before), mean_gap(after)) if g is not None]
+    outside = sum(gaps) / len(gaps) if gaps else None
+    alone = (compute_span("probe-prefill-before").seconds
+             + compute_span("probe-prefill-after").seconds) / 2
     return {"context": context, "prefill_tokens": prefill_tokens,
-            "decode_gap_s_alone": gap_alone, "decode_gap_s_beside_prefill": gap_beside,
-            "decode_gaps_beside": len(inside), "prefill_ttft_s_alone": ttft_alone,
-            "prefill_ttft_s_beside_decode": ttft_beside,
-            "decode_x": max(1.0, gap_beside / gap_alone),
-            "prefill_x": max(1.0, ttft_beside / ttft_alone)}
+            "decode_tokens": decode_tokens, "decode_gap_s_outside": outside,
+            "decode_gap_s_inside_prefill": inside, "prefill_compute_s_alone": alone,
+            "prefill_compute_s_beside_decode": span.seconds,
+            "decode_x": max(1.0, inside / outside) if inside and outside else 1.0,
+            "prefill_x": max(1.0, span.seconds / alone) if alone > 0 else 1.0}
 
 
-def run_real(replay, max_tokens: int, engine: dict) -> dict:
+def run_real(replay, max_tokens: int, engine: dict, cost: CostModel) -> dict:
     """The replay on a real 1P+1D cluster (Ray already started: `validate`), after a warm-up
-    and the shared-host probe (both not measured as the replay)."""
+    and the shared-host probe (both not measured as the replay; `cost` sizes the probe)."""
     from cluster.pd import PDCluster, PDConfig
     from workers.request import SamplingParams
 
@@ -121,7 +134,11 @@ def run_real(replay, max_tokens: int, engine: dict) -> dict:
         for n in lens:
             cluster.run_request([rng.randrange(100, 30000) for _ in range(n)],
                                 SamplingParams(max_tokens=4, ignore_eos=True))
-        probe = probe_shared_host(cluster, rng, lens[len(lens) // 2], lens[-1])
+        context, prefill_tokens = lens[len(lens) // 2], lens[-1]
+        # enough tokens to decode through the prefill: 10 before, 1.5x its time, 10 after
+        decode_tokens = 20 + math.ceil(1.5 * cost.prefill.prefill_s(prefill_tokens)
+                                       / cost.decode.step_s(1, context))
+        probe = probe_shared_host(cluster, rng, context, prefill_tokens, decode_tokens)
         t0 = time.perf_counter()
 
         def one(idx, at, prompt):
@@ -225,7 +242,7 @@ def _validate(cost: CostModel | None, num_requests: int, prompt_lens, max_tokens
         mean_prefill = sum(cost.prefill.prefill_s(n) for n in prompt_lens) / len(prompt_lens)
         gap_s = mean_prefill / load
     replay = replay_requests(num_requests, tuple(prompt_lens), gap_s)
-    real = run_real(replay, max_tokens, engine)
+    real = run_real(replay, max_tokens, engine, cost)
     probe = real["shared_host_probe"]
     cost = dataclasses.replace(cost, shared_host=SharedHost(probe["prefill_x"],
                                                             probe["decode_x"]))

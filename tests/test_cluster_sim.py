@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from router.cluster_sim import ClusterConfig, ClusterSim, DecodeSim, _Seq
+from router.cluster_sim import ClusterConfig, ClusterSim, DecodeSim, _Seq, _slowed
 from router.cost_model import CostModel, DecodeCost, cpu_cost_model, gpu_cost_model
 from router.plan import parse_gpus, run_plan
 from router.sim import SimRequest
@@ -160,6 +160,9 @@ def test_shared_host_slows_decode_during_prefill_steps_and_prefill_beside_decode
     # make 1.5 s of progress, losing 1.5 s
     assert p0[0] * 40 == pytest.approx(4.0)
     assert p1[0] * 40 == pytest.approx(4.0 + 3.0 * (1 - 1 / 2.0), abs=0.01)
+    # a step the decode batch outlives in part
+    assert _slowed(0.0, 2.0, 1.0, 2.0) == pytest.approx(1.0 + (2.0 - 1.0 / 2.0))
+    assert _slowed(0.0, 2.0, 0.0, 2.0) == 2.0 and _slowed(0.0, 2.0, 9.0, 2.0) == 4.0
     with pytest.raises(ValueError, match="shared_host"):
         ClusterConfig(num_prefill=2, num_decode=1, shared_host=True).validate()
 
