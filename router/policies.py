@@ -53,9 +53,11 @@ class WorkerState:
     decode_batch: int = 0                  # reported: sequences decoding
     decode_step_s: float = 0.0             # reported: decode step at the current batch
     kv_bytes_per_token: int = 0            # reported: of the loaded model
+    reported_at: float | None = None       # router clock when the report's snapshot was taken
     routed_s: float = 0.0         # router: estimated seconds of work routed since the report
-    routed: list[tuple[float, int, float]] = field(default_factory=list)  # router: (router
-                                  # time, tokens, seconds) of each request routed since then
+    routed: list[tuple[float, int, float, str]] = field(default_factory=list)  # router:
+                                  # (router time, tokens, seconds, adapter) of each request
+                                  # routed since then
     transfer_gbps_to: dict[str, float] = field(default_factory=dict)  # router: measured GB/s
                                   # of KV transfers from this worker to each decode worker
     loras_resident: tuple[str, ...] = ()   # LoRA adapters loaded on the worker now
@@ -67,12 +69,21 @@ class WorkerState:
     def load_tokens(self) -> int:
         return self.queued_tokens + self.running_tokens
 
-    def wait_s(self, fit: PrefillFit | None = None) -> float | None:
+    def wait_s(self, fit: PrefillFit | None = None, now: float | None = None) -> float | None:
         """Seconds until this worker could start a new request: its own estimate plus what the
         router sent since; without one, its queued + running tokens at `fit`'s rate (None when
-        there is nothing measured to convert tokens into seconds)."""
+        there is nothing measured to convert tokens into seconds). With `now` (router clock)
+        and the report's snapshot time, aged: the worker has worked off its backlog since the
+        snapshot, one second a second while it had any, the router's requests joining it as
+        they were sent."""
         if self.queued_s is not None:
-            return self.queued_s + self.routed_s
+            if now is None or self.reported_at is None:
+                return self.queued_s + self.routed_s
+            backlog, t = self.queued_s, self.reported_at
+            for at, _, seconds, _ in self.routed:
+                backlog = max(0.0, backlog - max(0.0, at - t)) + seconds
+                t = max(t, at)
+            return max(0.0, backlog - max(0.0, now - t))
         if fit is None:
             return None
         return self.load_tokens / fit.tok_s
@@ -308,7 +319,8 @@ class Locality(BasePolicy):
     """Ours: estimated TTFT per worker, Mooncake-Conductor style, from measured signals only.
 
       ttft(w)    = wait(w)                       the worker's reported queued + running prefill
-                                                 seconds, plus what the router sent it since
+                                                 seconds plus what the router sent it since,
+                                                 aged by the report's age (WorkerState.wait_s)
                  + compute(w)                    the worker's measured prefill fit on the part of
                                                  the prompt w does not hold
                                                  + loading the request's LoRA adapter when w
@@ -404,7 +416,8 @@ class Locality(BasePolicy):
 
     def estimate(self, req: RoutingRequest, w: WorkerState, matched_blocks: int,
                  fallback: PrefillFit | None = None, lora_load_s: float | None = None,
-                 pooled_gbps: float | None = None) -> tuple[float, float]:
+                 pooled_gbps: float | None = None, now: float | None = None
+                 ) -> tuple[float, float]:
         """(estimated TTFT on w, of which prefill compute seconds), from w's reported fit (else
         `fallback`, else the unmeasured prior)."""
         fit = w.prefill_fit or fallback or self.unmeasured_fit
@@ -417,7 +430,7 @@ class Locality(BasePolicy):
             # a full set of slots evicts an adapter that its next request loads again
             full = w.lora_slots and len(w.loras_resident) >= w.lora_slots
             compute += load * (1 + self.lora_evict_weight if full else 1)
-        wait = w.wait_s(fit)
+        wait = w.wait_s(fit, now)
         t = (wait or 0.0) + compute
         gbps = w.transfer_gbps_to.get(req.decode_worker) or pooled_gbps
         if w.kv_bytes_per_token and gbps:
@@ -457,12 +470,13 @@ class Locality(BasePolicy):
         pooled_gbps = sum(gbps_all) / len(gbps_all) if gbps_all else None
         overload = 1.0
         if self.overload_wait_s > 0:
-            waits = [w.wait_s(w.prefill_fit or pooled or self.unmeasured_fit) or 0.0 for w in ws]
+            waits = [w.wait_s(w.prefill_fit or pooled or self.unmeasured_fit, now) or 0.0
+                     for w in ws]
             overload = max(1.0, min(waits) / self.overload_wait_s)
         beta = self.work_weight * overload
         est, cost, computes = [], [], []
         for w, h in zip(ws, hits, strict=True):
-            t, compute = self.estimate(req, w, h, pooled, lora_load_s, pooled_gbps)
+            t, compute = self.estimate(req, w, h, pooled, lora_load_s, pooled_gbps, now)
             est.append(t)
             cost.append(t + beta * compute)
             computes.append(compute)

@@ -330,7 +330,8 @@ class SimWorker:
             kv_bytes_per_token=self.cost.kv_bytes_per_token,
             loras_resident=self._published_loras,
             lora_load_s=sum(loads) / len(loads) if loads else 0.0,
-            lora_slots=self.max_loras, events=tuple(events), reported_at=published)
+            lora_slots=self.max_loras, events=tuple(events), reported_at=published,
+            age_s=max(0.0, at - published))   # as a live worker's: its snapshot's age
 
 
 def _stored_delta(ev: KVEvent) -> int:

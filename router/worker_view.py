@@ -18,13 +18,25 @@ def apply_load_report(st: WorkerState, rep: LoadReport, now: float | None = None
     for k, v in rep.load().items():
         setattr(st, k, v)
     if now is None:
-        st.routed = []
+        st.routed, st.reported_at = [], None
     else:
         taken_at = now - rep.age_s
         st.routed = [r for r in st.routed if r[0] > taken_at]
+        st.reported_at = taken_at
     st.queued_tokens += sum(r[1] for r in st.routed)
     st.num_requests += len(st.routed)
     st.routed_s = sum(r[2] for r in st.routed)
+    for r in st.routed:          # their adapters will be resident there too
+        if r[3]:
+            _make_resident(st, r[3])
+
+
+def _make_resident(st: WorkerState, lora: str) -> None:
+    """`lora` resident on st, most recently used (LRU order, st.lora_slots at most)."""
+    rest = tuple(x for x in st.loras_resident if x != lora)
+    if st.lora_slots and len(rest) >= st.lora_slots:
+        rest = rest[len(rest) - st.lora_slots + 1:]
+    st.loras_resident = (*rest, lora)
 
 
 def note_prefill(st: WorkerState, req: RoutingRequest, decision: RoutingDecision,
@@ -39,15 +51,12 @@ def note_prefill(st: WorkerState, req: RoutingRequest, decision: RoutingDecision
         seconds = fit.seconds(req.num_tokens, min(hit, req.num_tokens - 1))
         if req.lora and req.lora not in st.loras_resident:
             seconds += st.lora_load_s
-    st.routed.append((now, tokens, seconds))
+    st.routed.append((now, tokens, seconds, req.lora))
     st.queued_tokens += tokens
     st.num_requests += 1
     st.routed_s += seconds
     if req.lora:              # it will be resident there, most recently used (LRU order)
-        rest = tuple(x for x in st.loras_resident if x != req.lora)
-        if st.lora_slots and len(rest) >= st.lora_slots:
-            rest = rest[len(rest) - st.lora_slots + 1:]
-        st.loras_resident = (*rest, req.lora)
+        _make_resident(st, req.lora)
 
 
 def note_decode(st: WorkerState, req: RoutingRequest, decision: RoutingDecision) -> None:

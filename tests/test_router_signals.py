@@ -91,6 +91,21 @@ def test_work_routed_after_the_reports_snapshot_stays_counted():
     assert st.queued_tokens == 2048 and st.wait_s() == pytest.approx(2.048)
 
 
+def test_wait_is_aged_by_the_reports_age_and_the_work_routed_since():
+    """A worker that reported 1 s of backlog 0.4 s ago has worked 0.4 s of it off; work the
+    router sent since joins the backlog as it was sent (an idle stretch is not banked)."""
+    fit = PrefillFit(1000.0, 0.0, 0.0, 5)
+    st = WorkerState("p0")
+    apply_load_report(st, LoadReport("p0", queued_s=1.0, prefill_fit=fit, age_s=0.1), now=10.1)
+    assert st.wait_s(fit, now=10.4) == pytest.approx(0.6)
+    assert st.wait_s(fit, now=12.0) == 0.0
+    assert st.wait_s(fit) == pytest.approx(1.0)          # no clock: unaged, as before
+    req = RoutingRequest("r", [1, 2], 1000, 512)        # 1 s of work by the fit
+    note_prefill(st, req, RoutingDecision("p0", "min_ttft", 1.0, 0), now=11.5)
+    # the backlog ran out at 11.0; the request sent at 11.5 started then: 0.7 s left at 11.8
+    assert st.wait_s(fit, now=11.8) == pytest.approx(0.7)
+
+
 def test_transfer_rates_are_per_pair_and_absent_until_measured():
     t = TransferRates(alpha=0.5)
     assert t.gbps("p0", "d0") is None
