@@ -17,8 +17,8 @@ TPOT <= slo_tpot; goodput = attained requests / s of the trace span (shed ones f
 
 Shared host (`shared_host=True`, cpu-here's 1P+1D validation): prefill i and decode i share
 cores and memory; a decode step overlapping a prefill step runs cost.shared_host.decode_x
-times slower over the overlap, a prefill step that starts while decode i has a batch
-prefill_x times slower.
+times slower over the overlap, a prefill step prefill_x times slower while decode i's batch
+(as estimated when the step starts, the decodes prefill i has just finished included) lasts.
 
 Colocated mode (`colocated=True`): `num_prefill` GPUs that each prefill and decode; prefill
 steps have priority (the decode batch waits while a prefill step runs: the interference
@@ -104,7 +104,7 @@ class DecodeSim:
         self.carry = 0.0
         self.link_free_at = 0.0
         self.finished: list[tuple[int, float, float]] = []  # (rid, first token, finish)
-        self.prefill = prefill                              # colocated: the same GPU's prefill
+        self.prefill = prefill          # colocated: the same GPU's prefill; shared host: its neighbour
         self.busy_rate = busy_rate
         self._busy_i = 0
         self._n = 0
@@ -153,17 +153,19 @@ class DecodeSim:
             t = e
             i += 1
 
-    def busy_until(self, t: float) -> float:
+    def busy_until(self, t: float, extra: Sequence[tuple[float, int, int]] = ()) -> float:
         """When the decode work this worker has by t ends (t: none), estimated from where it
-        has been advanced to: its running and joined sequences' tokens at the step time of
-        all of them together, no slowdown counted (the prefill step asking is what would
-        slow it)."""
-        seqs = self.running + [s for at, _, s in self.joins if at <= t]
+        has been advanced to: each running sequence from now, each joined one from its join,
+        plus `extra` (start, tokens, context) sequences about to join, their tokens at the
+        step time of all of them together, no slowdown counted (the prefill step asking is
+        what would slow it)."""
+        seqs = [(self.now, s.left, s.ctx) for s in self.running]
+        seqs += [(max(at, self.now), s.left, s.ctx) for at, _, s in self.joins if at <= t]
+        seqs += [x for x in extra if x[0] <= t]
         if not seqs:
             return t
-        start = min([self.now] + [at for at, _, _ in self.joins if at <= t])
-        dt = self.cost.decode.step_s(len(seqs), sum(s.ctx for s in seqs))
-        return max(t, start + max(s.left for s in seqs) * dt)
+        dt = self.cost.decode.step_s(len(seqs), sum(c for _, _, c in seqs))
+        return max(t, max(start + left * dt for start, left, _ in seqs))
 
     def join(self, at: float, seq: _Seq) -> None:
         self._n += 1
@@ -247,15 +249,12 @@ class ClusterSim:
                             for i in range(cfg.num_prefill)]
             self.decode = [DecodeSim(f"gpu-{i}", cost, half, cfg.max_decode_batch, p)
                            for i, p in enumerate(self.prefill)]
-        elif cfg.shared_host:   # P i and D i on one host: each slows the other (measured)
-            sh = cost.shared_host
+        elif cfg.shared_host:   # P i and D i on one host: each slows the other (measured;
+            sh = cost.shared_host  # the prefill side is set in `run`, which knows the requests)
             self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, log_steps=True)
                             for i in range(cfg.num_prefill)]
             self.decode = [DecodeSim(f"decode-{i}", cost, total_blocks, cfg.max_decode_batch,
                                      p, 1.0 / sh.decode_x) for i, p in enumerate(self.prefill)]
-            for p, d in zip(self.prefill, self.decode, strict=True):
-                p.slowed = (lambda t, step_s, d=d: _slowed(t, step_s, d.busy_until(t),
-                                                            sh.prefill_x))
         else:
             self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4)
                             for i in range(cfg.num_prefill)]
@@ -305,6 +304,14 @@ class ClusterSim:
         shed = {"slo_reject": 0, "admission_timeout": 0, "too_large": 0}
         pending: deque[int] = deque()
         transferred_bytes = 0
+        if cfg.shared_host:   # P i's step beside D i's batch, and the decodes P i just finished
+            x = cost.shared_host.prefill_x
+            for p, d in zip(self.prefill, self.decode, strict=True):
+                def slowed(t: float, step_s: float, p=p, d=d) -> float:
+                    soon = [(f, reqs[j].output_tokens - 1, reqs[j].num_tokens)
+                            for f, (j, _, did, _) in p.finished_by(t) if did == d.worker_id]
+                    return _slowed(t, step_s, d.busy_until(t, soon), x)
+                p.slowed = slowed
 
         def try_admit(j: int, now: float) -> bool:
             """Decode-first: reserve on D, route to P, schedule prefill, transfer and decode.

@@ -10,7 +10,7 @@ per-sequence attention, which one sequence a step cannot; on this machine's cali
 fitted to 0, the batched points going to the attention term; 0 on the GPU rooflines).
 With a measured table `solo_s` (seconds of one cold sequence of n tokens alone: cpu-here),
 a chunk alone costs what the table says (interpolated: S(c + u) - S(c) + overhead, S(0) =
-overhead; past the table, the fit's growth) and a step of several chunks the sum of those
+overhead; tokens past the table at the fit's cost) and a step of several chunks the sum of those
 times fit_s(step) / sum(fit_s(chunk alone)): solo costs measured, batching from the fit
 (on this machine the per-token cost is flat to 512 tokens and then rises faster than the
 fit's form can follow: the fit came out 8-10% short at 1024 tokens in three calibrations).
@@ -19,8 +19,8 @@ Decode step of `batch` sequences holding `ctx` tokens in all:
 Transfer of n bytes over a link: latency_s + n / (gbps * 1e9).
 Shared host (`SharedHost`, cpu-here: a prefill and a decode worker on the same cores and
 memory): a decode step that overlaps a prefill step runs `decode_x` times slower over the
-overlap, a prefill step that starts while the decode worker has a batch `prefill_x` times
-slower; `raypd simulate --validate` measures both on the real cluster before its replay
+overlap, a prefill step `prefill_x` times slower while the decode worker's batch lasts;
+`raypd simulate --validate` measures both on the real cluster before its replay
 (router/validate.py probe_shared_host); 1.0 elsewhere.
 """
 
@@ -60,19 +60,29 @@ class PrefillCost:
         return solo * fit / sum(self.fit_s([ch]) for ch in chunks)
 
     def _solo_curve(self, n: float) -> float:
-        """Seconds of one cold sequence of n tokens alone: the table, linear between its
-        points (and from (0, overhead)); past its last point, that point plus the fit's
-        growth."""
+        """Seconds of one cold sequence of n tokens alone, n within the table: linear between
+        its points and from (0, overhead); made monotone (a noisy point never makes the
+        tokens after it cheaper than nothing)."""
         xs = [0] + [p[0] for p in self.solo_s]
         ys = [self.step_overhead_s] + [p[1] for p in self.solo_s]
-        if n >= xs[-1]:
-            return ys[-1] + self.fit_s([(int(n), 0)]) - self.fit_s([(xs[-1], 0)])
-        i = bisect.bisect_right(xs, n)
+        for i in range(1, len(ys)):
+            ys[i] = max(ys[i], ys[i - 1])
+        assert 0 <= n <= xs[-1], (n, xs[-1])
+        i = min(bisect.bisect_right(xs, n), len(xs) - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
     def _solo_chunk_s(self, u: int, c: int) -> float:
-        return self._solo_curve(c + u) - self._solo_curve(c) + self.step_overhead_s
+        """Chunk of u new tokens after c: the table's S(c + u) - S(c) for the part within the
+        table, the fit's cost of the same tokens at their context past it, one overhead."""
+        last, end = self.solo_s[-1][0], c + u
+        t = self.step_overhead_s
+        if c < last:
+            t += self._solo_curve(min(end, last)) - self._solo_curve(c)
+        if end > last:
+            b0 = max(c, last)
+            t += self.fit_s([(end - b0, b0)]) - self.step_overhead_s
+        return t
 
     def fit_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         """The fitted form alone (module doc)."""
@@ -112,6 +122,10 @@ class SharedHost:
     """Slowdowns of a prefill and a decode worker sharing one host (module doc); 1.0: none."""
     prefill_x: float = 1.0
     decode_x: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_x >= 1.0 and self.decode_x >= 1.0):
+            raise ValueError(f"shared-host slowdowns are >= 1: {self}")
 
 
 @dataclass(frozen=True)
@@ -219,7 +233,8 @@ CPU_DEFAULTS = {"prefill_tok_s": {"128": 900.0, "512": 1000.0, "2048": 700.0},
 def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m",
                    kv_capacity_tokens: int = 65_536, chunk_tokens: int = 2048) -> CostModel:
     """This machine, from `raypd bench engine` JSON: prefill seconds fitted to its prefill
-    tok/s at each prompt length (overhead + linear + attention terms), decode step time fitted
+    tok/s at each prompt length (overhead + linear + attention terms; one sequence's cost
+    from the measured table itself, `PrefillCost.solo_s`), decode step time fitted
     to its `decode_step_ms_grid` (`bench engine --calibration`: batch and context) or, from a
     plain bench, its batch-1 and batch-16 step times; without a JSON, CPU_DEFAULTS (said in the
     notes)."""

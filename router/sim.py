@@ -251,7 +251,7 @@ class SimWorker:
                 budget -= c
             step_s = self.cost.prefill.step_s(chunks)
             if self.slowed is not None:
-                step_s = self.slowed(start, step_s)
+                step_s = self.slowed(start + load_s, step_s)
             end = start + load_s + step_s
             self.steps.append((start, end, chunks, members))
             if self.step_log is not None:
@@ -266,6 +266,11 @@ class SimWorker:
         while self._done and self._done[0][0] <= t:
             out.append(self._done.popleft())
         return out
+
+    def finished_by(self, t: float) -> list[tuple[float, object]]:
+        """(finish, tag) of the requests whose prefill ended by t, not yet handed on by
+        `advance` (steps formed in the same call)."""
+        return [x for x in self._done if x[0] <= t]
 
     def _use_lora(self, lora: str, at: float) -> float:
         """The adapter's slot (LRU); seconds to load it when it is not resident."""

@@ -21,8 +21,8 @@ minutes here), so one round's p99 is mostly that round's luck; `real_round_sprea
 far the rounds differ (the noise floor under sim_vs_real_error). Before the replay a probe
 measures how much the real prefill and decode workers slow each other (`probe_shared_host`:
 the simulator's shared-host slowdowns). Both sides are `cpu-measured`; `per_request` gives
-each request's figures on both sides (and its real stage seconds), to see where they
-part."""
+each request's figures on both sides (and its real stage seconds), to see where they part:
+the real side's round k request i is key k * requests + i (the simulator's i)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _timed_request(cluster, prompt: list[int], max_tokens: int, request_id: str 
                    first: threading.Event | None = None, first_at: int = 1
                    ) -> tuple[float, list[float], int]:
     """(start, arrival time of each delta that carries tokens, tokens) of one request through
-    the cluster; `first` is set once `first_at` tokens arrived."""
+    the cluster; `first` is set once `first_at` such deltas arrived."""
     from workers.request import SamplingParams
     start, token_times = time.perf_counter(), []
 
@@ -86,7 +86,11 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
         return [rng.randrange(100, 30000) for _ in range(n)]
 
     def compute_span(rid: str):
-        return next(x for x in traces.get(rid).spans if x.stage == "prefill_compute")
+        span = next((x for x in traces.get(rid).spans if x.stage == "prefill_compute"), None)
+        if span is None:
+            raise RuntimeError(f"probe request {rid} has no prefill_compute stage (was it "
+                               f"prefilled by the prefill worker?)")
+        return span
 
     def mean_gap(ts: list[float]) -> float | None:
         return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) >= 4 else None
@@ -101,9 +105,11 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
             tenth.set()
     th = threading.Thread(target=decode)
     th.start()
-    tenth.wait()
-    _timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-beside")
-    th.join()
+    try:
+        tenth.wait()
+        _timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-beside")
+    finally:
+        th.join()
     assert "d" in box, "the probe's decode request failed"
     _timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-after")
     span = compute_span("probe-prefill-beside")
@@ -147,7 +153,7 @@ def run_real(replay, max_tokens: int, engine: dict, cost: CostModel, rounds: int
         context, prefill_tokens = lens[len(lens) // 2], lens[-1]
         # enough tokens to decode through the prefill: 10 before, 1.5x its time, 10 after
         decode_tokens = 20 + math.ceil(1.5 * cost.prefill.prefill_s(prefill_tokens)
-                                       / cost.decode.step_s(1, context))
+                                       / max(cost.decode.step_s(1, context), 1e-3))
         probe = probe_shared_host(cluster, rng, context, prefill_tokens, decode_tokens)
         for k in range(rounds):   # the same arrivals and lengths, new prompts (no prefix hits)
             rng_k = random.Random(100 + k)
@@ -181,7 +187,7 @@ def _spread(rounds: list[dict], pooled: dict) -> float | None:
     if len(rounds) < 2:
         return None
     out = [(max(r[k] for r in rounds) - min(r[k] for r in rounds)) / pooled[k]
-           for k in METRICS if pooled[k]]
+           for k in METRICS if pooled[k] and not any(math.isnan(r[k]) for r in rounds)]
     return max(out) if out else None
 
 

@@ -21,7 +21,8 @@ def apply_load_report(st: WorkerState, rep: LoadReport, now: float | None = None
         st.routed, st.reported_at = [], None
     else:
         taken_at = now - rep.age_s
-        st.routed = [r for r in st.routed if r[0] > taken_at]
+        st.routed = [r for r in st.routed if r[0] > taken_at + 1e-9]   # (float noise: a
+        # request that woke an idle worker is in its snapshot, taken at its arrival)
         st.reported_at = taken_at
     st.queued_tokens += sum(r[1] for r in st.routed)
     st.num_requests += len(st.routed)

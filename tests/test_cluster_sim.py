@@ -123,6 +123,8 @@ def test_cpu_prefill_of_one_sequence_follows_the_measured_table_and_batches_by_t
     # chunked: the two chunks add up to the whole (one step overhead more)
     assert p.step_s([(512, 0)]) + p.step_s([(512, 512)]) == pytest.approx(
         6.4 + p.step_overhead_s, rel=1e-9)
+    # past the table: the fit's cost of those tokens at their context (a second chunk)
+    assert p.step_s([(1000, 2048)]) == pytest.approx(p.fit_s([(1000, 2048)]), rel=1e-9)
     assert max(abs(p.fit_s([(int(n), 0)]) * v / int(n) - 1)    # the fit alone misses some
                for n, v in engine["prefill_tok_s"].items()) > 0.03
     batch = [(384, 0), (128, 0)]
