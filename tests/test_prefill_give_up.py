@@ -83,3 +83,68 @@ def test_a_short_prefill_is_staged_before_the_next_prefill_step(hosts):
         gate.set()
     assert result.handle is not None
     p.abort_transfer(result.handle.transfer_id)
+
+
+def test_a_prompt_that_waited_through_a_step_is_in_the_next_one(hosts):
+    """The engine lock is not fair: a prefill call that waited through a step can lose the
+    lock to the loop again and miss the next step too (in a replay here a later 128-token
+    prompt overtook an earlier 768-token one that way). The loop lets callers that are waiting
+    in first: here the caller only tries for the lock once the loop waits for it (as if it
+    lost the race), and its prompt is still in the very next step."""
+    p, d = hosts
+    adm = d.admit(RequestInput("a", tuple(random_prompt(24, 6)), SamplingParams(max_tokens=2),
+                               time.time() + 60))
+    rid = adm.request.worker_request_id
+    p._doorway_s = 30.0                       # no timing in this test: events only
+    gate, holding, at_door = threading.Event(), threading.Event(), threading.Event()
+    state = {"hold": False, "held_at": None, "a_at": None, "n": 0}
+    real_step, real_lock, cv = p.engine.step, p._lock, p._callers_cv
+
+    def step():
+        if state["hold"]:
+            state["hold"], state["held_at"] = False, state["n"]
+            holding.set()
+            gate.wait(60)
+        outputs = real_step()
+        if state["a_at"] is None and any(o.request.request_id == rid for o in outputs):
+            state["a_at"] = state["n"]
+        state["n"] += 1
+        return outputs
+
+    class Door(threading.Condition):          # tells the test the loop waits for a caller
+        def wait_for(self, predicate, timeout=None):
+            if not predicate():
+                at_door.set()
+            return super().wait_for(predicate, timeout)
+
+    class LateLock:                           # the prefill call's thread tries only later
+        def __enter__(self):
+            if threading.current_thread() is caller:
+                assert at_door.wait(30), "the loop never waited for the waiting caller"
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return real_lock.__exit__(*exc)
+    p.engine.step = step
+    with real_lock:                           # a long decode keeps the loop stepping
+        b = p.engine.add_request(random_prompt(20, 9), SamplingParams(max_tokens=60,
+                                                                      ignore_eos=True))
+        state["hold"] = True
+    box = {}
+    caller = threading.Thread(target=lambda: box.setdefault("r", p.prefill(adm.request,
+                                                                           adm.plan)))
+    try:
+        assert holding.wait(30)               # the loop is inside the held step
+        p._callers_cv = Door(cv._lock)        # (the same lock: a drop-in for the loop's next wait)
+        p._lock = LateLock()
+        caller.start()
+        with p._callers_cv:                   # the call is counted as waiting
+            assert p._callers_cv.wait_for(lambda: p._callers == 1, 30)
+    finally:
+        gate.set()
+    caller.join(60)
+    p._lock = real_lock
+    assert state["a_at"] == state["held_at"] + 1
+    p.abort_transfer(box["r"].handle.transfer_id)
+    with p._lock:
+        p.engine.abort(b.request_id)

@@ -17,6 +17,7 @@ of kvcache/handoff.py, the state machine is workers/handoff.py):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sys
@@ -70,6 +71,12 @@ class _EngineHost:
         self.transport_name = transport
         self._transport_cfg = {"worker_id": worker_id, **(transport_cfg or {})}
         self._lock = threading.RLock()
+        # callers waiting for the engine lock (`_call_lock`): the loop lets them in before its
+        # next step (the lock is not fair: the loop would win it back, and a prompt that
+        # arrived during a step could miss the next one while a later one made it)
+        self._callers = 0
+        self._callers_cv = threading.Condition()
+        self._doorway_s = 0.05          # the loop waits at most this long for them
         self._work = threading.Event()
         self._queues: dict[str, queue.Queue] = {}
         self._stop = False
@@ -105,6 +112,9 @@ class _EngineHost:
         try:
             while not self._stop:
                 self._work.wait(timeout=0.1)
+                with self._callers_cv:     # callers who waited through the last step go first
+                    self._callers_cv.wait_for(lambda: self._callers == 0,
+                                              timeout=self._doorway_s)
                 with self._lock:
                     if self._crash_loop:               # injected (fault-tolerance tests)
                         raise RuntimeError("injected engine loop failure")
@@ -141,6 +151,21 @@ class _EngineHost:
             print(f"{self.worker_id}: engine loop failed ({self._loop_error}); exiting so "
                   f"that the actor restarts", file=sys.stderr, flush=True)
             os._exit(70)
+
+    @contextlib.contextmanager
+    def _call_lock(self):
+        """The engine lock for an actor call that adds work (a prompt, an admission, landed
+        pages): counted while it waits, so that the loop lets it in before its next step."""
+        with self._callers_cv:
+            self._callers += 1
+            self._callers_cv.notify_all()
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._callers_cv:
+                self._callers -= 1
+                self._callers_cv.notify_all()
 
     def _fail_step(self, error: Exception) -> list[StepOutput]:
         """Under the lock, after engine.step() raised: the requests of that step (the running
@@ -370,7 +395,7 @@ class PrefillHost(_EngineHost):
         until that next step ended, so a short prompt's TTFT would include the whole of the
         next prompt's prefill step."""
         assert plan.request_id == admitted.request_id and plan.epoch == admitted.epoch
-        with self._lock:
+        with self._call_lock():
             req = self.engine.admitted_request(admitted, max_tokens=1)
             req.hold_kv = True
             q = self._open_queue(req.request_id)
@@ -545,7 +570,7 @@ class DecodeHost(_EngineHost):
 
         If what this worker's prefix cache lacks is at most `local_prefill_max_tokens`, the
         request is prefilled right here instead (conditional disaggregation)."""
-        with self._lock:
+        with self._call_lock():
             if isinstance(request, RequestInput):
                 req = self.engine.make_request(request.prompt, request.sampling,
                                                request_id=request.worker_request_id,
@@ -606,7 +631,7 @@ class DecodeHost(_EngineHost):
             with self._lock:
                 self.handoff.pull_failed(res)
             raise
-        with self._lock:
+        with self._call_lock():
             key = (result.prefill_worker, result.worker_request_id)
             if pages is not None:
                 self.pages_received.add(key)
