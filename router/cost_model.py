@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,18 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def scaled(self, prefill_k: float, decode_k: float) -> CostModel:
+        """The same shapes with every prefill second x prefill_k and every decode second x
+        decode_k (re-anchoring a calibration's level to a later measurement)."""
+        assert prefill_k > 0 and decode_k > 0, (prefill_k, decode_k)
+        p, d = self.prefill, self.decode
+        return replace(self, prefill=replace(
+            p, tok_s=p.tok_s / prefill_k, step_overhead_s=p.step_overhead_s * prefill_k,
+            step_tok_sq_s=p.step_tok_sq_s * prefill_k,
+            solo_s=tuple((n, t * prefill_k) for n, t in p.solo_s)),
+            decode=replace(d, base_s=d.base_s * decode_k, per_seq_s=d.per_seq_s * decode_k,
+                           per_ctx_token_s=d.per_ctx_token_s * decode_k))
 
 
 # ---- where the figures come from: GPU rooflines and this machine's own measurements --------

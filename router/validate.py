@@ -17,12 +17,15 @@ TTFT at the client (first streamed token) and TPOT from the first to the last st
 after one warm-up request of each prompt length through both workers. The real side runs the
 replay twice (`rounds`; new prompts, same arrivals and lengths) and pools both: this machine's
 speed drifts by 10-25% over minutes (the same decode step measured 100-150 ms within ten
-minutes here), so one round's p99 is mostly that round's luck; `real_round_spread` says how
-far the rounds differ (the noise floor under sim_vs_real_error). Before the replay a probe
-measures how much the real prefill and decode workers slow each other (`probe_shared_host`:
-the simulator's shared-host slowdowns). Both sides are `cpu-measured`; `per_request` gives
-each request's figures on both sides (and its real stage seconds), to see where they part:
-the real side's round k request i is key k * requests + i (the simulator's i)."""
+minutes here), and a prompt that just makes or just misses a prefill step moves its TTFT by
+a whole step; `real_round_spread` says how far the rounds differ (the noise floor under
+sim_vs_real_error). Before the replay a probe measures how much the real prefill and decode
+workers slow each other (`probe_shared_host`: the simulator's shared-host slowdowns) and
+the workers' speed alone, to which the calibration's level is re-anchored (`anchor`: the
+machine drifts in the minutes the calibration takes; the shapes stay the calibration's).
+Both sides are `cpu-measured`; `per_request` gives each request's figures on both sides (and
+its real stage seconds), to see where they part: the real side's round k request i is key
+k * requests + i (the simulator's i)."""
 
 from __future__ import annotations
 
@@ -278,6 +281,18 @@ def validate(cost: CostModel | None = None, num_requests: int = 12,
             ray.shutdown()
 
 
+def _anchor(cost: CostModel, probe: dict) -> dict:
+    """The calibration's level re-anchored to the real workers' speed seconds before the
+    replay (the machine drifts 10-25% in the minutes the calibration takes): prefill seconds
+    scaled so that the probe's prefill alone takes what it took, decode seconds so that a step
+    of the probe's sequence (at its mean context) takes its mean gap outside the prefill. The
+    shapes (vs length, batch, context) stay the calibration's."""
+    kp = probe["prefill_compute_s_alone"] / cost.prefill.prefill_s(probe["prefill_tokens"])
+    gap, ctx = probe["decode_gap_s_outside"], probe["context"] + probe["decode_tokens"] // 2
+    kd = gap / cost.decode.step_s(1, ctx) if gap else 1.0
+    return {"prefill_k": kp, "decode_k": kd, "from": "probe_shared_host's alone figures"}
+
+
 def _validate(cost: CostModel | None, num_requests: int, prompt_lens, max_tokens: int,
               load: float, gap_s: float | None, engine: dict, rounds: int) -> dict:
     calibration = None
@@ -291,8 +306,9 @@ def _validate(cost: CostModel | None, num_requests: int, prompt_lens, max_tokens
     replay = replay_requests(num_requests, tuple(prompt_lens), gap_s)
     real = run_real(replay, max_tokens, engine, cost, rounds)
     probe = real["shared_host_probe"]
-    cost = dataclasses.replace(cost, shared_host=SharedHost(probe["prefill_x"],
-                                                            probe["decode_x"]))
+    anchor = _anchor(cost, probe)
+    cost = dataclasses.replace(cost.scaled(anchor["prefill_k"], anchor["decode_k"]),
+                               shared_host=SharedHost(probe["prefill_x"], probe["decode_x"]))
     sim = run_sim(replay, max_tokens, cost, engine.get("block_size", 16))
     errors = {k: abs(sim[k] - real[k]) / real[k] if real[k] else None for k in METRICS}
     known = [e for e in errors.values() if e is not None]
@@ -304,7 +320,7 @@ def _validate(cost: CostModel | None, num_requests: int, prompt_lens, max_tokens
             "replay": {"requests": num_requests, "prompt_lens": list(prompt_lens),
                        "load": load if derived else None,
                        "max_tokens": max_tokens, "gap_s": gap_s, "engine": engine},
-            "real": real, "sim": sim, "relative_errors": errors,
+            "anchor": anchor, "real": real, "sim": sim, "relative_errors": errors,
             "sim_vs_real_error": max(known) if known else None,
             "real_round_spread": real["round_spread"],
             "within_25pct": bool(known) and max(known) <= 0.25}

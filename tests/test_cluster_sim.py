@@ -133,6 +133,19 @@ def test_cpu_prefill_of_one_sequence_follows_the_measured_table_and_batches_by_t
         solo * p.fit_s(batch) / (p.fit_s([batch[0]]) + p.fit_s([batch[1]])), rel=1e-9)
 
 
+def test_a_cost_model_rescaled_keeps_its_shapes():
+    """--validate re-anchors the calibration's level to the probe: every prefill second x k_p,
+    every decode second x k_d, the same curves."""
+    c = cpu_cost_model({"prefill_tok_s": {"128": 200.0, "512": 200.0, "1024": 160.0},
+                        "decode_step_ms_b1": 100.0, "decode_step_ms_b16": 200.0})
+    s = c.scaled(1.25, 0.8)
+    for n in (100, 700, 3000):
+        assert s.prefill.prefill_s(n) == pytest.approx(1.25 * c.prefill.prefill_s(n))
+    assert s.prefill.step_s([(300, 0), (200, 600)]) == pytest.approx(
+        1.25 * c.prefill.step_s([(300, 0), (200, 600)]))
+    assert s.decode.step_s(4, 2000) == pytest.approx(0.8 * c.decode.step_s(4, 2000))
+
+
 def test_shared_host_slows_decode_during_prefill_steps_and_prefill_beside_decode():
     """Validation's 1P+1D on one host: decode steps overlapping a prefill step run decode_x
     slower, a prefill step starting while decode has a batch prefill_x slower."""
