@@ -61,12 +61,9 @@ class PrefillCost:
 
     def _solo_curve(self, n: float) -> float:
         """Seconds of one cold sequence of n tokens alone, n within the table: linear between
-        its points and from (0, overhead); made monotone (a noisy point never makes the
-        tokens after it cheaper than nothing)."""
+        its points and from (0, overhead) (cpu_cost_model makes the table monotone)."""
         xs = [0] + [p[0] for p in self.solo_s]
         ys = [self.step_overhead_s] + [p[1] for p in self.solo_s]
-        for i in range(1, len(ys)):
-            ys[i] = max(ys[i], ys[i - 1])
         assert 0 <= n <= xs[-1], (n, xs[-1])
         i = min(bisect.bisect_right(xs, n), len(xs) - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
@@ -280,12 +277,15 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
         per_seq = max(0.0, (t16 - t1) / 15)
         base, per_ctx = max(t1 - per_seq, 0.0), 0.0
     m = MODELS[model]
-    solo = tuple(sorted((int(n), int(n) / float(v)) for n, v in src["prefill_tok_s"].items()
-                        if int(n) <= chunk_tokens))   # one step each
+    solo, top = [], c0     # one step each, made monotone (a noisy point never makes the
+    for n, t in sorted((int(n), int(n) / float(v)) for n, v in src["prefill_tok_s"].items()
+                       if int(n) <= chunk_tokens):   # tokens after it cheaper than nothing)
+        top = max(top, t)
+        solo.append((n, top))
     return CostModel(
         label="cpu-here " + ("measured" if bench_engine else "stated defaults"),
         prefill=PrefillCost(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0, chunk_tokens, sq,
-                            solo),
+                            tuple(solo)),
         decode=DecodeCost(base, per_seq, per_ctx),
         link=LinkCost(1.0, 0.002), kv_bytes_per_token=m.kv_bytes_per_token * 2,  # fp32
         kv_capacity_tokens=kv_capacity_tokens,
