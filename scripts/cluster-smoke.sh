@@ -71,6 +71,7 @@ cleanup() {
     mkdir -p "$RAYPD_SMOKE_OUT"
     cp "$WORK"/*.log "$WORK"/*.json "$WORK"/*.jsonl "$WORK/cluster.yaml" "$RAYPD_SMOKE_OUT"/ \
       2>/dev/null
+    cp "$WORK/home/raypd-serve.log" "$RAYPD_SMOKE_OUT"/ 2>/dev/null   # the router, on the head
   fi
   if [ "${RAYPD_SMOKE_KEEP:-0}" = 1 ]; then say "kept $WORK"; else rm -rf "$WORK"; fi
   exit $rc

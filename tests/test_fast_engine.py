@@ -154,6 +154,35 @@ def test_native_decode_kernel_agrees_with_torch_path(dtype, window):
     torch.testing.assert_close(native.float(), torch_out.float(), atol=tol, rtol=tol)
 
 
+def test_native_kernel_builds_once_into_the_cache_and_reuses_it(tmp_path):
+    if kernels._compiler() is None:
+        pytest.skip("no C++ compiler here")
+    lib = kernels.build(tmp_path)
+    assert lib.parent == tmp_path / "native" and lib.exists()
+    mtime = lib.stat().st_mtime_ns
+    assert kernels.build(tmp_path) == lib and lib.stat().st_mtime_ns == mtime   # not rebuilt
+    assert [p.name for p in lib.parent.iterdir()] == [lib.name]   # no temporary file left
+
+
+def test_without_a_compiler_the_kernel_is_off_and_attention_takes_the_torch_path(
+        tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.setenv("RAYPD_CACHE_DIR", str(tmp_path))
+    kernels._module.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+            kernels.build(tmp_path)
+        q = torch.randn(2, 4, 8)
+        cache = torch.randn(4, 16, 2, 8)
+        assert kernels.paged_decode(q, cache, cache, torch.zeros(2, 1, dtype=torch.long),
+                                    torch.tensor([3, 5]), 0.3, None) is None
+        assert kernels.decode_kernel_name(torch.device("cpu")) == "torch"
+        assert "native decode attention unavailable" in caplog.text
+    finally:
+        kernels._module.cache_clear()    # the next test builds (or finds) the real one again
+
+
 def test_native_kernel_off_gives_the_same_tokens(checkpoints, monkeypatch):
     path = checkpoints["mistral_sliding"]
     prompts = [random_prompt(n, seed=200 + n) for n in (20, 45, 70)]
