@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -47,13 +48,15 @@ def _cpu_features() -> str:
     return "\n".join(dict.fromkeys(ln for ln in lines if ln.split(":")[0].strip() in want))
 
 
-def _compiler() -> tuple[str, str] | None:
-    """(path, version line) of the C++ compiler, or None."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+def _compiler() -> tuple[list[str], str] | None:
+    """(command, version line) of the C++ compiler ($CXX, which may hold a wrapper such as
+    "ccache g++", else c++ or g++), or None."""
+    cxx = shlex.split(os.environ.get("CXX", "")) or [
+        c for c in (shutil.which("c++") or shutil.which("g++"),) if c]
     if not cxx:
         return None
     try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (cxx, out.stdout.splitlines()[0]) if out.returncode == 0 and out.stdout else None
@@ -75,10 +78,10 @@ def build(cache: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".tmp", dir=lib.parent)
     os.close(fd)
     try:
-        out = subprocess.run([cc[0], *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+        out = subprocess.run([*cc[0], *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
                              text=True, timeout=300)
         if out.returncode != 0:
-            raise RuntimeError(f"{cc[0]} failed: {out.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{' '.join(cc[0])} failed: {out.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)      # atomic: a concurrent build's rename wins, both are whole
     finally:
         if os.path.exists(tmp):
