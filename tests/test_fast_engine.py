@@ -154,6 +154,21 @@ def test_native_decode_kernel_agrees_with_torch_path(dtype, window):
     torch.testing.assert_close(native.float(), torch_out.float(), atol=tol, rtol=tol)
 
 
+def test_native_kernel_refuses_inputs_it_would_read_past():
+    if kernels._module() is None:
+        pytest.skip("the native kernel could not be built here (no C++ compiler)")
+    cache = torch.randn(4, 16, 2, 8)
+    q, tables = torch.randn(2, 4, 8), torch.zeros(2, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="longer than its block table"):
+        kernels.paged_decode(q, cache, cache, tables, torch.tensor([3, 17]), 0.3, None)
+    with pytest.raises(ValueError, match="paged_decode"):       # head_dim differs
+        kernels.paged_decode(torch.randn(2, 4, 4), cache, cache, tables, torch.tensor([3, 5]),
+                             0.3, None)
+    with pytest.raises(ValueError, match="paged_decode"):       # a non-contiguous cache
+        kernels.paged_decode(q, cache.transpose(0, 1), cache, tables, torch.tensor([3, 5]),
+                             0.3, None)
+
+
 def test_native_kernel_builds_once_into_the_cache_and_reuses_it(tmp_path):
     if kernels._compiler() is None:
         pytest.skip("no C++ compiler here")

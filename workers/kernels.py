@@ -113,16 +113,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fn = _module()
     if fn is None:
         return None
-    assert q.dim() == 3 and k_cache.dim() == 4, (q.shape, k_cache.shape)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
-    assert v_cache.dtype == k_cache.dtype and v_cache.shape == k_cache.shape
-    B, H, D = q.shape
-    _, bs, h_kv, d_kv = k_cache.shape
-    assert D == d_kv and D <= 512 and H % h_kv == 0, (q.shape, k_cache.shape)
+    # checked on every call, not asserted: the kernel reads raw memory where these point
+    B, H, D = q.shape if q.dim() == 3 else (0, 0, 0)
+    tables = block_tables.to("cpu", torch.int64).contiguous()
+    lens = context_lens.to("cpu", torch.int64).contiguous()
+    if not (q.dim() == 3 and k_cache.dim() == 4 and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
+            and v_cache.shape == k_cache.shape and k_cache.shape[3] == D and 0 < D <= 512
+            and H % k_cache.shape[2] == 0 and tables.dim() == 2 and tables.shape[0] == B
+            and lens.shape == (B,)):
+        raise ValueError(f"paged_decode: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)} (contiguous, same dtype), block_tables "
+                         f"{tuple(tables.shape)}, context_lens {tuple(lens.shape)}")
+    bs, h_kv = k_cache.shape[1:3]
+    if B and int(lens.max()) > tables.shape[1] * bs:
+        raise ValueError("paged_decode: a context is longer than its block table")
     q = q.contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = context_lens.to(torch.int64).contiguous()
-    assert tables.dim() == 2 and tables.shape[0] == B and lens.shape == (B,)
     out = torch.empty_like(q)
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
        lens.data_ptr(), out.data_ptr(), B, H, D, bs, h_kv, tables.shape[1], float(scale),
