@@ -164,9 +164,14 @@ def test_native_kernel_refuses_inputs_it_would_read_past():
     with pytest.raises(ValueError, match="paged_decode"):       # head_dim differs
         kernels.paged_decode(torch.randn(2, 4, 4), cache, cache, tables, torch.tensor([3, 5]),
                              0.3, None)
-    with pytest.raises(ValueError, match="paged_decode"):       # a non-contiguous cache
-        kernels.paged_decode(q, cache.transpose(0, 1), cache, tables, torch.tensor([3, 5]),
+    nc = torch.randn(4, 2, 16, 8).transpose(1, 2)               # same shape, not contiguous
+    with pytest.raises(ValueError, match="paged_decode"):
+        kernels.paged_decode(q, nc, nc, tables, torch.tensor([3, 5]), 0.3, None)
+    with pytest.raises(ValueError, match="outside the pool"):
+        kernels.paged_decode(q, cache, cache, torch.tensor([[0], [4]]), torch.tensor([3, 5]),
                              0.3, None)
+    with pytest.raises(ValueError, match="negative context"):
+        kernels.paged_decode(q, cache, cache, tables, torch.tensor([3, -1]), 0.3, None)
 
 
 def test_native_kernel_builds_once_into_the_cache_and_reuses_it(tmp_path):
@@ -181,6 +186,7 @@ def test_native_kernel_builds_once_into_the_cache_and_reuses_it(tmp_path):
 
 def test_without_a_compiler_the_kernel_is_off_and_attention_takes_the_torch_path(
         tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("RAYPD_NATIVE_KERNELS", raising=False)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
     monkeypatch.setenv("RAYPD_CACHE_DIR", str(tmp_path))

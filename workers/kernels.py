@@ -97,7 +97,8 @@ def _module():
     from workers.model_loader import cache_dir
     try:
         fn = ctypes.CDLL(str(build(cache_dir()))).raypd_paged_decode
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    except (OSError, RuntimeError, ValueError, AttributeError,
+            subprocess.SubprocessError) as e:   # ValueError: $CXX unparsable
         log.warning("raypd: native decode attention unavailable (%s); using PyTorch ops", e)
         return None
     fn.argtypes, fn.restype = ARGTYPES, None
@@ -108,7 +109,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  window: int | None) -> torch.Tensor | None:
     """[B, H, D] decode attention over the pool, or None where the kernel does not apply."""
-    if q.device.type != "cpu" or q.dtype != k_cache.dtype or q.dtype not in DTYPE_CODES:
+    if q.device.type != "cpu" or k_cache.device.type != "cpu" or v_cache.device.type != "cpu" \
+            or q.dtype != k_cache.dtype or q.dtype not in DTYPE_CODES:
         return None
     fn = _module()
     if fn is None:
@@ -120,7 +122,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not (q.dim() == 3 and k_cache.dim() == 4 and k_cache.is_contiguous()
             and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
             and v_cache.shape == k_cache.shape and k_cache.shape[3] == D and 0 < D <= 512
-            and H % k_cache.shape[2] == 0 and tables.dim() == 2 and tables.shape[0] == B
+            and k_cache.shape[2] > 0 and H % k_cache.shape[2] == 0 and tables.dim() == 2 and tables.shape[0] == B
             and lens.shape == (B,)):
         raise ValueError(f"paged_decode: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)} (contiguous, same dtype), block_tables "
@@ -128,6 +130,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bs, h_kv = k_cache.shape[1:3]
     if B and int(lens.max()) > tables.shape[1] * bs:
         raise ValueError("paged_decode: a context is longer than its block table")
+    if B and (int(lens.min()) < 0 or int(tables.min()) < 0
+              or int(tables.max()) >= k_cache.shape[0]):   # padding is block 0: all valid
+        raise ValueError("paged_decode: a negative context length or a block outside the pool")
     q = q.contiguous()
     out = torch.empty_like(q)
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
