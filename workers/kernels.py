@@ -34,7 +34,7 @@ SOURCE = Path(__file__).with_name("paged_decode.cpp")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fPIC", "-shared"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
             ctypes.c_double, _i64, ctypes.c_int]
 
 
@@ -101,7 +101,7 @@ def _module():
             subprocess.SubprocessError) as e:   # ValueError: $CXX unparsable
         log.warning("raypd: native decode attention unavailable (%s); using PyTorch ops", e)
         return None
-    fn.argtypes, fn.restype = ARGTYPES, None
+    fn.argtypes, fn.restype = ARGTYPES, ctypes.c_int
     return fn
 
 
@@ -115,7 +115,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fn = _module()
     if fn is None:
         return None
-    # checked on every call, not asserted: the kernel reads raw memory where these point
+    # checked on every call, not asserted: the kernel reads raw memory where these point (it
+    # checks the context lengths and block ids itself, beside its reads)
     B, H, D = q.shape if q.dim() == 3 else (0, 0, 0)
     tables = block_tables.to("cpu", torch.int64).contiguous()
     lens = context_lens.to("cpu", torch.int64).contiguous()
@@ -127,17 +128,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"paged_decode: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)} (contiguous, same dtype), block_tables "
                          f"{tuple(tables.shape)}, context_lens {tuple(lens.shape)}")
-    bs, h_kv = k_cache.shape[1:3]
-    if B and int(lens.max()) > tables.shape[1] * bs:
-        raise ValueError("paged_decode: a context is longer than its block table")
-    if B and (int(lens.min()) < 0 or int(tables.min()) < 0
-              or int(tables.max()) >= k_cache.shape[0]):   # padding is block 0: all valid
-        raise ValueError("paged_decode: a negative context length or a block outside the pool")
+    num_blocks, bs, h_kv = k_cache.shape[:3]
     q = q.contiguous()
     out = torch.empty_like(q)
-    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-       lens.data_ptr(), out.data_ptr(), B, H, D, bs, h_kv, tables.shape[1], float(scale),
-       int(window or 0), DTYPE_CODES[q.dtype])
+    if fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+          lens.data_ptr(), out.data_ptr(), B, H, D, bs, h_kv, tables.shape[1], num_blocks,
+          float(scale), int(window or 0), DTYPE_CODES[q.dtype]):
+        raise ValueError("paged_decode: a context length outside its block table, or a block "
+                         "outside the pool")
     return out
 
 

@@ -103,13 +103,27 @@ void run(const T* __restrict__ qp, const T* __restrict__ kp, const T* __restrict
 
 }  // namespace
 
+// True when every context length is within its block table and every block it reads is in
+// the pool (the reads below go where these point; checked here, beside them, in O(blocks)).
+static bool in_bounds(const int64_t* tp, const int64_t* lp, int64_t B, int64_t bs, int64_t W,
+                      int64_t num_blocks) {
+  for (int64_t b = 0; b < B; ++b) {
+    if (lp[b] < 0 || lp[b] > W * bs) return false;
+    for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; ++i)
+      if (tp[b * W + i] < 0 || tp[b * W + i] >= num_blocks) return false;
+  }
+  return true;
+}
+
 // dtype: 0 float32, 1 bfloat16. The caller (workers/kernels.py) checks shapes, contiguity and
-// dtypes; head_dim <= 512 and H a multiple of Hkv.
-extern "C" void raypd_paged_decode(const void* q, const void* k_cache, const void* v_cache,
-                                   const int64_t* block_tables, const int64_t* context_lens,
-                                   void* out, int64_t B, int64_t H, int64_t D, int64_t bs,
-                                   int64_t Hkv, int64_t W, double scale, int64_t window,
-                                   int dtype) {
+// dtypes; head_dim <= 512 and H a multiple of Hkv. Returns 0, or 1 (nothing computed) when a
+// context length or a block it reads is outside its table or the pool.
+extern "C" int raypd_paged_decode(const void* q, const void* k_cache, const void* v_cache,
+                                  const int64_t* block_tables, const int64_t* context_lens,
+                                  void* out, int64_t B, int64_t H, int64_t D, int64_t bs,
+                                  int64_t Hkv, int64_t W, int64_t num_blocks, double scale,
+                                  int64_t window, int dtype) {
+  if (!in_bounds(block_tables, context_lens, B, bs, W, num_blocks)) return 1;
   if (dtype == 1)
     run(static_cast<const bf16*>(q), static_cast<const bf16*>(k_cache),
         static_cast<const bf16*>(v_cache), block_tables, context_lens, static_cast<bf16*>(out),
@@ -118,4 +132,5 @@ extern "C" void raypd_paged_decode(const void* q, const void* k_cache, const voi
     run(static_cast<const float*>(q), static_cast<const float*>(k_cache),
         static_cast<const float*>(v_cache), block_tables, context_lens,
         static_cast<float*>(out), B, H, D, bs, Hkv, W, static_cast<float>(scale), window);
+  return 0;
 }
