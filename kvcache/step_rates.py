@@ -9,7 +9,8 @@ Prefill model (per step, over the step's prefill chunks):
 where u_i are a chunk's new tokens and ctx_i the mean context they attend to
 (num_computed_tokens + u_i / 2): the linear layers cost the same per token, attention grows with
 context. Fitted by non-negative least squares on the last `window` prefill-only steps; a step
-that mixes prefill and decode work is not used for either fit.
+that mixes prefill and decode work is not used for either fit. Adapter loads inside a step are
+left out of its seconds (the worker reports them on their own, as lora_load_s).
 
 Decode model: t = d0 + d1 * batch + d2 * context tokens of the batch, on decode-only steps.
 A fit exists only after `min_steps` steps; before that the report says so (no made-up rate).
@@ -17,6 +18,7 @@ A fit exists only after `min_steps` steps; before that the report says so (no ma
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +43,18 @@ class PrefillFit:
         if self.ctx_tokens > 0:
             t *= 1.0 + (num_tokens + num_cached_tokens) / (2.0 * self.ctx_tokens)
         return self.overhead_s + t
+
+    def backlog_s(self, prompts: Sequence[tuple[int, int]], token_budget: int) -> float:
+        """Seconds to prefill every (num_tokens, num_computed_tokens) of `prompts` on a worker
+        that batches them into steps of at most `token_budget` new tokens: the per-token costs
+        of each, and one step overhead per step (not per prompt: batched prompts share it)."""
+        assert token_budget > 0, token_budget
+        left = t = 0.0
+        for n, c in prompts:
+            if n > c:
+                left += n - c
+                t += self.seconds(n, c) - self.overhead_s
+        return t + self.overhead_s * math.ceil(left / token_budget)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ budget (the last one chunked).
 
 What the policies see is exactly what the live router sees: each simulated worker produces the
 same `LoadReport` a live worker does (queue in tokens and in seconds by its own fitted speed,
-the prefill fit made by `kvcache.step_rates.StepRates` from the steps it ran, resident adapters
-and their measured load time, KV events), as of its last published step, delivered to the
+batched into steps as it batches them, the prefill fit made by `kvcache.step_rates.StepRates`
+from the steps it ran less their adapter loads, resident adapters and their measured load
+time, KV events), as of its last published step, delivered to the
 router every `report_interval_s` (the live reporter's interval) after `report_rpc_s`. The router
 turns reports into WorkerStates with the live code (router/worker_view.py) and counts its own
 decisions between reports the same way. The hidden cost model (router/cost_model.py) only
@@ -175,7 +176,8 @@ class SimWorker:
         self.max_loras = max_loras
         self.jobs: deque[_Job] = deque()      # arrived, not yet reported as done
         self.waiting: deque[_Job] = deque()   # not yet fully scheduled (FCFS)
-        self.steps: deque[tuple[float, float, list, list]] = deque()   # formed, not reported
+        # formed, not reported: (start of its prefill compute, end, chunks, members)
+        self.steps: deque[tuple[float, float, list, list]] = deque()
         self.step_log: list[tuple[float, float]] | None = [] if log_steps else None
         # a shared host's neighbour: (step start, its cost alone) -> its duration
         self.slowed: Callable[[float, float], float] | None = None
@@ -253,7 +255,8 @@ class SimWorker:
             if self.slowed is not None:
                 step_s = self.slowed(start + load_s, step_s)
             end = start + load_s + step_s
-            self.steps.append((start, end, chunks, members))
+            # its prefill seconds, for the fit: the adapter loads are reported on their own
+            self.steps.append((start + load_s, end, chunks, members))
             if self.step_log is not None:
                 self.step_log.append((start, end))
             self.busy_s += end - start
@@ -313,7 +316,7 @@ class SimWorker:
             self._lora_loads.append(load_s)
         fit = self.rates.prefill_fit()
         queued = running = active = num = 0
-        queued_s = 0.0
+        backlog = []
         for job in self.jobs:
             if job.arrival > published:
                 break
@@ -324,14 +327,14 @@ class SimWorker:
                 running += left
             else:
                 queued += left
-            if fit is not None:
-                queued_s += fit.seconds(job.num_tokens, job.num_tokens - left)
+            backlog.append((job.num_tokens, job.num_tokens - left))
+        queued_s = fit.backlog_s(backlog, self.cost.prefill.chunk_tokens) if fit else None
         loads = self._lora_loads
         return LoadReport(
             self.worker_id, queued_tokens=queued, running_tokens=running, num_requests=num,
             active_blocks=active, cached_blocks=self._published_cached,
             free_blocks=max(0, self.pool.num_blocks - active), total_blocks=self.pool.num_blocks,
-            queued_s=queued_s if fit is not None else None, prefill_fit=fit,
+            queued_s=queued_s, prefill_fit=fit,
             kv_bytes_per_token=self.cost.kv_bytes_per_token,
             loras_resident=self._published_loras,
             lora_load_s=sum(loads) / len(loads) if loads else 0.0,

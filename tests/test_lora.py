@@ -242,3 +242,45 @@ def test_decode_reservations_count_against_max_loras(adapters):
     assert engine.reserve(same) == 0
     engine.add_request(request=engine.make_request([5, 6, 7], GREEDY, lora_id="qv"), prompt=None)
     assert engine.scheduler.schedule() == []  # the queued "qv" request waits for a slot
+
+
+def test_a_workers_prefill_speed_leaves_out_its_adapter_loads(adapters, monkeypatch):
+    """An adapter loads inside the engine step that first needs it. The worker reports that
+    time on its own (lora_load_s, which the router charges where the adapter is not resident),
+    so the step's seconds that its prefill fit measures leave the load out: a worker that
+    just loaded an adapter is not slower at prefill, and the router does not charge the load
+    twice."""
+    import time
+
+    from kvcache.handoff import RequestInput
+    from kvcache.step_rates import StepRates
+    from workers import lora as lora_mod
+    from workers.actors import DecodeHost, PrefillHost
+    real_load_weights = lora_mod.load_weights
+
+    def slow_load_weights(spec):            # a slow disk: the load takes 0.5 s more
+        time.sleep(0.5)
+        return real_load_weights(spec)
+    monkeypatch.setattr(lora_mod, "load_weights", slow_load_weights)
+    cfg = dict(model="tiny", num_blocks=32, block_size=16, lora_adapters=adapters)
+    p, d = PrefillHost("prefill-l", cfg, transport="shm"), DecodeHost("decode-l", cfg,
+                                                                      transport="shm")
+    try:
+        steps = []
+
+        class Recorded(StepRates):
+            def observe_prefill(self, seconds, chunks):
+                steps.append((seconds, list(chunks)))
+                super().observe_prefill(seconds, chunks)
+        p.rates = Recorded()
+        adm = d.admit(RequestInput("r", tuple(random_prompt(40, seed=3)),
+                                   SamplingParams(max_tokens=2), time.time() + 60,
+                                   lora_id="all"))
+        assert adm.admitted
+        p.prefill(adm.request, adm.plan)
+        assert p.load_report().lora_load_s >= 0.5          # the load, reported on its own
+        assert [chunks for _, chunks in steps] == [[(40, 0)]]
+        assert steps[0][0] < 0.5                            # the step, without the load
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -41,6 +41,19 @@ def test_no_fit_before_enough_steps_and_decode_steps_never_enter_the_prefill_fit
     assert d.step_s(4, 400) == pytest.approx(0.018, rel=1e-3)
 
 
+def test_backlog_pays_one_step_overhead_per_token_budget_not_one_per_prompt():
+    """A worker batches its queued prompts into steps of at most its token budget, so ten
+    short prompts wait for one step's overhead, not ten (summing `seconds` per prompt
+    charged ten, and made a queue of short prompts look long)."""
+    fit = PrefillFit(tok_s=1_000.0, ctx_tokens=0.0, overhead_s=0.1, num_steps=8)
+    short = [(100, 0)] * 10                       # 1,000 tokens: one step of 2,048
+    assert fit.backlog_s(short, 2048) == pytest.approx(0.1 + 1.0)
+    assert fit.backlog_s(short, 256) == pytest.approx(4 * 0.1 + 1.0)   # 4 steps of 256
+    assert fit.backlog_s([(500, 200), (300, 300)], 2048) == pytest.approx(0.1 + 0.3)
+    assert fit.backlog_s([], 2048) == 0.0
+    assert fit.backlog_s([(700, 0)], 2048) == pytest.approx(fit.seconds(700, 0))
+
+
 def test_nnls_keeps_coefficients_non_negative():
     rows = [(1.0, x) for x in range(10)]
     ys = [5.0 - 0.1 * x for x in range(10)]     # a negative slope is not a speed

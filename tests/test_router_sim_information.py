@@ -87,3 +87,20 @@ def test_the_hidden_speed_reaches_policies_only_as_a_measured_fit():
         assert all(s.prefill_fit is None and s.queued_s is None for s in first_states)
         fits = [s.prefill_fit for s in policy.seen[-1][1] if s.prefill_fit is not None]
         assert fits and all(f.tok_s == pytest.approx(tok_s, rel=0.02) for f in fits)
+
+
+def test_a_simulated_workers_prefill_fit_leaves_out_its_adapter_loads():
+    """As a live worker's (tests/test_lora.py): the seconds an adapter load adds to a step
+    reach the router as the worker's lora_load_s, not as a slower prefill fit."""
+    from router.cost_model import CostModel, PrefillCost
+    from router.sim import SimWorker, namespace_root
+    hidden = PrefillCost(tok_s=8_000.0, attn_ctx_tokens=0.0, step_overhead_s=0.02)
+    w = SimWorker("p0", 400, CostModel(prefill=hidden, lora_load_s=1.0), max_loras=2)
+    for j in range(6):             # each alone on the worker, each under an adapter not loaded
+        ids = tuple(100 * j + i for i in range(4))
+        w.serve([hash((j, i)) for i in range(4)], namespace_root(lora=f"a{j}"), ids, 2048,
+                10.0 * j, 512, lora=f"a{j}")
+    w.advance(float("inf"))
+    rep = w.report(100.0)
+    assert w.lora_loads == 6 and rep.lora_load_s == pytest.approx(1.0)
+    assert rep.prefill_fit.seconds(2048, 0) == pytest.approx(hidden.prefill_s(2048), rel=1e-6)

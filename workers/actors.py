@@ -133,9 +133,13 @@ class _EngineHost:
                         if self._step_errors:      # injected step failure (tests)
                             self._step_errors -= 1
                             raise RuntimeError("injected engine step failure")
+                        loading_s = self.engine.lora_load_s_total()
                         outputs = self.engine.step()
+                        loading_s = self.engine.lora_load_s_total() - loading_s
+                        # adapter loads are reported on their own (lora_load_s), not as
+                        # prefill or decode speed
                         _observe_step(self.rates, before,
-                                      time.monotonic() - self._step_started)
+                                      time.monotonic() - self._step_started - loading_s)
                     except Exception as e:   # noqa: BLE001 - only this step's requests fail
                         outputs = self._fail_step(e)
                     finally:
@@ -276,8 +280,9 @@ class _EngineHost:
         pfit, dfit = self.rates.prefill_fit(), self.rates.decode_fit()
         queued_s = None
         if pfit is not None:   # the worker's own estimate of its prefill work, by its own fit
-            queued_s = sum(pfit.seconds(r.num_tokens, r.num_computed_tokens)
-                           for r in (*sched.waiting, *sched.running) if _prefilling(r))
+            queued_s = pfit.backlog_s([(r.num_tokens, r.num_computed_tokens)
+                                       for r in (*sched.waiting, *sched.running)
+                                       if _prefilling(r)], e.cfg.max_num_batched_tokens)
         decoding = [r for r in sched.running if not _prefilling(r)]
         step_s = dfit.step_s(len(decoding), sum(r.num_tokens for r in decoding)) \
             if dfit is not None and decoding else 0.0

@@ -413,6 +413,11 @@ class LLMEngine:
                  lora_resident=list(lora.resident) if lora is not None else [])
         return d
 
+    def lora_load_s_total(self) -> float:
+        """Seconds spent loading adapters into slots so far (they load inside a step)."""
+        lora = self.runner.lora
+        return lora.stats.load_s_total if lora is not None else 0.0
+
     def lora_load_report(self) -> dict:
         """What the router's adapter affinity looks at: adapters resident, mean load time."""
         lora = self.runner.lora
