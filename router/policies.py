@@ -331,13 +331,14 @@ class Locality(BasePolicy):
                  + transfer(w)                   bytes of the KV the decode worker lacks (the
                                                  reported kv_bytes_per_token) / the GB/s the
                                                  router measured from w to that decode worker
-      cost(w)    = ttft(w) + beta * compute(w) + gamma * excess(w) * compute(w)
+      cost(w)    = ttft(w) + beta * compute(w) + gamma * excess(w) * spread
       overload   = max(1, shortest wait / overload_wait_s)
       beta       = work_weight * overload,   gamma = balance_weight / overload
+      spread     = max over workers of compute(w) - min over workers of compute(w): the most
+                   compute this request's placement can add (its recompute and adapter load)
       excess(w)  = max(0, sent(w) - balance_ratio * mean)
-                   / max(mean, balance_min_requests * smallest compute), where sent(w) is the
-                   prefill compute this router sent w, decayed over balance_tau_s (its own
-                   decisions)
+                   / max(mean, balance_min_requests * spread), where sent(w) is the prefill
+                   compute this router sent w, decayed over balance_tau_s (its own decisions)
 
     A worker with no fit yet is estimated with the median fit of the workers that have one;
     when no worker has measured anything, with the `unmeasured_tok_s` prior: the decision is
@@ -364,10 +365,19 @@ class Locality(BasePolicy):
     more work than the others while its queue is still short enough to win on TTFT; the
     term charges a worker that got more than its share lately in proportion to the excess, so
     the hot work spills before the queue says so (SGLang's router switches to shortest-queue
-    on an imbalance threshold; this is the soft form of it). In overload every queue says so
-    and each recomputed second delays everyone, so the term fades as beta grows. Tuned with
-    the other weights on all five bench workloads together (work_weight 1, balance_ratio 1,
-    balance_weight 10, balance_tau_s 300, balance_min_requests 4).
+    on an imbalance threshold; this is the soft form of it). It is charged in the unit of
+    what a spill costs, the spread: a holder then spills once its excess outweighs
+    (1 + beta) / gamma of a spill, the same relative imbalance for a cheap cache hit as for
+    a long prompt (charged in the hit's own compute instead, a hot hit of a few tokens
+    outweighed its recompute elsewhere only at several times the mean, and hot prefixes
+    hardly ever spilled on the balance term).
+    The mean of a handful of requests per worker is noise, not an imbalance: until the mean
+    covers `balance_min_requests` spreads, the excess is measured against that many (a cold
+    cluster's first seconds place every new prefix once instead of spreading hot prefixes
+    over the workers that happened to be idle). In overload every queue says so and each
+    recomputed second delays everyone, so the term fades as beta grows. Tuned with the other
+    weights on all five bench workloads together, several seeds each (work_weight 1,
+    balance_ratio 1, balance_weight 10, balance_tau_s 300, balance_min_requests 32).
 
     The prefix index only knows blocks whose KV events have arrived, i.e. prefills that have
     finished. Locality also remembers its own decisions until `inflight_margin_s` after their
@@ -385,7 +395,7 @@ class Locality(BasePolicy):
                  unmeasured_tok_s: float = 10_000.0, tie_frac: float = 0.1,
                  lora_evict_weight: float = 1.0, balance_ratio: float | None = 1.0,
                  balance_tau_s: float = 300.0, balance_weight: float = 10.0,
-                 balance_min_requests: float = 4.0,
+                 balance_min_requests: float = 32.0,
                  clock: Callable[[], float] = time.monotonic, **kw) -> None:
         super().__init__(**kw)
         self.balance_ratio = balance_ratio
@@ -442,17 +452,16 @@ class Locality(BasePolicy):
         v, at = self._sent.get(worker_id, (0.0, now))
         return v * math.exp(-max(0.0, now - at) / self.balance_tau_s)
 
-    def _excess(self, ws: Sequence[WorkerState], now: float, compute: float) -> list[float]:
+    def _excess(self, ws: Sequence[WorkerState], now: float, unit: float) -> list[float]:
         """Per worker: how far the prefill compute this router sent it lately (decayed over
         `balance_tau_s`) is above `balance_ratio` x the mean, as a fraction of the mean, or of
-        `balance_min_requests` x this request's `compute` while the mean is below that (a
-        handful of requests is no imbalance: a quiet cluster's first requests follow their
-        prefixes)."""
+        `balance_min_requests` x `unit` (seconds) while the mean is below that (a handful of
+        requests is no imbalance: a quiet cluster's first requests follow their prefixes)."""
         if self.balance_ratio is None or len(ws) < 2:
             return [0.0] * len(ws)
         sent = [self._sent_s(w.worker_id, now) for w in ws]
         mean = sum(sent) / len(sent)
-        scale = max(mean, self.balance_min_requests * compute)
+        scale = max(mean, self.balance_min_requests * unit)
         if scale <= 0:
             return [0.0] * len(ws)
         return [max(0.0, s - self.balance_ratio * mean) / scale for s in sent]
@@ -482,8 +491,9 @@ class Locality(BasePolicy):
             computes.append(compute)
         if measured and self.ttft_slo_s is not None and min(est) > self.ttft_slo_s:
             raise SLOUnmeetable(min(est), self.ttft_slo_s)
-        for i, excess in enumerate(self._excess(ws, now, min(computes))):
-            cost[i] += self.balance_weight / overload * excess * computes[i]
+        spread = max(computes) - min(computes)
+        for i, excess in enumerate(self._excess(ws, now, spread)):
+            cost[i] += self.balance_weight / overload * excess * spread
         bound = min(cost) + min(self.tie_s, self.tie_frac * min(computes))
         last = self._last_chosen
         i = min((i for i in range(len(ws)) if cost[i] <= bound),

@@ -214,6 +214,45 @@ def test_locality_balance_leaves_a_quiet_clusters_first_requests_to_their_prefix
     assert second.worker_id == first.worker_id and second.reason == "cache_hit"
 
 
+def _spills_at(n_blocks: int, hit_blocks: int) -> float:
+    """The smallest excess (the holder's sent compute over the others', as a fraction of the
+    mean) at which `locality` sends a request whose first `hit_blocks` blocks w0 holds to an
+    idle non-holder."""
+    lo, hi = 0.0, 4.0
+    while hi - lo > 1e-3:
+        mid = (lo + hi) / 2
+        p, workers = make_policy("locality"), ws(4)
+        big = 1000.0                   # seconds sent lately: far past the handful-of-requests gate
+        p._sent = {w.worker_id: (big * (1 + mid if i == 0 else 1), 0.0)
+                   for i, w in enumerate(workers)}
+        d = p.choose_prefill(req(n_blocks, tag=n_blocks), workers, {"w0": hit_blocks})
+        lo, hi = (lo, mid) if d.worker_id != "w0" else (mid, hi)
+    return hi
+
+
+def test_locality_spills_a_cheap_hit_at_the_same_imbalance_as_a_long_prompt():
+    """The balance term is charged in the unit of what a spill costs (the spread of the
+    request's compute over the workers), so a holder over its share spills at the same
+    relative excess whether what the holder would compute is one block or forty; charged in
+    the holder's own compute, the cheap hit would never spill."""
+    cheap, long = _spills_at(40, 39), _spills_at(80, 40)
+    assert 0 < cheap < 1 and cheap == pytest.approx(long, abs=0.01)
+
+
+def test_locality_counts_no_imbalance_until_the_mean_covers_a_few_dozen_requests():
+    """A cold cluster's first seconds: a worker that got a few prompts more than the others
+    (the cold prefixes it happened to take) still gets the hot requests of its prefixes; the
+    same excess over a mean of many requests spills them."""
+    def holder_wins(sent_s: float) -> bool:
+        p, workers = make_policy("locality"), ws(4)
+        p._sent = {w.worker_id: (sent_s * (3 if i == 0 else 1), 0.0)
+                   for i, w in enumerate(workers)}
+        return p.choose_prefill(req(20), workers, {"w0": 16}).worker_id == "w0"
+    one_request_s = 20 * BS / FIT.tok_s           # the request's compute on a non-holder
+    assert holder_wins(2 * one_request_s)         # 4 requests' worth over a mean of 2
+    assert not holder_wins(100 * one_request_s)   # 200 over a mean of 100
+
+
 def test_locality_estimate_uses_the_reported_fit_queue_and_measured_pair_bandwidth():
     r = RoutingRequest("r", req(8).block_hashes, 8 * BS, BS, decode_worker="d1")
     fit = PrefillFit(tok_s=4_000.0, ctx_tokens=8_192.0, overhead_s=0.03, num_steps=10)
