@@ -366,9 +366,9 @@ class Locality(BasePolicy):
     term charges a worker that got more than its share lately in proportion to the excess, so
     the hot work spills before the queue says so (SGLang's router switches to shortest-queue
     on an imbalance threshold; this is the soft form of it). It is charged in the unit of
-    what a spill costs, the spread: a holder then spills once its excess outweighs
-    (1 + beta) / gamma of a spill, the same relative imbalance for a cheap cache hit as for
-    a long prompt (charged in the hit's own compute instead, a hot hit of a few tokens
+    what a spill costs, the spread: a holder whose queue is as short as an idle peer's then
+    spills once its excess passes (1 + beta) / gamma (0.2 at the defaults), the same relative
+    imbalance for a cheap cache hit as for a long prompt (charged in the hit's own compute instead, a hot hit of a few tokens
     outweighed its recompute elsewhere only at several times the mean, and hot prefixes
     hardly ever spilled on the balance term).
     The mean of a handful of requests per worker is noise, not an imbalance: until the mean
