@@ -247,6 +247,7 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
     to its `decode_step_ms_grid` (`bench engine --calibration`: batch and context) or, from a
     plain bench, its batch-1 and batch-16 step times; without a JSON, CPU_DEFAULTS (said in the
     notes)."""
+    from kvcache.kv_plan import KV_DTYPE_BYTES
     from kvcache.step_rates import nnls
 
     src = bench_engine or CPU_DEFAULTS
@@ -287,7 +288,9 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
         prefill=PrefillCost(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0, chunk_tokens, sq,
                             tuple(solo)),
         decode=DecodeCost(base, per_seq, per_ctx),
-        link=LinkCost(1.0, 0.002), kv_bytes_per_token=m.kv_bytes_per_token * 2,  # fp32
+        link=LinkCost(1.0, 0.002),   # KV in the calibrated pool's dtype (fp32 if unsaid)
+        kv_bytes_per_token=m.kv_bytes_per_token * KV_DTYPE_BYTES.get(
+            src.get("kv_dtype", "float32"), 4) // m.dtype_bytes,
         kv_capacity_tokens=kv_capacity_tokens,
         notes={"prefill_fit": "overhead + linear + step tokens^2 + attention" if batched else
                "overhead + linear + attention" if len(rows) >= 3 else

@@ -22,7 +22,9 @@ a whole step; `real_round_spread` says how far the rounds differ (the noise floo
 sim_vs_real_error). Before the replay a probe measures how much the real prefill and decode
 workers slow each other (`probe_shared_host`: the simulator's shared-host slowdowns) and
 the workers' speed alone, to which the calibration's level is re-anchored (`anchor`: the
-machine drifts in the minutes the calibration takes; the shapes stay the calibration's).
+machine drifts in the minutes the calibration takes; the shapes stay the calibration's), and
+what a request spends around its prefill before its first token (admission, staging, the
+transfer over the object store, the token's way back), which the simulator's link carries.
 Both sides are `cpu-measured`; `per_request` gives each request's figures on both sides (and
 its real stage seconds), to see where they part: the real side's round k request i is key
 k * requests + i (the simulator's i)."""
@@ -97,7 +99,7 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
 
     def mean_gap(ts: list[float]) -> float | None:
         return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) >= 4 else None
-    _timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-before")
+    alone_runs = [_timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-before")]
     tenth, box = threading.Event(), {}
 
     def decode() -> None:
@@ -114,7 +116,7 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
     finally:
         th.join()
     assert "d" in box, "the probe's decode request failed"
-    _timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-after")
+    alone_runs.append(_timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-after"))
     span = compute_span("probe-prefill-beside")
     landed = traces.get("probe-prefill-beside").token_times[1]   # D's first step after it
     ts = traces.get("probe-decode").token_times[1:]              # D's steps
@@ -123,11 +125,16 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
     after = [t for t in ts if t > landed]
     gaps = [g for g in (mean_gap(before), mean_gap(after)) if g is not None]
     outside = sum(gaps) / len(gaps) if gaps else None
-    alone = (compute_span("probe-prefill-before").seconds
-             + compute_span("probe-prefill-after").seconds) / 2
+    computes = [compute_span(f"probe-prefill-{k}").seconds for k in ("before", "after")]
+    alone = sum(computes) / 2
+    # what a request spends around its prefill on the idle cluster (route, admit, staging,
+    # transfer, the first token's way to the client): its TTFT at the client less its compute
+    handoff = sum(ts[0] - start - c for (start, ts, _), c in zip(alone_runs, computes,
+                                                                strict=True)) / 2
     return {"context": context, "prefill_tokens": prefill_tokens,
             "decode_tokens": decode_tokens, "decode_gap_s_outside": outside,
             "decode_gap_s_inside_prefill": inside, "prefill_compute_s_alone": alone,
+            "handoff_s_alone": handoff,
             "prefill_compute_s_beside_decode": span.seconds,
             "decode_x": max(1.0, inside / outside) if inside and outside else 1.0,
             "prefill_x": max(1.0, span.seconds / alone) if alone > 0 else 1.0}
@@ -286,11 +293,18 @@ def _anchor(cost: CostModel, probe: dict) -> dict:
     replay (the machine drifts 10-25% in the minutes the calibration takes): prefill seconds
     scaled so that the probe's prefill alone takes what it took, decode seconds so that a step
     of the probe's sequence (at its mean context) takes its mean gap outside the prefill. The
-    shapes (vs length, batch, context) stay the calibration's."""
+    shapes (vs length, batch, context) stay the calibration's. The link's latency: what the
+    probe's prefills alone spent around their compute before their first token, less the
+    link's transfer of their KV (the simulator's only cost between a prefill's end and its
+    first token)."""
     kp = probe["prefill_compute_s_alone"] / cost.prefill.prefill_s(probe["prefill_tokens"])
     gap, ctx = probe["decode_gap_s_outside"], probe["context"] + probe["decode_tokens"] // 2
     kd = gap / cost.decode.step_s(1, ctx) if gap else 1.0
-    return {"prefill_k": kp, "decode_k": kd, "from": "probe_shared_host's alone figures"}
+    nbytes = probe["prefill_tokens"] * cost.kv_bytes_per_token
+    latency = max(0.0, probe["handoff_s_alone"] - (cost.link.seconds(nbytes)
+                                                   - cost.link.latency_s))
+    return {"prefill_k": kp, "decode_k": kd, "link_latency_s": latency,
+            "from": "probe_shared_host's alone figures"}
 
 
 def _validate(cost: CostModel | None, num_requests: int, prompt_lens, max_tokens: int,
@@ -308,7 +322,9 @@ def _validate(cost: CostModel | None, num_requests: int, prompt_lens, max_tokens
     probe = real["shared_host_probe"]
     anchor = _anchor(cost, probe)
     cost = dataclasses.replace(cost.scaled(anchor["prefill_k"], anchor["decode_k"]),
-                               shared_host=SharedHost(probe["prefill_x"], probe["decode_x"]))
+                               shared_host=SharedHost(probe["prefill_x"], probe["decode_x"]),
+                               link=dataclasses.replace(cost.link,
+                                                        latency_s=anchor["link_latency_s"]))
     sim = run_sim(replay, max_tokens, cost, engine.get("block_size", 16))
     errors = {k: abs(sim[k] - real[k]) / real[k] if real[k] else None for k in METRICS}
     known = [e for e in errors.values() if e is not None]

@@ -275,3 +275,29 @@ def test_bench_engine_calibration_feeds_the_cpu_cost_model():
     assert [(p["batch"], p["tokens"]) for p in cal["prefill_batch_s"]] == [(2, 32)]
     c = cpu_cost_model(cal)
     assert c.label == "cpu-here measured" and c.decode.step_s(1, 32) > 0
+
+
+def test_validation_anchors_speeds_and_the_link_latency_to_the_probe():
+    """The probe's prefills alone set the level of prefill and decode seconds and the link's
+    latency: what they spent before their first token beside their compute, less the link's
+    own transfer of their KV (never below 0)."""
+    from router.validate import _anchor
+    c = cpu_cost_model({"prefill_tok_s": {"128": 600.0, "512": 600.0, "1024": 480.0},
+                        "decode_step_ms_b1": 30.0, "decode_step_ms_b16": 60.0})
+    probe = {"prefill_tokens": 768, "context": 384, "decode_tokens": 40,
+             "prefill_compute_s_alone": 1.1 * c.prefill.prefill_s(768),
+             "decode_gap_s_outside": 0.9 * c.decode.step_s(1, 384 + 20),
+             "handoff_s_alone": 0.12}
+    a = _anchor(c, probe)
+    transfer = 768 * c.kv_bytes_per_token / (c.link.gbps * 1e9)
+    assert (a["prefill_k"], a["decode_k"]) == (pytest.approx(1.1), pytest.approx(0.9))
+    assert a["link_latency_s"] == pytest.approx(0.12 - transfer)
+    assert _anchor(c, {**probe, "handoff_s_alone": transfer / 2})["link_latency_s"] == 0.0
+
+
+def test_cpu_cost_model_moves_kv_in_the_calibrated_pools_dtype():
+    base = {"prefill_tok_s": {"128": 600.0, "512": 600.0, "1024": 480.0},
+            "decode_step_ms_b1": 30.0, "decode_step_ms_b16": 60.0}
+    assert cpu_cost_model(base).kv_bytes_per_token == 2 * 30 * 3 * 64 * 4   # fp32 if unsaid
+    assert cpu_cost_model({**base, "kv_dtype": "bfloat16"}).kv_bytes_per_token == \
+        2 * 30 * 3 * 64 * 2
