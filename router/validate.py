@@ -129,8 +129,8 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
     alone = sum(computes) / 2
     # what a request spends around its prefill on the idle cluster (route, admit, staging,
     # transfer, the first token's way to the client): its TTFT at the client less its compute
-    handoff = sum(ts[0] - start - c for (start, ts, _), c in zip(alone_runs, computes,
-                                                                strict=True)) / 2
+    handoff = sum(token_times[0] - start - c for (start, token_times, _), c
+                  in zip(alone_runs, computes, strict=True)) / 2
     return {"context": context, "prefill_tokens": prefill_tokens,
             "decode_tokens": decode_tokens, "decode_gap_s_outside": outside,
             "decode_gap_s_inside_prefill": inside, "prefill_compute_s_alone": alone,
@@ -300,9 +300,8 @@ def _anchor(cost: CostModel, probe: dict) -> dict:
     kp = probe["prefill_compute_s_alone"] / cost.prefill.prefill_s(probe["prefill_tokens"])
     gap, ctx = probe["decode_gap_s_outside"], probe["context"] + probe["decode_tokens"] // 2
     kd = gap / cost.decode.step_s(1, ctx) if gap else 1.0
-    nbytes = probe["prefill_tokens"] * cost.kv_bytes_per_token
-    latency = max(0.0, probe["handoff_s_alone"] - (cost.link.seconds(nbytes)
-                                                   - cost.link.latency_s))
+    transfer_s = probe["prefill_tokens"] * cost.kv_bytes_per_token / (cost.link.gbps * 1e9)
+    latency = max(0.0, probe["handoff_s_alone"] - transfer_s)
     return {"prefill_k": kp, "decode_k": kd, "link_latency_s": latency,
             "from": "probe_shared_host's alone figures"}
 
