@@ -116,13 +116,14 @@ def targets(per_policy: dict, n: str = "8") -> dict:
 def run_routing_bench(trace_path: str | os.PathLike | None = None, quick: bool = False,
                       config: SimConfig = BENCH_CONFIG,
                       worker_counts: tuple[int, ...] = WORKER_COUNTS,
-                      only: tuple[str, ...] | None = None) -> dict:
+                      only: tuple[str, ...] | None = None, seed: int | None = None) -> dict:
     """The whole benchmark: decision latency, `workloads[name][policy][str(workers)]`, the
-    targets at 8 workers per workload, and each workload's description."""
+    targets at 8 workers per workload, and each workload's description; `seed`: the
+    synthesized workloads drawn with it (None: each one's own)."""
     t_start = time.perf_counter()
     latency = decision_latency(num_decisions=2000 if quick else 5000)
     workloads, described, met = {}, {}, {}
-    for wl in make_workloads(quick=quick, trace_path=trace_path, only=only):
+    for wl in make_workloads(quick=quick, trace_path=trace_path, only=only, seed=seed):
         workloads[wl.name] = bench_workload(wl, config, worker_counts)
         described[wl.name] = wl.summary()
         if "8" in workloads[wl.name]["locality"]:
@@ -140,6 +141,7 @@ def run_routing_bench(trace_path: str | os.PathLike | None = None, quick: bool =
                       f"of {TARGET_WORKERS} workers at the cache ceiling",
         "goodput_definition": "requests/s within TTFT <= max(slo_floor_s, slo_scale x own "
                               "idle prefill); rejected count as failures",
+        "seed": seed,
         "workload_info": described,
         "workloads": workloads,
         "targets_8_workers": met,

@@ -85,7 +85,8 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
                                   overhead_s=args.overhead_s,
                                   attn_ctx_tokens=args.attn_ctx_tokens)
         only = tuple(args.workloads.split(",")) if args.workloads else None
-        result = run_routing_bench(args.trace, quick=args.quick, config=cfg, only=only)
+        result = run_routing_bench(args.trace, quick=args.quick, config=cfg, only=only,
+                                   seed=args.seed)
     except (TraceError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -130,6 +131,9 @@ def add_bench_routing_parser(bench_subparsers, name: str = "routing") -> argpars
     p.add_argument("--workloads", default=None, metavar="A,B",
                    help="only these workloads (default: all of router/sim_workloads.py; "
                         "block size and cache capacity are each workload's own)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="draw the synthesized workloads with this seed (default: each "
+                        "workload's own; the shared trace is unchanged)")
     _add_sim_options(p)
     p.set_defaults(func=cmd_bench_routing)
     return p

@@ -170,8 +170,11 @@ QUICK_SIZES = {"mooncake": 1000, "multi_turn": 150, "tool_agent": 100,
 
 
 def make_workloads(quick: bool = False, trace_path=None,
-                   only: tuple[str, ...] | None = None) -> list[Workload]:
-    """Every workload (or those named in `only`); `quick`: about a quarter of the requests."""
+                   only: tuple[str, ...] | None = None, seed: int | None = None
+                   ) -> list[Workload]:
+    """Every workload (or those named in `only`); `quick`: about a quarter of the requests;
+    `seed`: the synthesized ones drawn with it instead of each one's own (the shared trace
+    is what it is)."""
     names = only or tuple(WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
@@ -180,6 +183,7 @@ def make_workloads(quick: bool = False, trace_path=None,
     for name in names:
         if name == "mooncake":
             out.append(mooncake(QUICK_SIZES[name] if quick else None, trace_path))
-        else:
-            out.append(WORKLOADS[name](QUICK_SIZES[name]) if quick else WORKLOADS[name]())
+            continue
+        args = (QUICK_SIZES[name],) if quick else ()
+        out.append(WORKLOADS[name](*args, **({} if seed is None else {"seed": seed})))
     return out

@@ -110,6 +110,24 @@ def test_bench_layout_is_workload_policy_workers():
     json.dumps(d)
 
 
+def test_bench_workloads_can_be_drawn_with_another_seed_and_the_trace_stays():
+    """`bench routing --seed S`: the synthesized workloads are drawn with S (what a check
+    across seeds replays)."""
+    from router.sim_workloads import QUICK_SIZES, make_workloads, multi_lora
+    own, = make_workloads(quick=True, only=("multi_lora",))
+    five, = make_workloads(quick=True, only=("multi_lora",), seed=5)
+    assert five.requests == multi_lora(QUICK_SIZES["multi_lora"], seed=5).requests
+    assert five.requests != own.requests
+
+
+@needs_trace
+def test_bench_seed_leaves_the_shared_trace_as_it_is():
+    from router.sim_workloads import make_workloads
+    a, = make_workloads(quick=True, only=("mooncake",))
+    b, = make_workloads(quick=True, only=("mooncake",), seed=5)
+    assert a.requests == b.requests
+
+
 def test_router_never_imports_torch():
     code = (
         "import importlib, pkgutil, sys, router\n"
