@@ -20,8 +20,10 @@ from typing import Any
 
 import yaml
 
+from cluster.pd import PDConfig
 from ingress.limits import IngressLimits
-from kvcache.request_checks import RequestLimits
+from ingress.request_checks import RequestLimits
+from router.orchestrator import FlowConfig
 
 BUILTIN_MODELS = ("smollm2", "tiny")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -81,6 +83,7 @@ class WorkersSection:
     prefill: RoleSection = field(default_factory=RoleSection)
     decode: RoleSection = field(default_factory=RoleSection)
     num_gpus: float = _opt(0.0, min=0)          # per worker, both roles
+    max_restarts: int = _opt(3, min=0)          # Ray restarts a dead worker actor this often
 
 
 @dataclass
@@ -106,6 +109,10 @@ class RouterSection:
     max_inflight: int = _opt(256, min=1)        # ingress: more in flight -> 429 + Retry-After
     admit_timeout_s: float = _opt(120.0, gt=0)  # wait for decode capacity, then 429
     request_timeout_s: float = _opt(600.0, gt=0)
+    max_retries: int = _opt(2, min=0)           # re-runs of a request whose worker died
+    report_interval_s: float = _opt(0.1, gt=0)  # the router polls every worker's load this often
+    health_timeout_s: float = _opt(10.0, gt=0)  # a worker whose report takes longer: unhealthy
+    hang_timeout_s: float = _opt(300.0, gt=0)   # an engine step running longer: unhealthy
 
 
 @dataclass
@@ -153,22 +160,30 @@ class RaypdConfig:
                     lora_adapters=dict(m.lora_adapters), max_loras=e.max_loras,
                     device=e.device, cuda_graphs=e.cuda_graphs)
 
-    def to_pd_config(self):
-        from cluster.pd import PDConfig
-        r, t, w = self.router, self.transfer, self.workers
+    def flow_config(self) -> FlowConfig:
+        """How requests flow through the workers (router.* and transfer.* keys)."""
+        r, t = self.router, self.transfer
         policy_cfg = dict(r.policy_options)
         if r.slo.ttft_s is not None:
             policy_cfg["ttft_slo_s"] = r.slo.ttft_s
+        return FlowConfig(policy=r.policy, policy_cfg=policy_cfg, index_mode=r.index_mode,
+                          local_prefill_max_tokens=t.local_prefill_max_tokens,
+                          failure_policy=t.failure_policy, transport=t.transport,
+                          admit_timeout_s=r.admit_timeout_s,
+                          request_timeout_s=r.request_timeout_s,
+                          report_interval_s=r.report_interval_s,
+                          health_timeout_s=r.health_timeout_s, hang_timeout_s=r.hang_timeout_s,
+                          max_retries=r.max_retries)
+
+    def to_pd_config(self) -> PDConfig:
+        w = self.workers
         return PDConfig(engine=self.engine_config(), num_prefill=w.prefill.count,
-                        num_decode=w.decode.count, transport=t.transport,
-                        transport_cfg=dict(t.options), lease_s=t.lease_s, policy=r.policy,
-                        policy_cfg=policy_cfg, index_mode=r.index_mode,
-                        local_prefill_max_tokens=t.local_prefill_max_tokens,
-                        failure_policy=t.failure_policy,
+                        num_decode=w.decode.count, transport_cfg=dict(self.transfer.options),
+                        lease_s=self.transfer.lease_s,
                         threads_per_actor=self.engine.threads_per_worker,
                         prefill_resources=dict(w.prefill.resources),
                         decode_resources=dict(w.decode.resources), num_gpus_per_worker=w.num_gpus,
-                        admit_timeout_s=r.admit_timeout_s, request_timeout_s=r.request_timeout_s)
+                        max_restarts=w.max_restarts, flow=self.flow_config())
 
     def to_dict(self) -> dict:
         from dataclasses import asdict

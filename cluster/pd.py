@@ -14,59 +14,47 @@ from dataclasses import dataclass, field
 
 import ray
 
+from ingress.backend import RouterView
 from kvtransfer.base import TRANSPORT_NAMES
 from router.orchestrator import FlowConfig, Orchestrator
 
 
 @dataclass
 class PDConfig:
+    """What a PDCluster launches (workers, placement, transport options) and, in `flow`, how
+    requests flow through them (policy, transport, timeouts, retries: the router's FlowConfig,
+    held here, never copied)."""
+
     engine: dict = field(default_factory=dict)   # EngineConfig fields for every worker
     num_prefill: int = 1
     num_decode: int = 1
-    transport: str = "object_store"
     transport_cfg: dict = field(default_factory=dict)
     lease_s: float = 30.0
-    policy: str = "locality"
-    policy_cfg: dict = field(default_factory=dict)
-    index_mode: str = "precise"
-    local_prefill_max_tokens: int = 0     # decode prefills itself when it lacks <= this many
-    failure_policy: str = "recompute"     # on a failed transfer: recompute on D, or fail
     threads_per_actor: int = 1            # torch threads in each worker
     prefill_resources: dict = field(default_factory=dict)   # e.g. {"prefill": 1}
     decode_resources: dict = field(default_factory=dict)    # e.g. {"decode": 1}
     num_gpus_per_worker: float = 0.0
-    admit_timeout_s: float = 120.0
-    request_timeout_s: float = 600.0
     max_restarts: int = 3                 # Ray restarts a dead worker actor this many times
-    max_retries: int = 2                  # re-runs of a request whose worker died
-    health_timeout_s: float = 10.0        # a worker whose load report takes longer: unhealthy
-    hang_timeout_s: float = 300.0         # a worker whose engine step runs longer: unhealthy
-
-    def flow(self) -> FlowConfig:
-        return FlowConfig(policy=self.policy, policy_cfg=self.policy_cfg,
-                          index_mode=self.index_mode,
-                          local_prefill_max_tokens=self.local_prefill_max_tokens,
-                          failure_policy=self.failure_policy, transport=self.transport,
-                          admit_timeout_s=self.admit_timeout_s,
-                          request_timeout_s=self.request_timeout_s,
-                          max_retries=self.max_retries,
-                          health_timeout_s=self.health_timeout_s,
-                          hang_timeout_s=self.hang_timeout_s)
+    fault_injection: bool = False         # workers/faults.py hosts (chaos bench, tests)
+    flow: FlowConfig = field(default_factory=FlowConfig)
 
     def validate(self) -> None:
-        if self.transport not in TRANSPORT_NAMES:
-            raise ValueError(f"unknown KV transport {self.transport!r}; valid names: "
+        if self.flow.transport not in TRANSPORT_NAMES:
+            raise ValueError(f"unknown KV transport {self.flow.transport!r}; valid names: "
                              f"{', '.join(TRANSPORT_NAMES)}")
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("need at least one decode worker and no negative prefill count")
-        self.flow().validate()
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        self.flow.validate()
 
 
 class PDCluster:
     """The workers plus an Orchestrator; request methods are the orchestrator's."""
 
     def __init__(self, cfg: PDConfig) -> None:
-        from workers.actors import decode_actor_class, prefill_actor_class
+        from workers.decode_host import DecodeHost, decode_actor_class
+        from workers.prefill_host import PrefillHost, prefill_actor_class
         cfg.validate()
         self.cfg = cfg
         if not ray.is_initialized():
@@ -75,13 +63,19 @@ class PDCluster:
         common = dict(num_cpus=0, max_concurrency=256, num_gpus=cfg.num_gpus_per_worker,
                       max_restarts=cfg.max_restarts, max_task_retries=0)
         transport_cfg = dict(cfg.transport_cfg)
-        if cfg.transport == "grpc":     # the page server answers this cluster's actors only
+        if cfg.flow.transport == "grpc":     # the page server answers this cluster's actors only
             transport_cfg.setdefault("secret", secrets.token_hex(16))
-        self._args = dict(engine_cfg=engine, transport=cfg.transport,
+        self._args = dict(engine_cfg=engine, transport=cfg.flow.transport,
                           transport_cfg=transport_cfg, lease_s=cfg.lease_s)
+        prefill_host, decode_host = PrefillHost, DecodeHost
+        if cfg.fault_injection:
+            from workers.faults import FaultyDecodeHost, FaultyPrefillHost
+            prefill_host, decode_host = FaultyPrefillHost, FaultyDecodeHost
         self._classes = {
-            "prefill": prefill_actor_class(**common, resources=cfg.prefill_resources or None),
-            "decode": decode_actor_class(**common, resources=cfg.decode_resources or None)}
+            "prefill": prefill_actor_class(prefill_host, **common,
+                                           resources=cfg.prefill_resources or None),
+            "decode": decode_actor_class(decode_host, **common,
+                                         resources=cfg.decode_resources or None)}
         self._next_index = {"prefill": 0, "decode": 0}
         self._lock = threading.Lock()         # the worker lists (short holds only)
         self._scale_lock = threading.Lock()   # one scale() at a time
@@ -95,11 +89,11 @@ class PDCluster:
 
         from kvtransfer.rdt import backend_for_devices
         # RDT's backend follows where the pools are (nccl for cuda tensors, gloo for CPU ones)
-        self.flow = replace(cfg.flow(), rdt_backend=backend_for_devices(
-            [i.get("device", "cpu") for i in self.info]) if cfg.transport == "rdt" else "gloo")
+        self.flow = replace(cfg.flow, rdt_backend=backend_for_devices(
+            [i.get("device", "cpu") for i in self.info]) if cfg.flow.transport == "rdt" else "gloo")
         self._ensure_rdt_group()
         ids = {w: i["worker_id"] for w, i in zip(self.workers, self.info, strict=True)}
-        from workers.metrics import RouterMetrics
+        from router.metrics import RouterMetrics
         self.orchestrator = Orchestrator(self.prefill, self.decode, self.flow, ids,
                                          metrics=RouterMetrics())
         self.run_request = self.orchestrator.run_request
@@ -112,7 +106,7 @@ class PDCluster:
         return self._classes[role].remote(f"{role}-{i}", **self._args)
 
     def _ensure_rdt_group(self) -> None:
-        if self.cfg.transport == "rdt" and self.prefill:
+        if self.flow.transport == "rdt" and self.prefill:
             from kvtransfer import rdt
             rdt.ensure_group(self.workers, backend=self.flow.rdt_backend)
 
@@ -130,9 +124,9 @@ class PDCluster:
                 if want is None:
                     continue
                 group = self.prefill if role == "prefill" else self.decode
+                fleet = self.orchestrator.fleet
                 with self._lock:
-                    live = [w for w in group if self.orchestrator._id[w] not in
-                            self.orchestrator.draining]
+                    live = [w for w in group if fleet.worker_id(w) not in fleet.draining]
                 # new workers load their model in parallel, with no lock held: stats(),
                 # routing and reaping go on meanwhile
                 new = [self._launch(role) for _ in range(want - len(live))]
@@ -142,9 +136,9 @@ class PDCluster:
                         self.info.append(info)
                         group.append(w)
                         self.workers.append(w)
-                        self.orchestrator.add_worker(role, w, info["worker_id"])
-                for wid in [self.orchestrator._id[w] for w in live[max(want, 0):]][::-1]:
-                    self.orchestrator.drain(wid)
+                        fleet.add_worker(role, w, info["worker_id"])
+                for wid in [fleet.worker_id(w) for w in live[max(want, 0):]][::-1]:
+                    fleet.drain(wid)
                     t = threading.Thread(target=self._reap, args=(wid, timeout_s), daemon=True)
                     self._reapers.append(t)
                     t.start()
@@ -153,13 +147,13 @@ class PDCluster:
         if wait:
             for t in list(self._reapers):
                 t.join(timeout_s)
-        return {"prefill": len(self.orchestrator.live("prefill")),
-                "decode": len(self.orchestrator.live("decode"))}
+        return {"prefill": len(self.orchestrator.fleet.live("prefill")),
+                "decode": len(self.orchestrator.fleet.live("decode"))}
 
     def _reap(self, worker_id: str, timeout_s: float) -> None:
         """Wait until a draining worker has nothing in flight, then remove and kill it."""
         deadline = time.monotonic() + timeout_s
-        w = self.orchestrator._by_id[worker_id]
+        w = self.orchestrator.fleet.handle(worker_id)
         while time.monotonic() < deadline and not self._closed.is_set():
             try:
                 idle = not self.orchestrator.busy(worker_id) and \
@@ -169,7 +163,7 @@ class PDCluster:
             if idle:
                 break
             time.sleep(0.1)
-        self.orchestrator.remove_worker(worker_id)
+        self.orchestrator.fleet.remove_worker(worker_id)
         with self._lock:
             for group in (self.prefill, self.decode, self.workers):
                 if w in group:
@@ -180,9 +174,26 @@ class PDCluster:
         except Exception:
             pass
 
-    @property
-    def _flights(self) -> dict:
-        return self.orchestrator._flights
+    # ---- what the ingress's operations routes ask (ingress/backend.py) -------------------------
+    def router_view(self) -> RouterView:
+        o = self.orchestrator
+        return RouterView(policy=o.policy.name, decisions=dict(o.decisions),
+                          in_flight=len(o.in_flight()), retries=o.retries,
+                          draining=frozenset(o.fleet.draining),
+                          unhealthy=frozenset(o.fleet.unhealthy))
+
+    def request_traces(self):
+        return self.orchestrator.traces
+
+    def report_params(self) -> dict:
+        """The fixed parameters a report records."""
+        e, cfg = self.cfg.engine, self.cfg
+        return {"model": e.get("model"), "dtype": e.get("dtype", "auto"),
+                "kv_dtype": e.get("kv_dtype", "auto"), "block_size": e.get("block_size", 16),
+                "num_blocks": e.get("num_blocks"), "kv_cache_gb": e.get("kv_cache_gb"),
+                "prefill": cfg.num_prefill, "decode": cfg.num_decode,
+                "transport": cfg.flow.transport, "policy": cfg.flow.policy,
+                "num_gpus_per_worker": cfg.num_gpus_per_worker}
 
     def stats(self, timeout_s: float = 10.0) -> list[dict]:
         """Every worker's stats; a dead or silent worker gives a row with its `error`."""
@@ -192,7 +203,7 @@ class PDCluster:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         out = []
         for w, ref in zip(workers, refs, strict=True):
-            wid = self.orchestrator._id.get(w, "?")
+            wid = self.orchestrator.fleet.worker_id(w)
             try:
                 if ref not in ready:
                     raise TimeoutError(f"no answer in {timeout_s:.0f} s")
@@ -217,7 +228,7 @@ class PDCluster:
         for w, ref in zip(workers, refs, strict=True):
             try:
                 if ref in ready:
-                    referenced[self.orchestrator._id.get(w, "?")] = ray.get(ref)["referenced"]
+                    referenced[self.orchestrator.fleet.worker_id(w)] = ray.get(ref)["referenced"]
             except Exception:
                 pass
         ledger = self.orchestrator.ledger
@@ -237,7 +248,7 @@ class PDCluster:
             except Exception:
                 pass
         # the reporter's calls to the killed workers fail fast now
-        self.orchestrator.close(wait_s=self.cfg.health_timeout_s + 5)
+        self.orchestrator.close(wait_s=self.flow.health_timeout_s + 5)
         for t in self._reapers:
             t.join(5)
         self.workers, self.prefill, self.decode = [], [], []

@@ -9,7 +9,6 @@ serve them over OpenAI-compatible HTTP (and gRPC when `server.grpc_port` is set)
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -21,64 +20,14 @@ from typing import Any
 import ray
 import uvicorn
 
-from cluster.cli import add_device_args, add_lora_arg, lora_adapters_from_args
-from cluster.config import RaypdConfig, RaySection, load_config
+from cluster.config import RaypdConfig, RaySection
 from ingress.auth import KeyRing
 from ingress.core import IngressCore, IngressSettings
 from ingress.http_app import build_app
 from ingress.http_server import uvicorn_config
-from kvcache.request_checks import ModelLimits
+from ingress.request_checks import ModelLimits
 
 API_KEY_ENV = "RAYPD_API_KEY"
-
-
-def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve a model over OpenAI-compatible HTTP",
-                              description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE",
-                   help="YAML config (default: built-in defaults = configs/local.yaml)")
-    p.add_argument("--model", help="model.name: smollm2, tiny or a local HF folder")
-    p.add_argument("--kv-dtype", help="model.kv_dtype: auto, float32, bfloat16, int8, fp8 "
-                   "(a quantized dtype must not have failed its recorded kv-quality gate)")
-    p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
-    add_lora_arg(p)
-    p.add_argument("--address", help="ray.address: auto or host:port joins a running cluster "
-                   "(default: start a local Ray)")
-    p.add_argument("--host", help="server.host (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="server.port (default 8000)")
-    p.add_argument("--grpc-port", type=int, help="server.grpc_port: also serve gRPC")
-    p.add_argument("--api-key", help=f"one key with every scope: 'Authorization: Bearer KEY' "
-                   f"(default: server.api_key, else ${API_KEY_ENV})")
-    p.add_argument("--api-keys-file", metavar="FILE",
-                   help="server.api_keys_file: keys with tenants and scopes (ingress/auth.py)")
-    p.add_argument("--prefill", type=int, metavar="N", help="workers.prefill.count")
-    p.add_argument("--decode", type=int, metavar="M", help="workers.decode.count")
-    p.add_argument("--transport", help="transfer.transport")
-    p.add_argument("--policy", help="router.policy")
-    p.add_argument("--max-inflight", type=int, help="router.max_inflight (then 429)")
-    add_device_args(p)
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=cmd_serve)
-    return p
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Command-line flags as dotted config keys (None: not given)."""
-    g = lambda name: getattr(args, name, None)  # noqa: E731
-    return {"model.name": g("model"), "model.kv_dtype": g("kv_dtype"),
-            "model.served_model_name": g("served_model_name"),
-            "ray.address": g("address"), "server.host": g("host"), "server.port": g("port"),
-            "server.grpc_port": g("grpc_port"), "server.api_key": g("api_key"),
-            "server.api_keys_file": g("api_keys_file"),
-            "workers.prefill.count": g("prefill"), "workers.decode.count": g("decode"),
-            "transfer.transport": g("transport"), "router.policy": g("policy"),
-            "router.max_inflight": g("max_inflight"),
-            "model.lora_adapters": lora_adapters_from_args(args),
-            "engine.device": g("device"),
-            "engine.cuda_graphs": False if g("no_cuda_graphs") else None}
-
 
 
 def connect_ray(rc: RaySection) -> bool:
@@ -180,7 +129,7 @@ def check_kv_quality_gate(cfg: RaypdConfig) -> dict | None:
     """The recorded kv-quality gate of a quantized model.kv_dtype (None: float pool or never
     measured); raises ValueError (a clear CLI error) when the recorded gate fails the config's
     model.kv_gate_* thresholds."""
-    from cluster.bench_kv_quality import GateThresholds, check_kv_gate
+    from workers.kv_gate import GateThresholds, check_kv_gate
     m = cfg.model
     return check_kv_gate(m.name, m.kv_dtype, GateThresholds(m.kv_gate_max_ppl_delta_pct,
                                                             m.kv_gate_min_greedy_agreement))
@@ -219,9 +168,9 @@ def _start_grpc(cfg: RaypdConfig, backend: Any, host: str, core: IngressCore) ->
     from ingress.grpc_server import start_grpc_server
     return start_grpc_server(backend, host, cfg.server.grpc_port, core=core)
 
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, overrides_from_args(args))
+def serve_forever(cfg: RaypdConfig, log_level: str = "info") -> int:
+    """`raypd serve`: launch the workers and serve them until SIGINT / SIGTERM (or the joined
+    Ray cluster goes away); every worker is released on the way out."""
     # SIGTERM: uvicorn handles it while serving (graceful stop); before or after, it unwinds
     # through the `finally` below like Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -236,7 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         started_ray = connect_ray(cfg.ray)
         if cfg.ray.address is not None:      # joined a cluster: do not outlive it
-            gone = _watch_cluster(ray.get_runtime_context().gcs_address)
+            gone = watch_cluster(ray.get_runtime_context().gcs_address)
         from cluster.pd import PDCluster
         w = cfg.workers
         print(f"raypd: launching {w.prefill.count} prefill + {w.decode.count} decode workers "
@@ -252,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"raypd: serving {cfg.served_model_name!r} on "
               f"http://{cfg.server.host}:{cfg.server.port}", file=sys.stderr, flush=True)
         uvicorn.Server(uvicorn_config(app, cfg.server.host, cfg.server.port, settings.limits,
-                                      args.log_level)).run()
+                                      log_level)).run()
     except KeyboardInterrupt:
         pass
     finally:
@@ -273,11 +222,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 CLUSTER_CHECK_S = 2.0
 CLUSTER_MISSES = 3
 
 
-def _watch_cluster(gcs_address: str) -> threading.Event:
+def watch_cluster(gcs_address: str) -> threading.Event:
     """A joined cluster's GCS stops answering (`ray down` stops Ray under the router): SIGTERM
     ourselves so the router does not outlive its cluster. Returns the event set when it did."""
     import socket
@@ -300,20 +254,3 @@ def _watch_cluster(gcs_address: str) -> threading.Event:
     return gone
 
 
-def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="raypd")
-    add_serve_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except ValueError as e:       # ConfigError, bad PDConfig
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":     # python -m cluster.serve [serve flags]
-    sys.exit(main())

@@ -16,8 +16,8 @@ from typing import Any
 from ingress.auth import ANONYMOUS, KeyRing, Principal, authenticate, tenant_of
 from ingress.errors import IngressError
 from ingress.limits import IngressLimits
-from kvcache.request_checks import ModelLimits, RequestLimits
-from kvcache.sampling import SamplingParams
+from ingress.request_checks import ModelLimits, RequestLimits
+from protocol.sampling import SamplingParams
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """gRPC ingress (ingress/raypd.proto): `Generate` streams one request's tokens, `SubmitTrace` runs a
 stream of requests concurrently and streams their results back as they finish.
 
-Shares the HTTP ingress's core: the same checks and defaults (kvcache.request_checks), keys
+Shares the HTTP ingress's core: the same checks and defaults (ingress.request_checks), keys
 (metadata `authorization: Bearer KEY`, scope inference) and tenants, server-assigned request ids
 (a client's `request_id` is only echoed as a label, scoped to its key), capacity, and the one
 error map (ingress.errors: its `grpc_code`; RESOURCE_EXHAUSTED carries trailing metadata
@@ -23,13 +23,15 @@ from ingress import raypd_pb2_grpc as pb_grpc
 from ingress.auth import Principal
 from ingress.core import GenerationRequest, IngressCore, IngressSettings, SubRequest
 from ingress.errors import IngressError, classify
-from kvcache.request_checks import (
+from ingress.request_checks import (
     check_label,
     check_messages,
     check_prompts,
     make_sampling,
 )
-from kvcache.sampling import RequestError
+from protocol.errors import RequestError
+from protocol.lifecycle import RequestLifecycle
+from protocol.messages import RequestResult
 
 
 def parse_request(req: pb.GenerateRequest, core: IngressCore) -> GenerationRequest:
@@ -67,16 +69,16 @@ def parse_request(req: pb.GenerateRequest, core: IngressCore) -> GenerationReque
                              client_request_id=client_id, model=req.model)
 
 
-def lifecycle_pb(lc: dict | None) -> pb.Lifecycle:
+def lifecycle_pb(lc: RequestLifecycle | None) -> pb.Lifecycle:
     fields = pb.Lifecycle.DESCRIPTOR.fields_by_name
-    return pb.Lifecycle(**{k: v for k, v in (lc or {}).items() if k in fields and v is not None})
+    items = lc.to_dict().items() if lc is not None else ()
+    return pb.Lifecycle(**{k: v for k, v in items if k in fields and v is not None})
 
 
-def usage_pb(result: dict) -> pb.Usage:
-    lc = result.get("lifecycle") or {}
-    return pb.Usage(prompt_tokens=lc.get("prompt_tokens", 0),
-                    completion_tokens=len(result.get("token_ids", ())),
-                    cached_tokens=lc.get("cached_tokens", 0))
+def usage_pb(result: RequestResult) -> pb.Usage:
+    lc = result.lifecycle or RequestLifecycle()
+    return pb.Usage(prompt_tokens=lc.prompt_tokens, completion_tokens=len(result.token_ids),
+                    cached_tokens=lc.cached_tokens)
 
 
 class RaypdServicer(pb_grpc.RaypdServicer):
@@ -99,7 +101,7 @@ class RaypdServicer(pb_grpc.RaypdServicer):
         self.core.acquire(1)
         return g, sub
 
-    def _run(self, g: GenerationRequest, sub: SubRequest, on_delta=None) -> dict:
+    def _run(self, g: GenerationRequest, sub: SubRequest, on_delta=None) -> RequestResult:
         try:
             return self.core.run(sub, g.tenant, g.lora, on_delta)
         finally:
@@ -140,14 +142,14 @@ class RaypdServicer(pb_grpc.RaypdServicer):
                 outcome = item[1]
                 if isinstance(outcome, BaseException):
                     self._fail(context, classify(outcome))
-                lc = outcome.get("lifecycle") or {}
-                yield pb.GenerateChunk(finish_reason=lc.get("finish_reason") or "",
+                lc = outcome.lifecycle
+                yield pb.GenerateChunk(finish_reason=(lc.finish_reason if lc else None) or "",
                                        usage=usage_pb(outcome), lifecycle=lifecycle_pb(lc),
                                        request_id=sub.request_id)
                 return
-            if item.get("token_ids") or item.get("text"):
-                yield pb.GenerateChunk(token_ids=item.get("token_ids", ()),
-                                       text=item.get("text", ""), request_id=sub.request_id)
+            if item.token_ids or item.text:
+                yield pb.GenerateChunk(token_ids=item.token_ids, text=item.text,
+                                       request_id=sub.request_id)
 
     def SubmitTrace(self, request_iterator, context):  # noqa: N802
         try:
@@ -167,10 +169,9 @@ class RaypdServicer(pb_grpc.RaypdServicer):
                 with lock:
                     in_flight.add(rid)
                 res = self._run(g, sub)
-                lc = res.get("lifecycle") or {}
-                out = pb.TraceResult(id=tr.id, ok=True, token_ids=res.get("token_ids", ()),
-                                     text=res.get("text", ""),
-                                     finish_reason=lc.get("finish_reason") or "",
+                lc = res.lifecycle
+                out = pb.TraceResult(id=tr.id, ok=True, token_ids=res.token_ids, text=res.text,
+                                     finish_reason=(lc.finish_reason if lc else None) or "",
                                      usage=usage_pb(res), lifecycle=lifecycle_pb(lc))
             except BaseException as e:  # noqa: BLE001 - every request ends as one result
                 err = classify(e)

@@ -41,15 +41,15 @@ async def collect(request: Request, job: RequestJob, meta: dict, chat: bool) -> 
             return Response(status_code=499)
     choices = []
     for s in sorted(job.states, key=lambda s: s.sub.index):
-        text, reason = s.result.get("text", ""), finish_reason(s.result)
+        text, reason = s.result.text, finish_reason(s.result)
         if chat:
             c = {"index": s.sub.index, "logprobs": None, "finish_reason": reason,
                  "message": {"role": "assistant", "content": text}}
         else:
             c = {"index": s.sub.index, "text": text, "logprobs": None, "finish_reason": reason}
         if job.return_token_ids:
-            c["token_ids"] = list(s.result.get("token_ids", []))
-            c["raypd_lifecycle"] = s.result.get("lifecycle")
+            c["token_ids"] = list(s.result.token_ids)
+            c["raypd_lifecycle"] = s.result.lifecycle.to_dict()
         choices.append(c)
     obj = "chat.completion" if chat else "text_completion"
     return JSONResponse({**meta, "object": obj, "choices": choices, "usage": job.usage()},
@@ -86,9 +86,9 @@ async def stream(request: Request, job: RequestJob, meta: dict, chat: bool,
             ev: JobEvent | None = first
             while ev is not None:
                 if ev.kind == "delta":
-                    ids = ev.payload.get("token_ids") or []
-                    if ev.payload.get("text") or (job.return_token_ids and ids):
-                        c = choice(ev.index, ev.payload.get("text", ""), None)
+                    ids = ev.payload.token_ids
+                    if ev.payload.text or (job.return_token_ids and ids):
+                        c = choice(ev.index, ev.payload.text, None)
                         if job.return_token_ids:
                             c["token_ids"] = list(ids)
                         yield chunk([c])
@@ -96,7 +96,7 @@ async def stream(request: Request, job: RequestJob, meta: dict, chat: bool,
                     c = choice(ev.index, None if chat else "", finish_reason(ev.payload))
                     if job.return_token_ids:
                         c["token_ids"] = []
-                        c["raypd_lifecycle"] = ev.payload.get("lifecycle")
+                        c["raypd_lifecycle"] = ev.payload.lifecycle.to_dict()
                     yield chunk([c])
                 else:
                     job.abort()

@@ -8,12 +8,9 @@ body, bounded counts), GET /metrics (admin when `protect_metrics`), GET /health,
 GET /dashboard. The body is read here within `server.limits` (413 / 408 / 400), parsed by
 openai_protocol.py, run by http_jobs.py and answered by http_answers.py.
 
-The backend is duck-typed (this package never imports cluster/ or workers/, so no torch):
-  run_request(prompt, sampling, *, chat, tenant, lora_id, request_id, on_delta) -> dict
-      blocking; {"text", "token_ids", "lifecycle"}; on_delta({"token_ids", "text"}) per chunk
-  abort(request_id) -> bool       releases the request's blocks on every worker
-  stats() -> list[dict]           per-worker engine + block-pool counters (health, metrics)
-and, for the operations routes, PDCluster's `workers`, `info`, `orchestrator`, `scale()`.
+The backend is typed by ingress/backend.py (`Backend`: run_request, abort, stats; the
+operations routes use `OperatedBackend`'s router_view, scale, report_params, request_traces);
+this package never imports cluster/ or workers/, so no torch.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress import http_answers
 from ingress.auth import Principal
+from ingress.backend import OperatedBackend
 from ingress.core import GenerationRequest, IngressCore, IngressSettings
 from ingress.errors import IngressError
 from ingress.http_answers import error_response
@@ -215,7 +213,8 @@ def build_app(backend: Any, settings: IngressSettings, *,
     app.add_api_route("/admin/status", route("admin_status", ing.api_stats), methods=["GET"])
     app.add_api_route("/admin/scale", route("admin_scale", ing.admin_scale), methods=["POST"])
     add_trace_routes(app, route, ing.authorize,   # /v1/requests/{id}/trace, /api/traces
-                     lambda: getattr(getattr(backend, "orchestrator", None), "traces", None))
+                     lambda: backend.request_traces()
+                     if isinstance(backend, OperatedBackend) else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -19,7 +19,8 @@ from fastapi import Request
 
 from ingress.core import IngressCore, SubRequest
 from ingress.errors import IngressError, classify
-from kvcache.sampling import RequestError
+from protocol.errors import RequestAborted
+from protocol.messages import RequestResult, TokenDelta
 
 DISCONNECT_POLL_S = 0.25
 
@@ -32,7 +33,7 @@ class SubState:
     done: bool = False
     cancelled: bool = False      # the client went away (or another sub-request failed)
     abort_sent: bool = False     # the backend acknowledged the abort
-    result: dict | None = None
+    result: RequestResult | None = None
     ttft_s: float | None = None
 
 
@@ -92,7 +93,7 @@ class RequestJob:
             except RuntimeError:        # the loop is gone (server stopped)
                 pass
 
-        def on_delta(delta: dict) -> None:
+        def on_delta(delta: TokenDelta) -> None:
             if st.ttft_s is None:
                 st.ttft_s = time.perf_counter() - self.started
             if st.cancelled and not st.abort_sent:   # the abort raced its registration
@@ -103,7 +104,7 @@ class RequestJob:
         status, result, error = 500, None, None
         try:
             if st.cancelled:
-                raise RequestError(f"request {sub.request_id} was aborted")
+                raise RequestAborted(f"request {sub.request_id} was aborted")
             result = self.core.run(sub, self.tenant, self.lora, on_delta)
             status = 200
             put(JobEvent(sub.index, "done", result))
@@ -155,15 +156,17 @@ class RequestJob:
     def usage(self) -> dict:
         prompt = cached = completion = 0
         for s in self.states:
-            lc = (s.result or {}).get("lifecycle") or {}
-            completion += len((s.result or {}).get("token_ids") or ())
-            if s.sub.first_of_prompt:
-                prompt += lc.get("prompt_tokens") or 0
-                cached += lc.get("cached_tokens") or 0
+            if s.result is None:
+                continue
+            lc = s.result.lifecycle
+            completion += len(s.result.token_ids)
+            if s.sub.first_of_prompt and lc is not None:
+                prompt += lc.prompt_tokens
+                cached += lc.cached_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def finish_reason(result: dict) -> str:
-    return (result.get("lifecycle") or {}).get("finish_reason") or "stop"
+def finish_reason(result: RequestResult) -> str:
+    return (result.lifecycle.finish_reason if result.lifecycle else None) or "stop"

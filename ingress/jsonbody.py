@@ -1,9 +1,11 @@
-"""Parse a JSON request body within limits: malformed JSON, non-finite or over-long numbers and
-deep nesting are 400s that name the problem (never a 500, never a 4,300-digit int parse)."""
+"""Parse a JSON request body within limits: malformed JSON, non-finite or over-long numbers,
+deep nesting and strings that are not Unicode text (lone UTF-16 surrogates such as "\ud800") are
+400s that name the problem (never a 500, never a 4,300-digit int parse)."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ingress.errors import IngressError
@@ -12,6 +14,32 @@ from ingress.limits import IngressLimits
 
 class _Refused(ValueError):
     pass
+
+
+# a \u escape of a UTF-16 surrogate (D800-DFFF): only then can a decoded string hold one
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _surrogate_path(value: Any, path: str = "body") -> str | None:
+    """Where in the decoded JSON a string holds a lone surrogate (None: nowhere). A pair that
+    JSON escapes as two \\u's decodes to one character and is fine."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _surrogate_path(k, f"{path} key") or _surrogate_path(v, f"{path}.{k}")
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _surrogate_path(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
 
 
 def _depth(raw: str, limit: int) -> int:
@@ -74,4 +102,7 @@ def parse_json_object(raw: bytes, limits: IngressLimits) -> dict:
     if not isinstance(body, dict):
         raise IngressError(400, f"the request body must be a JSON object, got "
                            f"{type(body).__name__}")
+    if _SURROGATE_ESCAPE.search(text) and (where := _surrogate_path(body)):
+        raise IngressError(400, f"malformed JSON body: {where} holds a lone UTF-16 surrogate "
+                           "(\\ud800-\\udfff without its pair), which is not Unicode text")
     return body

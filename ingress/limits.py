@@ -1,6 +1,6 @@
 """The transport limits of the ingress (config `server.limits`): body size, JSON shape, how long
 a client may take, stream buffering, connections, admin counts. What one request may ask is
-`kvcache.request_checks.RequestLimits` (config `server.request_limits`)."""
+`ingress.request_checks.RequestLimits` (config `server.request_limits`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The OpenAI wire format of the HTTP ingress: request bodies (pydantic: the shape), turned into
-the core's GenerationRequest by the shared checks of kvcache.request_checks (the ranges).
+the core's GenerationRequest by the shared checks of ingress.request_checks (the ranges).
 Errors leave in OpenAI's shape (ingress.errors)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ingress.core import GenerationRequest
 from ingress.errors import IngressError
-from kvcache.request_checks import (
+from ingress.request_checks import (
     ModelLimits,
     RequestLimits,
     check_label,
@@ -20,7 +20,7 @@ from kvcache.request_checks import (
     check_prompts,
     make_sampling,
 )
-from kvcache.sampling import RequestError
+from protocol.errors import RequestError
 
 
 # ---- request bodies ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ingress.backend import OperatedBackend
 from ingress.core import IngressCore
 from ingress.errors import IngressError
 from ingress.stats import (
@@ -22,10 +23,10 @@ from ingress.stats import (
     IngressMetrics,
     actor_order,
     actor_row,
-    config_of,
     summarize,
     worker_stats,
 )
+from protocol.messages import RequestResult
 
 HEALTH_TIMEOUT_S = 10.0
 RECENT_REQUESTS = 200          # finished requests kept for /api/stats and the dashboard timeline
@@ -43,12 +44,12 @@ class Operations:
         self.http_counts: dict[str, dict[str, int]] = {}           # endpoint -> status -> n
 
     # ---- what happened ----
-    def record(self, job: Any, st: Any, status: int, result: dict | None,
+    def record(self, job: Any, st: Any, status: int, result: RequestResult | None,
                error: str | None) -> None:
         """Keep one finished sub-request's lifecycle timeline (the last RECENT_REQUESTS)."""
         finish = time.time()
-        lc = (result or {}).get("lifecycle") or {}
-        n_out = len((result or {}).get("token_ids") or ())
+        lc = result.lifecycle.to_dict() if result is not None and result.lifecycle else {}
+        n_out = len(result.token_ids) if result is not None else 0
         first = job.arrival + st.ttft_s if st.ttft_s is not None else None
         reason = lc.get("finish_reason") or ("abort" if status == 499 else
                                              "error" if status != 200 else "stop")
@@ -101,18 +102,19 @@ class Operations:
     def snapshot(self, max_requests: int = RECENT_REQUESTS) -> dict:
         """The /api/stats document (blocking: asks every worker; run it off the event loop)."""
         b = self.backend
-        orch = getattr(b, "orchestrator", None)
-        info = {i["worker_id"]: i for i in list(getattr(b, "info", None) or [])}
+        operated = isinstance(b, OperatedBackend)
+        view = b.router_view() if operated else None
+        info = {i["worker_id"]: i for i in list(b.info if operated else [])}
         stats, stats_error = worker_stats(b)
         with self._lock:
             recent = list(self.recent)
             http = {k: dict(v) for k, v in self.http_counts.items()}
         in_flight, peak = self.core.inflight, self.core.peak_inflight
-        draining = set(getattr(orch, "draining", ()) or ())
-        unhealthy = set(getattr(orch, "unhealthy", ()) or ())
+        draining = set(view.draining if view else ())
+        unhealthy = set(view.unhealthy if view else ())
         rows = {s["worker_id"]: actor_row(s, info.get(s["worker_id"], {}))
                 for s in stats if "worker_id" in s}
-        info_now = {i["worker_id"] for i in list(getattr(b, "info", None) or [])}
+        info_now = {i["worker_id"] for i in list(b.info if operated else [])}
         for wid in (info.keys() & info_now) - rows.keys():     # no answer: hung, dead, restarting
             rows[wid] = actor_row({"worker_id": wid, "role": info[wid].get("role")}, info[wid])
             unhealthy.add(wid)
@@ -129,12 +131,12 @@ class Operations:
             for code, n in http.get(ep, {}).items():
                 api[code] = api.get(code, 0) + n
         ok = [r for r in recent if r["status"] == 200]
-        router = {"policy": getattr(getattr(orch, "policy", None), "name", None),
-                  "decisions": dict(getattr(orch, "decisions", {}) or {}),
+        router = {"policy": view.policy if view else None,
+                  "decisions": dict(view.decisions) if view else {},
                   "in_flight": in_flight, "max_inflight": self.core.max_inflight,
                   "peak_in_flight": peak,
-                  "backend_in_flight": len(orch.in_flight()) if orch is not None else None,
-                  "retries": getattr(orch, "retries", 0),
+                  "backend_in_flight": view.in_flight if view else None,
+                  "retries": view.retries if view else 0,
                   "live": {role: sum(a["role"] == role and a["state"] == "active"
                                      for a in actors) for role in ("prefill", "decode")},
                   "draining": sorted(draining & rows.keys()),
@@ -143,7 +145,8 @@ class Operations:
                   "ttft": summarize([r["ttft_s"] for r in ok]),
                   "tpot": summarize([r["tpot_s"] for r in ok]),
                   "e2e": summarize([r["e2e_s"] for r in ok])}
-        return {"now": time.time(), "model": self.core.model_name, "config": config_of(b),
+        return {"now": time.time(), "model": self.core.model_name,
+                "config": b.report_params() if operated else {},
                 "actors": actors,
                 "router": router, "requests": recent[-max_requests:] if max_requests else [],
                 "stats_error": stats_error}
@@ -163,9 +166,9 @@ class Operations:
     async def admin_scale(self, body: dict, max_workers: int) -> Response:
         """{"prefill": N, "decode": M, "wait": false} -> the backend's scale(); answers the
         live counts and the workers draining (removed once their requests finish)."""
-        scale = getattr(self.backend, "scale", None)
-        if scale is None:
+        if not isinstance(self.backend, OperatedBackend):
             raise IngressError(501, "this backend cannot scale", code="not_supported")
+        scale = self.backend.scale
         unknown = sorted(set(body) - {"prefill", "decode", "wait"})
         if unknown:
             raise IngressError(400, f"{unknown[0]}: unknown field (expected prefill, decode, "
@@ -191,9 +194,8 @@ class Operations:
             live = await loop.run_in_executor(None, lambda: scale(**want, wait=wait))
         except ValueError as e:
             raise IngressError(400, str(e)) from None
-        orch = getattr(self.backend, "orchestrator", None)
         return JSONResponse({"live": dict(live), "requested": want,
-                             "draining": sorted(getattr(orch, "draining", ()) or ()),
+                             "draining": sorted(self.backend.router_view().draining),
                              "seconds": round(time.monotonic() - t0, 3)})
 
     async def dashboard(self) -> Response:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ingress.backend import OperatedBackend
+from router.percentiles import percentile
 
 STATS_TIMEOUT_S = 5.0          # a worker that does not answer stats() by then shows unhealthy
 
@@ -101,39 +103,18 @@ _ACTOR_FIELDS = ("waiting", "running", "blocks_used", "blocks_cached", "free", "
 
 
 def worker_stats(backend: Any) -> tuple[list[dict], str | None]:
-    """Every worker's stats(); each actor asked on its own, so that one that is dead, hung or
-    just removed by a scale-in only loses its own row. Falls back to `backend.stats()`."""
-    workers = list(getattr(backend, "workers", None) or [])
-    if not workers or not all(hasattr(getattr(w, "stats", None), "remote") for w in workers):
-        try:
-            return list(backend.stats()), None
-        except Exception as e:      # noqa: BLE001 - the page shows it
-            return [], f"{type(e).__name__}: {e}"
-    refs = [w.stats.remote() for w in workers]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STATS_TIMEOUT_S)
-    out, errors = [], []
-    for r in ready:
-        try:
-            out.append(ray.get(r))
-        except Exception as e:      # noqa: BLE001
-            errors.append(type(e).__name__)
-    missing = len(refs) - len(out)
-    return out, (f"{missing} worker(s) did not answer ({', '.join(errors) or 'timeout'})"
-                 if missing else None)
-
-
-def config_of(backend: Any) -> dict:
-    """The fixed parameters a report records (from a PDCluster-like backend's `cfg`)."""
-    cfg = getattr(backend, "cfg", None)
-    if cfg is None:
-        return {}
-    engine = getattr(cfg, "engine", {}) or {}
-    return {"model": engine.get("model"), "dtype": engine.get("dtype", "auto"),
-            "kv_dtype": engine.get("kv_dtype", "auto"), "block_size": engine.get("block_size", 16),
-            "num_blocks": engine.get("num_blocks"), "kv_cache_gb": engine.get("kv_cache_gb"),
-            "prefill": getattr(cfg, "num_prefill", None), "decode": getattr(cfg, "num_decode", None),
-            "transport": getattr(cfg, "transport", None), "policy": getattr(cfg, "policy", None),
-            "num_gpus_per_worker": getattr(cfg, "num_gpus_per_worker", None)}
+    """Every worker's stats() row, and what went wrong with those that did not answer (the
+    backend asks each worker on its own: one that is dead, hung or just removed by a scale-in
+    only loses its own row)."""
+    try:
+        rows = list(backend.stats(STATS_TIMEOUT_S) if isinstance(backend, OperatedBackend)
+                    else backend.stats())
+    except Exception as e:      # noqa: BLE001 - the page shows it
+        return [], f"{type(e).__name__}: {e}"
+    out = [r for r in rows if "error" not in r]
+    errors = [str(r["error"]).split(":")[0] for r in rows if "error" in r]
+    return out, (f"{len(errors)} worker(s) did not answer ({', '.join(errors)})"
+                 if errors else None)
 
 
 def actor_row(s: dict, info: dict) -> dict:
@@ -167,9 +148,8 @@ def actor_order(row: dict) -> tuple:
 
 def summarize(values: list) -> dict | None:
     """count, mean, p50, p95, max of the values that are not None (None when there are none)."""
-    v = sorted(x for x in values if x is not None)
+    v = [x for x in values if x is not None]
     if not v:
         return None
-    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
-    return {"count": len(v), "mean": sum(v) / len(v), "p50": pick(0.5), "p95": pick(0.95),
-            "max": v[-1]}
+    return {"count": len(v), "mean": sum(v) / len(v), "p50": percentile(v, 50),
+            "p95": percentile(v, 95), "max": max(v)}

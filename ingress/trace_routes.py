@@ -1,6 +1,6 @@
 """HTTP routes of the handoff traces, added to the ingress app by one call:
 
-    add_trace_routes(app, route, authorize, lambda: backend.orchestrator.traces)
+    add_trace_routes(app, route, authorize, lambda: backend.request_traces())
 
 GET /v1/requests/{request_id}/trace   one request's RequestTrace (scope inference, like the
                                       request itself; 404 when the router no longer keeps it:

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from protocol.messages import TransferHandle
+
 DEFAULT_MAX_TOTAL_BYTES = 4 << 30  # one transfer; a 4 GiB prefix is ~32k tokens of a 7B model
 CHECKSUM_ALGO = "crc32"  # zlib.crc32: ~6 GB/s on this machine's CPU
 
@@ -31,37 +33,6 @@ CHECKSUM_ALGO = "crc32"  # zlib.crc32: ~6 GB/s on this machine's CPU
 class TransferError(RuntimeError):
     """Any failed transfer: missing or expired transfer, checksum mismatch, oversized frame,
     timeout, unreachable producer, wrong node for the transport."""
-
-
-@dataclass(frozen=True)
-class TransferHandle:
-    """What the consumer needs to pull one staged transfer. Small and picklable.
-
-    ``address`` is transport specific (grpc: "host:port", shm and cuda_ipc: file path);
-    ``object_ref`` is set by the object_store transport only, ``export`` (how to map the staged
-    memory: kvtransfer.cuda_ipc.SharedPages) by cuda_ipc only. ``checksum`` is None when the
-    producer did not compute one.
-    """
-
-    transfer_id: str
-    request_id: str
-    transport: str
-    producer_id: str
-    node_id: str
-    block_hashes: tuple[int, ...]
-    shape: tuple[int, ...]
-    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
-    nbytes: int
-    checksum: int | None = None
-    checksum_algo: str | None = None
-    lease_s: float = 0.0  # set by KVProducer.offer: how long the producer keeps the pages
-    address: str = ""
-    object_ref: Any = None
-    export: Any = None
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_hashes)
 
 
 @dataclass(frozen=True)

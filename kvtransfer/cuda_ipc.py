@@ -15,8 +15,8 @@ The protocol, whatever the memory:
   release  P unlinks the ticket first (late readers now fail), then drops the buffer. torch's
            CUDA IPC reference counting keeps GPU memory that a reader still maps alive until
            the reader lets go, so a late reader never reads reused memory either.
-The lease, plan digest and page checksums of the handoff (kvcache/handoff.py,
-workers/handoff.py) sit above this and apply unchanged.
+The lease, plan digest and page checksums of the handoff (protocol/messages.py,
+workers/kv_handoff.py) sit above this and apply unchanged.
 
 The CPU stand-in: pages on the CPU are staged in the ticket file itself (a POSIX shared-memory
 file, mapped by both sides), with the same handle, checks and release order, so the protocol

@@ -1,24 +1,20 @@
 """Ray Direct Transport (RDT): the staged tensor travels actor to actor over a collective group
-(gloo on CPU, nccl on GPU), routed by the orchestrator that created the group.
+(gloo on CPU, nccl on GPU), routed by the process that created the group (the router).
 
-The pattern, as two small methods on the worker actors and one call in the orchestrator:
+How raypd's P/D flow uses it (workers/prefill_host.py, workers/decode_host.py,
+router/orchestrator.py):
 
-    @ray.remote(enable_tensor_transport=True)      # both classes; required on the receiver
-    class PrefillWorker:
-        def kv_send(self, transfer_id):            # the producer hands out the staged tensor
-            return rdt.send_pages(self.kv_producer, transfer_id)
-
-    @ray.remote(enable_tensor_transport=True)
-    class DecodeWorker:
-        def kv_recv(self, handle, pages, dest_block_ids, sent_at=None):
-            return rdt.receive_pages(self.kv_consumer, handle, pages,
-                                     self.kv_cache, dest_block_ids, sent_at=sent_at)
-
-    # orchestrator (the process that called ensure_group), once at startup:
+    # once, in the router's process, before any transfer:
     rdt.ensure_group([*prefill_actors, *decode_actors], backend="gloo")
-    # per request, after prefill returned `handle` (made by a KVProducer on the "rdt" transport):
-    result = ray.get(rdt.route(prefill, decode, handle, dest_block_ids))
-    prefill.kv_ack.remote(handle.transfer_id)
+    # per request, after P.prefill returned a PrefillResult whose handle is on "rdt":
+    send = prefill.kv_send.options(tensor_transport="gloo")   # P: rdt.send_pages(producer, id)
+    pages = send.remote(result.handle.transfer_id)            # an RDT ref, never fetched here
+    decode.stream.remote(request_id, epoch, result, pages, sent_at=time.time())
+    # D's stream gets the tensor as an argument: KVConsumer.accept(handle, pages) checks it
+    # (check_arrived: shape, dtype, checksum), then D verifies the page checksums and lands it
+
+Both actor classes are declared with ``enable_tensor_transport=True``. `route` and
+`receive_pages` do the same for a plain producer / consumer pair (the transport benchmark).
 
 Rules measured on Ray 2.60: the receiving class must have ``enable_tensor_transport=True`` or
 the transfer hangs until the RDT timeout; the group must exist before ``kv_send`` is called;

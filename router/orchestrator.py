@@ -1,7 +1,8 @@
 """Request orchestration P -> D over worker actor handles: route, admit, prefill, transfer, stream.
 
-Torch-free: it holds Ray actor handles and the typed messages of kvcache/handoff.py. For each
-request, three round trips before D's first decode step:
+Torch-free: it holds Ray actor handles (through its Fleet, router/fleet.py) and the typed
+messages of protocol/messages.py. For each request, three round trips before D's first decode
+step:
   1. D.admit: the policy picks the decode worker D; D tokenizes, validates and hashes the
      request once, reserves blocks decode-first and plans the transfer (or prefills it itself
      when what it lacks is short, or when there are no prefill workers: colocated mode);
@@ -12,12 +13,10 @@ request, three round trips before D's first decode step:
 A prefill or transfer that fails is retried on another prefill worker (D keeps its
 reservation); only when none is left does D prefill it itself. A dead decode worker fails the
 attempt: both sides are released and the request runs again under a new epoch. Every block held
-for the handoff is in `self.ledger` (both sides) until a worker confirms its release.
-A reporter thread polls every worker's `load_report` (KV events, load, ledger releases) to keep
-the index and the policies' view of the workers current; between reports each decision is
-added locally. The router measures KV transfer GB/s per (P, D) pair from the transfers it sees
-end, and compares its predicted prefix hit of each prefill with the hit P reports (the hash
-drift alarm, router/drift.py).
+for the handoff is in `self.ledger` (both sides) until a worker confirms its release
+(router/flight.py). The router measures KV transfer GB/s per (P, D) pair from the transfers it
+sees end, and compares its predicted prefix hit of each prefill with the hit P reports (the
+hash drift alarm, router/drift.py).
 """
 
 from __future__ import annotations
@@ -30,36 +29,56 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 
-from kvcache import ledger as L
-from kvcache.handoff import (
+from protocol.errors import (
+    RaypdError,
+    RequestAborted,
+    RequestError,
+    RoutingRejected,
+    TransferFailed,
+    TransferRejected,
+    WorkerFailed,
+    http_status,
+)
+from protocol.ledger import (
+    ABORTED,
+    FALLBACK_LOCAL,
+    FILLED,
+    RESERVED,
+    STAGED,
+    TRANSFER_FAILED,
+    HandoffLedger,
+)
+from protocol.messages import (
     Admission,
     AdmittedRequest,
-    LoadReport,
     PrefillResult,
     RequestDone,
     RequestInput,
-    TransferRejected,
+    RequestResult,
+    TokenDelta,
 )
-from kvcache.ledger import HandoffLedger
-from kvcache.sampling import RequestError, SamplingParams
+from protocol.sampling import SamplingParams
 from router.drift import HashDriftAlarm
-from router.policies import Locality, RoutingRejected, RoutingRequest, WorkerState, make_policy
-from router.prefix_index import ApproxPrefixIndex, PrefixIndex
+from router.fleet import Fleet
+from router.flight import AttemptClock, DeliveredTokens, Flight, HandoffReleases
+from router.policies import Locality, RoutingRequest, make_policy
+from router.prefix_index import ApproxPrefixIndex
 from router.request_traces import TraceStore  # trace hook
 from router.transfer_rates import TransferRates
-from router.worker_view import REPORT_INTERVAL_S, apply_load_report, note_decode, note_prefill
+from router.worker_view import REPORT_INTERVAL_S, note_decode, note_prefill
 
 FAILURE_POLICIES = ("recompute", "fail")
-CLEANUP_WAIT_S = 10.0   # how long a request thread waits for workers to confirm a release
 
 
 @dataclass
 class FlowConfig:
+    """How requests flow through the workers (the config's router.* and transfer.* keys)."""
+
     policy: str = "locality"
     policy_cfg: dict | None = None
     index_mode: str = "precise"            # precise (KV events) | approx (own decisions + TTL)
@@ -85,92 +104,30 @@ class FlowConfig:
         make_policy(self.policy, **(self.policy_cfg or {}))   # unknown name -> ValueError
 
 
-@dataclass
-class _Flight:
-    """Where one request is, so an abort can release it everywhere."""
-
-    request_id: str
-    epoch: int = 0
-    attempt_id: str = ""       # the id workers know this attempt by (request id + epoch)
-    decode: Any = None
-    prefill: Any = None
-    transfer_id: str | None = None
-    aborted: bool = False
-    deadline: float | None = None   # wall clock
-    ack: Any = None                 # P's ack in flight (settled when the request ends)
-    predicted_hit_tokens: int = 0   # the router's predicted prefix hit on the chosen P
-    clock: Any = None               # the attempt's _Clock (cleanup waits count as waiting)
-
-
-@dataclass
-class _Clock:
-    """One attempt's handoff cost: actor round trips awaited, and the time spent waiting in
-    them, until D's first token (the rest of the time is the router's own overhead)."""
-
-    started: float = field(default_factory=time.perf_counter)
-    round_trips: int = 0
-    waited_s: float = 0.0
-
-    def get(self, ref: Any, timeout: float | None = None) -> Any:
-        t0 = time.perf_counter()
-        self.round_trips += 1
-        try:
-            return ray.get(ref, timeout=timeout)
-        finally:
-            self.waited_s += time.perf_counter() - t0
-
-    def first(self, gen: Any, timeout: float | None = None) -> Any:
-        """The first item of an actor's stream (waiting for it to be produced, then for it)."""
-        t0 = time.perf_counter()
-        try:
-            ref = next(gen)
-        finally:
-            self.waited_s += time.perf_counter() - t0
-        return self.get(ref, timeout)
-
-    def sleep(self, seconds: float) -> None:
-        """Waiting for capacity is queueing, not the router's own work."""
-        time.sleep(seconds)
-        self.waited_s += seconds
-
-    def overhead_ms(self) -> float:
-        return max(0.0, time.perf_counter() - self.started - self.waited_s) * 1e3
-
-
 class Orchestrator:
+    """Runs requests through the fleet's workers: routing decisions, the P -> D flow, retries,
+    aborts, and the router's own bookkeeping of them (ledger, decisions, rejections)."""
+
     def __init__(self, prefill: Sequence[Any], decode: Sequence[Any], cfg: FlowConfig,
                  worker_ids: dict[Any, str] | None = None, metrics: Any = None) -> None:
         """`metrics`: an object with record_request / record_decision / set_in_flight (the
         cluster layer passes Ray-exported RouterMetrics); None records nothing."""
         cfg.validate()
         self.cfg = cfg
-        self.prefill, self.decode = list(prefill), list(decode)
-        ids = worker_ids or {}
-        self._id = {w: ids.get(w) or ray.get(w.ping.remote()) for w in self.prefill + self.decode}
-        self._by_id = {v: k for k, v in self._id.items()}
         self.policy = make_policy(cfg.policy, **(cfg.policy_cfg or {}))
-        self.index = PrefixIndex() if cfg.index_mode == "precise" else ApproxPrefixIndex()
-        self.state: dict[str, WorkerState] = {wid: WorkerState(wid) for wid in self._by_id}
         self.transfer_rates = TransferRates()    # measured GB/s per (P, D) pair
         self.drift = HashDriftAlarm()            # predicted vs engine-reported prefix hits
         self.decisions: dict[str, int] = {}     # "policy:reason" -> count
-        self.draining: set[str] = set()          # worker ids: no new requests (scale-in)
-        self.unhealthy: set[str] = set()         # worker ids that failed their last report
         self.retries = 0                         # request re-runs after a worker failure
         self.prefill_retries = 0                 # prefills re-run on another prefill worker
-        self.acks_lost = 0                       # acks P did not confirm (lease frees it)
         self.rejected: dict[str, int] = {}       # TransferRejected reason -> count (router view)
         # the latest rejections, (reason, prefill worker, worker request id): an audit trail
         # that outlives a decode worker's restart (chaos checks corruption against it)
         self.recent_rejections: deque[tuple[str, str, str]] = deque(maxlen=4096)
         self.ledger = HandoffLedger()            # both sides' handoff holds, router's view
-        self._incarnation: dict[str, str] = {}   # worker id -> incarnation last reported
-        self._refresh_lock = threading.Lock()    # one refresh at a time (the report loop's,
-        self._report_refs: dict[Any, Any] = {}   # a drain's): worker -> report still on its way
-        self._lease_pending: set[tuple] = set()  # ledger keys left to a lease (ack lost)
         self._block_size = 16                    # learned from the first admission
         self.metrics = metrics or _NoMetrics()
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[str, Flight] = {}
         self.traces = TraceStore(on_finish=getattr(self.metrics, "record_trace", None))  # trace hook
         self._lock = threading.Lock()
         # RDT: one transfer at a time per actor. Ray matches sends to receives by order only
@@ -178,119 +135,64 @@ class Orchestrator:
         # transfers in flight at one actor could pair A's send with B's receive.
         self._rdt_locks: dict[str, threading.Lock] = {}
         self._rr = itertools.count()
-        self._stop = threading.Event()
-        self.refresh()
-        self._reporter = threading.Thread(target=self._report_loop, daemon=True,
-                                          name="raypd-router-reports")
-        self._reporter.start()
+        self.fleet = Fleet(prefill, decode, worker_ids=worker_ids, index_mode=cfg.index_mode,
+                           report_interval_s=cfg.report_interval_s,
+                           health_timeout_s=cfg.health_timeout_s,
+                           hang_timeout_s=cfg.hang_timeout_s,
+                           on_released=self._worker_released,
+                           on_restarted=self._worker_restarted)
+        self.releases = HandoffReleases(self.ledger, self.fleet.worker_id)
+        self.fleet.start()
 
-    # ---- worker view -------------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Pull every worker's KV events and load once; mark silent or dead workers unhealthy.
+    def _worker_released(self, worker_id: str, released) -> None:
+        self.releases.worker_released(worker_id, released)
 
-        An unhealthy worker gets no new requests and its prefix-index entries are dropped
-        (a restarted actor comes back with an empty cache); it is healthy again once it
-        answers."""
-        with self._refresh_lock:
-            self._refresh()
+    def _worker_restarted(self, worker_id: str) -> None:
+        self.releases.worker_restarted(worker_id, {f.attempt_id for f in self.in_flight_flights()})
 
-    def _refresh(self) -> None:
+    @property
+    def acks_lost(self) -> int:
+        """Acks P did not confirm (the lease frees their pages)."""
+        return self.releases.acks_lost
+
+    def in_flight_flights(self) -> list[Flight]:
         with self._lock:
-            workers = list(self._id)
-        # a report that did not come back in time is still on its way, carrying KV events
-        # and hold releases the worker has handed over: wait for that one, never drop it
-        pending = self._report_refs
-        refs = {pending[w] if w in pending else w.load_report.remote(): w for w in workers}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.cfg.health_timeout_s)
-        reports, failed = [], [w for r, w in refs.items() if r not in ready]
-        self._report_refs = {w: r for r, w in refs.items() if r not in ready}
-        for r in ready:
-            try:
-                reports.append(ray.get(r))
-            except Exception:
-                failed.append(refs[r])
-        with self._lock:
-            for w in failed:
-                wid = self._id.get(w)
-                if wid is not None and wid not in self.unhealthy:
-                    self.unhealthy.add(wid)
-                    self.index.remove_worker(wid)
-            for rep in reports:
-                self._apply_report(rep)
+            return list(self._flights.values())
 
-    def _apply_report(self, rep: LoadReport) -> None:
-        """Under the lock: one worker's report into the index, its state and the ledger."""
-        wid = rep.worker_id
-        for rel in rep.released:          # holds the worker let go on its own (lease expiry)
-            self.ledger.release(wid, rel.kind, rel.request_id, rel.reason)
-            self._lease_pending.discard((wid, rel.kind, rel.request_id))
-        if self._incarnation.setdefault(wid, rep.incarnation) != rep.incarnation:
-            self._incarnation[wid] = rep.incarnation      # restarted: its memory is gone
-            self._worker_restarted(wid)
-        if wid not in self.state:         # removed meanwhile
-            return
-        if isinstance(self.index, PrefixIndex):
-            self.index.apply(wid, rep.events)
-        if rep.busy_for_s > self.cfg.hang_timeout_s:   # alive, but its engine is stuck
-            self.unhealthy.add(wid)
-            self.state[wid].draining = True
-            return
-        self.unhealthy.discard(wid)
-        st = self.state[wid]
-        apply_load_report(st, rep, time.monotonic())
-        st.draining = wid in self.draining or wid in self.unhealthy
+    def busy(self, worker_id: str) -> bool:
+        """Whether any request in flight uses the worker."""
+        w = self.fleet.handle(worker_id)
+        return any(w is f.decode or w is f.prefill for f in self.in_flight_flights())
 
-    def _worker_restarted(self, wid: str) -> None:
-        """Under the lock: close the holds a restarted worker can no longer hold, for
-        requests still in flight or left to a lease. A hold of a request that ended without
-        closing it stays open: a leak, even though the worker died."""
-        live = {f.attempt_id for f in self._flights.values()}
-        for h in self.ledger.open_holds(wid):
-            key = (wid, h.kind, h.request_id)
-            if h.request_id in live or key in self._lease_pending:
-                self.ledger.release(wid, h.kind, h.request_id, L.WORKER_DIED)
-                self._lease_pending.discard(key)
-
-    def _report_loop(self) -> None:
-        while not self._stop.wait(self.cfg.report_interval_s):
-            self.refresh()
-
-    def _matches(self, hashes: list[int]) -> dict[str, int]:
-        with self._lock:
-            return self.index.match(hashes)
-
+    # ---- routing -----------------------------------------------------------------------------
     def _decide(self, role: str, req: RoutingRequest, exclude: frozenset = frozenset(),
-                flight: _Flight | None = None) -> Any:
+                flight: Flight | None = None) -> Any:
         """The policy's pick; `exclude`: worker ids this request already failed on. A prefill
         pick records its predicted hit on `flight` (for the drift alarm)."""
-        with self._lock:
-            workers = self.decode if role == "decode" else self.prefill
-            states = []
-            for w in workers:
-                st = self.state[self._id[w]]
-                st.draining = st.worker_id in self.draining or st.worker_id in self.unhealthy \
-                    or st.worker_id in exclude
-                if role == "prefill":
+        fleet = self.fleet
+        with fleet.lock:
+            states = fleet.states(role, exclude)
+            if role == "prefill":
+                for st in states:
                     st.transfer_gbps_to = self.transfer_rates.from_worker(st.worker_id)
-                states.append(st)
-        matches = self._matches(list(req.block_hashes))
-        with self._lock:
+            matches = fleet.index.match(list(req.block_hashes))
+        with fleet.lock:
             if role == "decode":
                 d = self.policy.choose_decode(req, states, matches)
-                note_decode(self.state[d.worker_id], req, d)   # counted until the next report
+                note_decode(fleet.state[d.worker_id], req, d)   # counted until the next report
             else:
                 d = self.policy.choose_prefill(req, states, matches)
-                note_prefill(self.state[d.worker_id], req, d, Locality.pooled_fit(states),
+                note_prefill(fleet.state[d.worker_id], req, d, Locality.pooled_fit(states),
                              time.monotonic())
                 if flight is not None:
                     flight.predicted_hit_tokens = min(d.matched_blocks * req.block_size,
                                                       req.num_tokens)
-                if isinstance(self.index, ApproxPrefixIndex):
-                    self.index.record(d.worker_id, list(req.block_hashes))
+                if isinstance(fleet.index, ApproxPrefixIndex):
+                    fleet.index.record(d.worker_id, list(req.block_hashes))
             key = f"{self.policy.name}:{d.reason}"
             self.decisions[key] = self.decisions.get(key, 0) + 1
             self.metrics.record_decision(self.policy.name, d.reason, role)
-            return self._by_id[d.worker_id]
+            return fleet.handle(d.worker_id)
 
     def observe_prefill_hit(self, predicted_tokens: int, real_tokens: int) -> None:
         """The drift alarm's input: the router's predicted prefix hit vs P's reported hit."""
@@ -301,62 +203,20 @@ class Orchestrator:
         if record is not None:
             record(on, on and not was)
 
-    def live(self, role: str) -> list[Any]:
-        """Workers of a role that take new requests (not draining, not unhealthy)."""
-        with self._lock:
-            workers = self.decode if role == "decode" else self.prefill
-            return [w for w in workers if self._id[w] not in self.draining
-                    and self._id[w] not in self.unhealthy]
-
-    # ---- membership (live scaling) -------------------------------------------------------------
-    def add_worker(self, role: str, worker: Any, worker_id: str) -> None:
-        with self._lock:
-            (self.decode if role == "decode" else self.prefill).append(worker)
-            self._id[worker], self._by_id[worker_id] = worker_id, worker
-            self.state[worker_id] = WorkerState(worker_id)
-
-    def drain(self, worker_id: str) -> None:
-        """Stop routing new requests to a worker; its requests in flight finish."""
-        with self._lock:
-            self.draining.add(worker_id)
-            if worker_id in self.state:
-                self.state[worker_id].draining = True
-
-    def busy(self, worker_id: str) -> bool:
-        """Whether any request in flight uses the worker."""
-        with self._lock:
-            w = self._by_id.get(worker_id)
-            return any(w is f.decode or w is f.prefill for f in self._flights.values())
-
-    def remove_worker(self, worker_id: str) -> Any:
-        with self._lock:
-            w = self._by_id.pop(worker_id)
-            del self._id[w]
-            for group in (self.prefill, self.decode):
-                if w in group:
-                    group.remove(w)
-            self.state.pop(worker_id, None)
-            self.draining.discard(worker_id)
-            self.unhealthy.discard(worker_id)
-            self.index.remove_worker(worker_id)
-            return w
-
-    # ---- one request -------------------------------------------------------------------------
     def run_request(self, prompt: Any, sampling: SamplingParams | None = None, *,
                     chat: bool = False, tenant: str = "", lora_id: str = "",
                     request_id: str | None = None,
-                    on_delta: Callable[[dict], None] | None = None,
-                    timeout_s: float | None = None) -> dict:
-        """Run one request through P and D; returns {text, token_ids, lifecycle}.
-        `on_delta({"token_ids": [...], "text": "..."})` is called as tokens stream in.
-        The request must end within `timeout_s` (default: request_timeout_s); the workers
+                    on_delta: Callable[[TokenDelta], None] | None = None,
+                    timeout_s: float | None = None) -> RequestResult:
+        """Run one request through P and D. `on_delta(TokenDelta)` is called as tokens stream
+        in. The request must end within `timeout_s` (default: request_timeout_s); the workers
         drop what they hold for it by then on their own.
-        Raises RequestError (bad request, aborted), RoutingRejected (no capacity / SLO),
-        TransferFailed, WorkerFailed."""
+        Raises the errors of protocol/errors.py only: RequestError (bad request), RequestAborted,
+        RoutingRejected (no capacity / SLO), TransferFailed, WorkerFailed (a Ray failure that
+        is not one of these becomes WorkerFailed here, at the router's edge)."""
         sampling = sampling or SamplingParams()
-        sampling.validate()
         rid = request_id or uuid.uuid4().hex[:12]
-        flight = _Flight(rid)
+        flight = Flight(rid)
         with self._lock:
             if rid in self._flights:
                 raise RequestError(f"request id {rid!r} is already in flight")
@@ -374,15 +234,12 @@ class Orchestrator:
             result = self._run_with_retries(flight, request, on_delta)
             status = 200
             return result
-        except RequestError:
-            status = 499 if flight.aborted else 400
-            raise
-        except RoutingRejected:
-            status = 429
-            raise
-        except TransferFailed:
-            status = 502
-            raise
+        except BaseException as e:
+            err = _client_error(e, flight)
+            status = http_status(err)
+            if err is e:
+                raise
+            raise err from e
         finally:
             with self._lock:
                 self._flights.pop(rid, None)
@@ -390,56 +247,46 @@ class Orchestrator:
             self.metrics.record_request(status, time.monotonic() - t0)
             self.traces.finish(rid, status)  # trace hook
 
-    def _run_with_retries(self, flight: _Flight, request: RequestInput,
-                          on_delta: Callable[[dict], None] | None) -> dict:
+    def _run_with_retries(self, flight: Flight, request: RequestInput,
+                          on_delta: Callable[[TokenDelta], None] | None) -> RequestResult:
         """A worker that dies (or is restarting) fails only the attempt: what the other side
         holds is released and the request runs again elsewhere under the next epoch (prefill
         and decode again; the admitted request is not tokenized again). Tokens the client
         already got are not sent twice (the re-run yields the same ones for greedy or seeded
         sampling). After max_retries the request ends with an error."""
-        sent = _Delivered(on_delta)
-        current: RequestInput | AdmittedRequest = request
+        sent = DeliveredTokens(on_delta)
         for epoch in range(self.cfg.max_retries + 1):
-            flight.epoch = epoch
-            flight.attempt_id = request.worker_request_id if epoch == 0 else \
-                replace(request, epoch=epoch).worker_request_id
-            current = replace(current, epoch=epoch)
+            # a retry re-admits the request as the last decode worker tokenized it
+            current = replace(flight.admitted or request, epoch=epoch)
+            flight.new_attempt(epoch, current.worker_request_id)
             try:
                 result = self._run(flight, current, sent.new_attempt())
-                result["lifecycle"]["retries"] = epoch
+                result.lifecycle.retries = epoch
                 return result
             except ray.exceptions.RayActorError as e:
-                self._release(flight, L.WORKER_DIED)
+                self.releases.release(flight)
                 if flight.aborted:
-                    raise RequestError(f"request {flight.request_id} was aborted") from None
+                    raise _aborted(flight) from None
                 with self._lock:
                     self.retries += 1
                 self.traces.retried(flight.request_id)  # trace hook
-                if attempt_admitted := getattr(e, "_raypd_admitted", None):
-                    current = attempt_admitted
                 if epoch == self.cfg.max_retries:
                     raise WorkerFailed(f"request {flight.request_id} failed: its workers died "
                                        f"{epoch + 1} times (last: {type(e).__name__})") from e
-                flight.decode = flight.prefill = flight.transfer_id = None
-                self.refresh()     # see who is gone before routing again
+                self.fleet.refresh()     # see who is gone before routing again
             if time.time() > request.deadline:
                 break
         raise WorkerFailed(f"request {flight.request_id} passed its deadline while its "
                            "workers kept failing")
 
-    def _run(self, flight: _Flight, request: RequestInput | AdmittedRequest,
-             on_delta: Callable[[dict], None]) -> dict:
-        clock = flight.clock = _Clock()
+    def _run(self, flight: Flight, request: RequestInput | AdmittedRequest,
+             on_delta: Callable[[TokenDelta], None]) -> RequestResult:
+        clock = flight.clock = AttemptClock()
         admission = self._admit(flight, request, clock)
-        admitted = admission.request
-        try:
-            if admission.local:
-                items = self._open_stream(flight, None, clock)
-            else:
-                items = self._prefill_and_stream(flight, admission, clock)
-        except ray.exceptions.RayActorError as e:
-            e._raypd_admitted = admitted     # the retry re-admits it without tokenizing again
-            raise
+        if admission.local:
+            items = self._open_stream(flight, None, clock)
+        else:
+            items = self._prefill_and_stream(flight, admission, clock)
         overhead_ms, round_trips = clock.overhead_ms(), clock.round_trips
         done = RequestDone()
         try:
@@ -448,24 +295,19 @@ class Orchestrator:
                     done = item
                 else:
                     self.traces.tokens(flight.request_id, len(item.token_ids))  # trace hook
-                    on_delta({"token_ids": list(item.token_ids), "text": item.text})
-        except ray.exceptions.RayActorError as e:
-            e._raypd_admitted = admitted
-            raise
+                    on_delta(item)
         finally:
-            self._settle_ack(flight)
+            self.releases.settle_ack(flight)
         if flight.aborted or done.lifecycle is None:
-            raise RequestError(f"request {flight.request_id} was aborted")
-        lc = done.lifecycle.to_dict()
-        if lc.get("prefill_worker") and lc.get("decode_worker"):
+            raise _aborted(flight)
+        lc = replace(done.lifecycle, handoff_round_trips=round_trips,
+                     router_overhead_ms=overhead_ms)
+        if lc.prefill_worker and lc.decode_worker:
             with self._lock:
-                self.transfer_rates.observe(lc["prefill_worker"], lc["decode_worker"],
-                                            lc.get("transfer_bytes") or 0,
-                                            lc.get("transfer_s") or 0.0)
-        self.traces.add_transfer_bytes(flight.request_id, lc.get("transfer_bytes") or 0)  # trace hook
-        lc["handoff_round_trips"] = round_trips
-        lc["router_overhead_ms"] = overhead_ms
-        return {"text": done.text, "token_ids": list(done.token_ids), "lifecycle": lc}
+                self.transfer_rates.observe(lc.prefill_worker, lc.decode_worker,
+                                            lc.transfer_bytes, lc.transfer_s)
+        self.traces.add_transfer_bytes(flight.request_id, lc.transfer_bytes)  # trace hook
+        return RequestResult(done.text, list(done.token_ids), lc)
 
     def _routing_request(self, request: RequestInput | AdmittedRequest,
                          decode_cached_blocks: int = 0, decode_worker: str = "") -> RoutingRequest:
@@ -482,18 +324,18 @@ class Orchestrator:
                               tenant=request.tenant, output_tokens=request.sampling.max_tokens,
                               lora=request.lora_id)
 
-    def _admit(self, flight: _Flight, request: RequestInput | AdmittedRequest,
-               clock: _Clock) -> Admission:
+    def _admit(self, flight: Flight, request: RequestInput | AdmittedRequest,
+               clock: AttemptClock) -> Admission:
         """Decode-first: the first decode worker with room reserves blocks and plans the
         transfer. Round trip 1 (more only while decode workers are full)."""
-        local_max = self.cfg.local_prefill_max_tokens if self.live("prefill") else 1 << 62
+        local_max = self.cfg.local_prefill_max_tokens if self.fleet.live("prefill") else 1 << 62
         deadline = min(time.monotonic() + self.cfg.admit_timeout_s,
                        time.monotonic() + request.deadline - time.time())
         while True:
-            live = self.live("decode")
+            live = self.fleet.live("decode")
             try:
                 first = self._decide("decode", self._routing_request(request))
-                self.traces.routed(flight.request_id, self._id.get(first, "?"))  # trace hook
+                self.traces.routed(flight.request_id, self.fleet.worker_id(first, "?"))  # trace hook
                 order = [first] + [d for d in live if d is not first]
             except RoutingRejected:
                 order = live                 # the view may be stale: ask them all
@@ -503,28 +345,29 @@ class Orchestrator:
                         d.admit.remote(r, local_max)))
                 except ray.exceptions.RayActorError:
                     continue                 # died or restarting: the reporter will notice
-                request = adm.request        # tokenized once: later tries pass this on
+                request = flight.admitted = adm.request   # tokenized once: later tries
+                # (another decode worker, a retry) pass this on
                 self._block_size = request.block_size
                 if adm.admitted:
                     flight.decode = d
-                    self.traces.admitted(flight.request_id, self._id.get(d, "?"), adm.local)  # trace hook
+                    self.traces.admitted(flight.request_id, self.fleet.worker_id(d, "?"), adm.local)  # trace hook
                     if not adm.local:
-                        self.ledger.hold(adm.decode_worker, L.RESERVED,
+                        self.ledger.hold(adm.decode_worker, RESERVED,
                                          request.worker_request_id, adm.reserved_blocks,
                                          max(0.0, request.deadline - time.time()))
                     if flight.aborted:       # aborted while being admitted
-                        self._release(flight, L.ABORTED)
-                        raise RequestError(f"request {flight.request_id} was aborted")
+                        self.releases.release(flight)
+                        raise _aborted(flight)
                     return adm
             if flight.aborted:
-                raise RequestError(f"request {flight.request_id} was aborted")
+                raise _aborted(flight)
             if time.monotonic() > deadline:
                 raise RoutingRejected("no_decode_capacity", "no decode worker has room for "
                                       f"this request (waited {self.cfg.admit_timeout_s:.0f} s)",
                                       retry_after_s=5)
             clock.sleep(0.02)
 
-    def _prefill_and_stream(self, flight: _Flight, admission: Admission, clock: _Clock):
+    def _prefill_and_stream(self, flight: Flight, admission: Admission, clock: AttemptClock):
         """Round trips 2 and 3: P prefills and stages the plan, D pulls, verifies, lands and
         starts streaming. A prefill worker that fails (dies, errs, stages pages D rejects) is
         excluded and the next one is tried with the same reservation; with none left, D
@@ -535,29 +378,29 @@ class Orchestrator:
         last_error: Exception | None = None
         while True:
             if flight.aborted:
-                self._release(flight, L.ABORTED)
-                raise RequestError(f"request {flight.request_id} was aborted")
+                self.releases.release(flight)
+                raise _aborted(flight)
             try:
                 p = self._decide("prefill", self._routing_request(
                     admitted, admission.decode_cached_blocks, admission.decode_worker),
                     frozenset(tried), flight)
             except RoutingRejected as e:
                 if e.reason != "no_workers":
-                    self._release(flight, L.ABORTED)
+                    self.releases.release(flight)
                     raise
                 p = None
             if p is None:                    # no prefill worker left: D prefills it itself
                 if self.cfg.failure_policy == "fail" and last_error is not None:
-                    self._release(flight, L.TRANSFER_FAILED)
+                    self.releases.release(flight)
                     raise TransferFailed(f"KV transfer for request {flight.request_id} "
                                          f"failed: {last_error}") from last_error
                 if clock.get(d.fallback_local.remote(rid)):
-                    self.ledger.release(did, L.RESERVED, rid, L.FALLBACK_LOCAL)
+                    self.ledger.release(did, RESERVED, rid, FALLBACK_LOCAL)
                     return self._open_stream(flight, None, clock)
-                self._release(flight, L.ABORTED)
+                self.releases.release(flight)
                 raise TransferFailed(f"request {flight.request_id}: no prefill worker left "
                                      "and its reservation is gone") from last_error
-            pid = self._id.get(p, "?")
+            pid = self.fleet.worker_id(p, "?")
             tried.add(pid)
             flight.prefill = p
             try:
@@ -574,14 +417,14 @@ class Orchestrator:
             self.observe_prefill_hit(flight.predicted_hit_tokens, result.cached_tokens)
             flight.transfer_id = result.handle.transfer_id if result.handle else None
             if result.handle is not None:
-                self.ledger.hold(pid, L.STAGED, rid, plan.num_blocks, result.lease_s)
+                self.ledger.hold(pid, STAGED, rid, plan.num_blocks, result.lease_s)
             try:
                 return self._open_stream(flight, result, clock)
             except ray.exceptions.RayActorError:
-                self._release_staged(flight, L.ABORTED)
+                self.releases.release_staged(flight, ABORTED)
                 raise
             except ray.exceptions.GetTimeoutError as e:   # D's pull hangs: give up
-                self._release(flight, L.TRANSFER_FAILED)
+                self.releases.release(flight)
                 raise TransferFailed(f"KV transfer for request {flight.request_id} did not "
                                      "finish before its deadline") from e
             except ray.exceptions.RayTaskError as e:
@@ -591,20 +434,20 @@ class Orchestrator:
                     self.rejected[reason] = self.rejected.get(reason, 0) + 1
                     self.recent_rejections.append((reason, pid, rid))
                     self.prefill_retries += 1
-                self._release_staged(flight, L.TRANSFER_FAILED)
+                self.releases.release_staged(flight, TRANSFER_FAILED)
                 last_error = e
                 if flight.aborted:
                     continue
                 if reason == "unknown":     # D no longer holds the reservation
-                    self._release(flight, L.TRANSFER_FAILED)
+                    self.releases.release(flight)
                     raise TransferFailed(f"KV transfer for request {flight.request_id} "
                                          f"failed: {cause}") from e
                 if self.cfg.failure_policy == "fail":
-                    self._release(flight, L.TRANSFER_FAILED)
+                    self.releases.release(flight)
                     raise TransferFailed(f"KV transfer for request {flight.request_id} "
                                          f"failed: {cause or e}") from e
 
-    def _open_stream(self, flight: _Flight, result: PrefillResult | None, clock: _Clock):
+    def _open_stream(self, flight: Flight, result: PrefillResult | None, clock: AttemptClock):
         """Start D's stream (landing `result`'s pages first); returns an iterator over its
         items whose first item has arrived."""
         d, rid = flight.decode, flight.attempt_id
@@ -620,9 +463,9 @@ class Orchestrator:
                 gen = d.stream.remote(flight.request_id, flight.epoch, result, timeout=timeout)
             first = _unwrap(lambda: clock.first(gen, timeout=timeout))
         if result is not None:
-            did = self._id.get(d, "?")
+            did = self.fleet.worker_id(d, "?")
             self.traces.transferred(flight.request_id, did)  # trace hook: D landed the pages
-            self.ledger.release(did, L.RESERVED, rid, L.FILLED)
+            self.ledger.release(did, RESERVED, rid, FILLED)
             if result.handle is not None:    # off the critical path: settled at the end
                 flight.ack = flight.prefill.ack.remote(result.handle.transfer_id)
 
@@ -632,33 +475,9 @@ class Orchestrator:
                 yield ray.get(ref)
         return items()
 
-    def _deadline_left(self, flight: _Flight) -> float:
+    def _deadline_left(self, flight: Flight) -> float:
         return self.cfg.request_timeout_s if flight.deadline is None else \
             flight.deadline - time.time()
-
-    def _settle_ack(self, flight: _Flight) -> None:
-        """Close P's staged hold by the ack's answer (sent after D's first token)."""
-        ack = getattr(flight, "ack", None)
-        if ack is None:
-            return
-        flight.ack = None
-        pid = self._id.get(flight.prefill, "?")
-        key = (pid, L.STAGED, flight.attempt_id)
-        try:
-            reason = ray.get(ack, timeout=CLEANUP_WAIT_S)
-        except ray.exceptions.RayActorError:
-            self.ledger.release(*key, L.WORKER_DIED)
-            return
-        except Exception:
-            reason = "lost"
-        if reason == L.ACKED:
-            self.ledger.release(*key, L.ACKED)
-        else:                                # ack lost: the lease frees it; P reports that
-            with self._lock:
-                self.acks_lost += 1
-                if self.ledger.is_open(*key):
-                    self._lease_pending.add(key)
-        flight.transfer_id = None
 
     @contextlib.contextmanager
     def _rdt_exclusive(self, *actors: Any):
@@ -670,40 +489,6 @@ class Orchestrator:
             for lock in locks:
                 stack.enter_context(lock)
             yield
-
-    def _release_staged(self, flight: _Flight, reason: str) -> None:
-        """Drop P's staged copy of this attempt and wait until P confirms."""
-        if flight.prefill is None or not flight.transfer_id:
-            return
-        pid = self._id.get(flight.prefill, "?")
-        ref = flight.prefill.abort_transfer.remote(flight.transfer_id)
-        flight.transfer_id = None
-        self._confirm(ref, pid, L.STAGED, flight.attempt_id, reason, flight.clock)
-
-    def _confirm(self, ref: Any, wid: str, kind: str, rid: str, reason: str,
-                 flight_clock: _Clock | None = None) -> None:
-        """Close a ledger hold once the worker answered the release (a dead worker: died)."""
-        try:
-            (flight_clock or _Clock()).get(ref, timeout=CLEANUP_WAIT_S)
-        except ray.exceptions.RayActorError:
-            self.ledger.release(wid, kind, rid, L.WORKER_DIED)
-            return
-        except Exception:
-            return                           # no answer: the hold stays open (lease / deadline)
-        self.ledger.release(wid, kind, rid, reason)
-
-    def _release(self, flight: _Flight, reason: str) -> None:
-        """Release the attempt's state on both sides and wait for the workers to confirm
-        (calls to a dead worker just fail: its holds close as worker_died)."""
-        rid = flight.attempt_id or flight.request_id
-        self._settle_ack(flight)
-        if flight.prefill is not None:
-            flight.prefill.abort.remote(rid)
-            self._release_staged(flight, L.ABORTED)
-        if flight.decode is not None:
-            did = self._id.get(flight.decode, "?")
-            self._confirm(flight.decode.abort.remote(rid), did, L.RESERVED, rid, L.ABORTED,
-                          flight.clock)
 
     def abort(self, request_id: str) -> bool:
         """Client abort at any stage: every block on both sides is released."""
@@ -725,27 +510,21 @@ class Orchestrator:
 
     # ---- many requests -----------------------------------------------------------------------
     def generate(self, prompts: list, sampling: SamplingParams | None = None,
-                 **kw) -> list[dict]:
-        """Run requests concurrently; results in input order (an error becomes {"error": ...})."""
+                 **kw) -> list[RequestResult]:
+        """Run requests concurrently; results in input order (a request that failed has its
+        error's message in `error`)."""
         def one(p):
             try:
                 return self.run_request(p, sampling, **kw)
-            except (RequestError, RoutingRejected, TransferFailed, WorkerFailed,
-                    ray.exceptions.RayError) as e:
-                return {"error": str(e)}
+            except RaypdError as e:
+                return RequestResult(error=str(e))
         with ThreadPoolExecutor(max_workers=min(64, max(1, len(prompts)))) as pool:
             return list(pool.map(one, prompts))
 
     def close(self, wait_s: float | None = None) -> None:
         """Stop the load reporter. With `wait_s`, also wait (that long at most) until it has
         made its last Ray call: a Ray call after ray.shutdown() would start a new local Ray."""
-        self._stop.set()
-        if wait_s is not None and self._reporter is not threading.current_thread():
-            self._reporter.join(wait_s)
-
-
-class TransferFailed(RuntimeError):
-    """A KV transfer failed and the failure policy is `fail`."""
+        self.fleet.close(wait_s)
 
 
 class _NoMetrics:
@@ -754,48 +533,30 @@ class _NoMetrics:
     def set_in_flight(self, n: int) -> None: ...
 
 
-class WorkerFailed(RuntimeError):
-    """The request's workers kept dying; it ends with this explicit error (never lost)."""
-
-
-class _Delivered:
-    """Forwards streamed deltas to the client once: a re-run after a worker failure replays
-    the tokens the client already has, and only what lies beyond them is forwarded."""
-
-    def __init__(self, on_delta: Callable[[dict], None] | None) -> None:
-        self.on_delta = on_delta
-        self.tokens = 0   # token ids the client has
-        self.chars = 0    # characters of text the client has
-
-    def new_attempt(self) -> Callable[[dict], None]:
-        cum_tokens, cum_text = [0], [""]
-
-        def forward(delta: dict) -> None:
-            start_tok, start_chr = cum_tokens[0], len(cum_text[0])
-            cum_tokens[0] += len(delta["token_ids"])
-            cum_text[0] += delta["text"]
-            if self.on_delta is None:
-                return
-            toks = delta["token_ids"][max(0, self.tokens - start_tok):]
-            text = delta["text"][max(0, self.chars - start_chr):]
-            self.tokens = max(self.tokens, cum_tokens[0])
-            self.chars = max(self.chars, len(cum_text[0]))
-            if toks or text:
-                self.on_delta({"token_ids": toks, "text": text})
-        return forward
-
-
-def _settle(refs: list, timeout_s: float) -> None:
-    """Wait until these cleanup calls have run (or failed: a dead worker holds nothing)."""
-    if refs:
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-
-
 def _unwrap(call: Callable[[], Any]) -> Any:
     """Run a ray.get; a RequestError raised inside the worker comes out as itself."""
     try:
         return call()
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, RequestError):
-            raise RequestError(str(e.cause)) from None
+            raise e.cause from None
         raise
+
+
+def _aborted(flight: Flight) -> RequestAborted:
+    return RequestAborted(f"request {flight.request_id} was aborted")
+
+
+def _client_error(exc: BaseException, flight: Flight) -> BaseException:
+    """What a request that raised `exc` ends with for its client: an error of
+    protocol/errors.py (Ray's own exceptions never leave the router)."""
+    if flight.aborted and isinstance(exc, RequestError):
+        return exc if isinstance(exc, RequestAborted) else _aborted(flight)
+    if isinstance(exc, RaypdError) or not isinstance(exc, Exception):
+        return exc
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, RaypdError):
+        return exc.cause
+    if isinstance(exc, ray.exceptions.RayError):
+        return WorkerFailed(f"request {flight.request_id}: a worker failed: "
+                            f"{type(exc).__name__}: {exc}")
+    return exc

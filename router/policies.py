@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from kvcache.hashing import BlockHash
-from kvcache.step_rates import DecodeFit, PrefillFit
+from protocol.errors import RoutingRejected, SLOUnmeetable
+from protocol.messages import LoadReport
+from protocol.step_rates import DecodeFit, PrefillFit
 from router.prefix_index import ApproxPrefixIndex
 
 
@@ -68,6 +70,19 @@ class WorkerState:
     @property
     def load_tokens(self) -> int:
         return self.queued_tokens + self.running_tokens
+
+    def take_report(self, rep: LoadReport) -> None:
+        """The worker's own figures, as its report gives them (what the router added since
+        the report is router/worker_view.py's)."""
+        self.queued_tokens, self.running_tokens = rep.queued_tokens, rep.running_tokens
+        self.num_requests, self.active_blocks = rep.num_requests, rep.active_blocks
+        self.cached_blocks, self.free_blocks = rep.cached_blocks, rep.free_blocks
+        self.total_blocks, self.queued_s = rep.total_blocks, rep.queued_s
+        self.prefill_fit, self.decode_fit = rep.prefill_fit, rep.decode_fit
+        self.decode_batch, self.decode_step_s = rep.decode_batch, rep.decode_step_s
+        self.kv_bytes_per_token = rep.kv_bytes_per_token
+        self.loras_resident, self.lora_load_s = rep.loras_resident, rep.lora_load_s
+        self.lora_slots = rep.lora_slots
 
     def wait_s(self, fit: PrefillFit | None = None, now: float | None = None) -> float | None:
         """Seconds until this worker could start a new request: its own estimate plus what the
@@ -113,26 +128,6 @@ class RoutingDecision(NamedTuple):
                                 # min_ttft | smallest_tree | decode_fit
     est_ttft_s: float | None    # the policy's estimate, when it makes one
     matched_blocks: int         # leading blocks the chosen worker holds
-
-
-class RoutingRejected(RuntimeError):
-    """No worker can take the request now; the ingress answers 429 with Retry-After."""
-
-    def __init__(self, reason: str, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-
-
-class SLOUnmeetable(RoutingRejected):
-    """Every worker's estimated TTFT exceeds the SLO (reason "slo_reject")."""
-
-    def __init__(self, best_ttft_s: float, slo_s: float) -> None:
-        super().__init__("slo_reject",
-                         f"best estimated TTFT {best_ttft_s:.2f}s exceeds the SLO {slo_s:.2f}s",
-                         retry_after_s=max(1.0, math.ceil(best_ttft_s - slo_s)))
-        self.best_ttft_s = best_ttft_s
-        self.slo_s = slo_s
 
 
 def cached_tokens(req: RoutingRequest, matched_blocks: int) -> int:

@@ -19,8 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvcache.request_trace import ROUTER, STAGES, PrefillTiming, RequestTrace
-from router.report import percentiles
+from protocol.request_trace import ROUTER, STAGES, PrefillTiming, RequestTrace
+from router.percentiles import percentiles
 
 DEFAULT_CAPACITY = 1000
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ sees the same thing in both)."""
 
 from __future__ import annotations
 
-from kvcache.handoff import LoadReport
+from protocol.messages import LoadReport
 from router.policies import RoutingDecision, RoutingRequest, WorkerState, cached_tokens
 
 REPORT_INTERVAL_S = 0.1     # the router polls every worker's load report this often
@@ -15,8 +15,7 @@ def apply_load_report(st: WorkerState, rep: LoadReport, now: float | None = None
     before the report's snapshot (router clock `now` - the report's age) is in the report;
     what it routed after is not yet, and stays counted on top."""
     assert st.worker_id == rep.worker_id, (st.worker_id, rep.worker_id)
-    for k, v in rep.load().items():
-        setattr(st, k, v)
+    st.take_report(rep)
     if now is None:
         st.routed, st.reported_at = [], None
     else:

@@ -6,7 +6,7 @@
 # Steps: install Debian's openssh-server (and rsync, which `ray up` syncs with) if missing;
 # a throwaway user (so `ray stop`, which kills every Ray process its user may kill, cannot touch
 # anyone else's Ray) with a throwaway ed25519 key; sshd on 127.0.0.1 on a free port; render
-# configs/cluster-local.yaml for head 127.0.0.1 (cluster/smoke_config.py: free ports, roles by
+# configs/cluster-local.yaml for head 127.0.0.1 (scripts/cluster_smoke_config.py: free ports, roles by
 # custom resources on the one node, model tiny); `ray up -y`; wait for the router on the head;
 # `raypd status`; Prometheus (Debian) on Ray's own scrape config and service-discovery file,
 # one query per actor role; `raypd submit` of 20 requests of the shared Mooncake trace (read in
@@ -154,7 +154,7 @@ chown "$SMOKE_USER" "$WORK/home/.bashrc"
 PORTS=$(printf '{"gcs":%s,"metrics":%s,"router":%s,"client":%s,"dashboard":%s,"agent_http":%s,"agent_grpc":%s,"node_manager":%s,"object_manager":%s,"runtime_env":%s,"min_worker":%s,"max_worker":%s}' \
   "$P_GCS" "$P_METRICS" "$P_ROUTER" "$P_CLIENT" "$P_DASH" "$P_AGENT_HTTP" "$P_AGENT_GRPC" \
   "$P_NM" "$P_OM" "$P_RTE" "$P_WMIN" "$P_WMAX")
-"$PY" -m cluster.smoke_config --template "$ROOT/configs/cluster-local.yaml" \
+"$PY" "$ROOT/scripts/cluster_smoke_config.py" --template "$ROOT/configs/cluster-local.yaml" \
   --out "$WORK/cluster.yaml" --cluster-name "$CLUSTER" --user "$SMOKE_USER" \
   --key "$WORK/id_ed25519" --proxy-command "$PROXY" --repo-root "$ROOT" --ports "$PORTS"
 
@@ -197,7 +197,7 @@ raypd submit "$TRACE" --limit "$REQUESTS" --url "$URL" --max-output-tokens 16 --
   || { cat "$WORK/submit.log" >&2; fail "raypd submit failed"; }
 T[submit]=$(( $(date +%s) - t ))
 cat "$WORK/submit.log" >&2
-OK=$("$PY" -m cluster.smoke_checks report "$WORK/report.json" --requests "$REQUESTS") \
+OK=$("$PY" "$ROOT/scripts/cluster_smoke_checks.py" report "$WORK/report.json" --requests "$REQUESTS") \
   || fail "the report does not hold: $OK"
 RID=$("$PY" -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["request_id"])' \
   "$WORK/outputs.jsonl")
@@ -205,7 +205,7 @@ raypd trace-request "$RID" --url "$URL" | tee "$WORK/trace-request.log" >&2 \
   || fail "raypd trace-request $RID failed"
 
 t=$(date +%s)
-"$PY" -m cluster.smoke_checks prometheus --url "http://127.0.0.1:$P_PROM" \
+"$PY" "$ROOT/scripts/cluster_smoke_checks.py" prometheus --url "http://127.0.0.1:$P_PROM" \
   --status "$WORK/status.json" --timeout 90 > "$WORK/prometheus-check.json" \
   || { cat "$WORK/prometheus-check.json" >&2; fail "Prometheus does not see every worker"; }
 T[prometheus]=$(( $(date +%s) - t ))

@@ -74,7 +74,7 @@ if ! "$PY" "$HELPER" env "$WORK/install.json"; then
 fi
 say "python: $PY"
 export RAY_ENABLE_AUTO_CONNECT=0 RAYPD_TEST_THREADS=8 TOKENIZERS_PARALLELISM=false
-RAYPD=("$PY" -m cluster.cli)
+RAYPD=("$PY" -m raypd.cli)
 
 run_step() {    # name timeout_s command...: logs to $WORK/name.log, records rc and seconds
   local name=$1 limit=$2; shift 2

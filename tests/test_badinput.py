@@ -1,4 +1,4 @@
-"""The bad-input catalogue (cluster/badinput_catalogue.yaml) against a real `raypd serve --model
+"""The bad-input catalogue (raypd/bench/badinput_catalogue.yaml) against a real `raypd serve --model
 tiny` subprocess with API keys and gRPC: every case gets its expected status and message, and
 after each one the server is healthy, serves a good request and holds no referenced block."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench_badinput import Target, load_catalogue, read_keys, run_catalogue
+from raypd.bench.badinput import Target, load_catalogue, read_keys, run_catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = """keys:
@@ -49,7 +49,7 @@ server:
 ray: {{num_cpus: 2}}
 """)
     log = open(d / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config",
+    proc = subprocess.Popen([sys.executable, "-m", "raypd.cli", "serve", "--config",
                              str(d / "serve.yaml"), "--log-level", "warning"],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -88,7 +88,7 @@ def test_every_case_gets_its_answer_and_leaves_the_server_sound(served):
 
 
 def test_bench_badinput_command_writes_the_counts(served, tmp_path):
-    from cluster.cli import main
+    from raypd.cli import main
     some = [c for c in load_catalogue() if c["name"] in
             ("seed_above_int64", "grpc_unknown_model", "config_not_yaml", "no_key")]
     (tmp_path / "some.yaml").write_text(json.dumps(some))
@@ -104,7 +104,7 @@ def test_bench_badinput_command_writes_the_counts(served, tmp_path):
 
 
 def test_keys_bind_tenants_cached_prefixes_stay_inside_one(served):
-    from cluster.bench_badinput import http_request
+    from raypd.bench.badinput import http_request
     prompt = [7 + i for i in range(40)]          # token ids: 2 full blocks
 
     def cached(key: str) -> int:

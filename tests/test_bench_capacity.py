@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from cluster.bench_capacity import max_concurrency, peak_bytes, render_html, run_capacity
-from kvcache.kv_plan import plan
+from kvcache.kv_sizing import size_kv
+from raypd.bench.capacity import max_concurrency, peak_bytes, render_html, run_capacity
 
 
 def test_plain_is_what_transformers_cache_holds(tiny_reference):
@@ -15,7 +15,7 @@ def test_plain_is_what_transformers_cache_holds(tiny_reference):
         out = tiny_reference(torch.randint(3, 200, (n, ctx)), use_cache=True)
     cache = out.past_key_values
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    bpt = plan(tiny_reference.config, "float32").bytes_per_token
+    bpt = size_kv(tiny_reference.config, "float32").bytes_per_token
     assert peak_bytes("plain", n, ctx, 0, bpt, 0, 16) == held
 
 
@@ -46,6 +46,6 @@ def test_run_and_html_on_tiny(tmp_path):
 
 
 def test_tpot_is_timed_on_reserved_requests_decoding(tiny_loaded):
-    from cluster.bench_capacity import measure_tpot
+    from raypd.bench.capacity import measure_tpot
     assert measure_tpot("tiny", tiny_loaded, "float32", n=2, context=40, block_size=16,
                         steps=2) > 0

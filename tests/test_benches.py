@@ -8,14 +8,10 @@ import math
 import pytest
 import ray
 
-from cluster.bench_disagg import (
-    Workload,
-    add_bench_disagg_parser,
-    make_jobs,
-    run_bench_disagg,
-)
-from cluster.bench_transfer import add_bench_transfer_parser, run_bench_transfer
-from router.report import percentile
+from raypd.bench.disagg import Workload, make_jobs, run_bench_disagg
+from raypd.bench.transfer import run_bench_transfer
+from raypd.cli.bench import add_bench_disagg_parser, add_bench_transfer_parser
+from router.percentiles import percentile
 
 TINY_LOAD = Workload(window_s=2.0, num_short=4, short_at_start=2, short_prompt=(8, 32),
                      short_output=(8, 16), num_long=2, first_long_s=0.5,

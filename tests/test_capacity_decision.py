@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from conftest import make_engine, random_prompt
 
-from router.report import build_report, capacity_action
-from router.submit import RequestRecord
+from raypd.replay.report import build_report, capacity_action
+from raypd.replay.submit import RequestRecord
 from workers.request import SamplingParams
 
 SP = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench_chaos import FAULT_KINDS, run_chaos_bench
+from raypd.bench.chaos import FAULT_KINDS, run_chaos_bench
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

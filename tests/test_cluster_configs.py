@@ -118,5 +118,5 @@ def test_the_routers_serve_config_places_roles_on_their_resources(path):
     from cluster.config import load_config
     pd = load_config(ROOT / serve, {"ray.address": "auto"}).to_pd_config()
     assert pd.prefill_resources == {"prefill": 1} and pd.decode_resources == {"decode": 1}
-    assert pd.transport != "shm"
+    assert pd.flow.transport != "shm"
     assert (pd.num_gpus_per_worker > 0) == (path == AWS)

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from router.cluster_sim import ClusterConfig, ClusterSim, DecodeSim, _Seq, _slowed
-from router.cost_model import CostModel, DecodeCost, cpu_cost_model, gpu_cost_model
-from router.plan import parse_gpus, run_plan
-from router.sim import SimRequest
-from router.simulate_cli import add_simulate_parser
+from raypd.cli.simulate import add_simulate_parser
+from raypd.sim.cluster_sim import ClusterConfig, ClusterSim, DecodeSim, _Seq, _slowed
+from raypd.sim.cost_model import CostModel, DecodeCost, cpu_cost_model, gpu_cost_model
+from raypd.sim.planner import parse_gpus, run_plan
+from raypd.sim.routing_sim import SimRequest
 
 
 def reqs(n=60, rate=4.0, prompt_blocks=4, out=20, shared=True):
@@ -96,7 +96,7 @@ def test_cpu_cost_model_fits_decode_steps_to_batch_and_context_from_a_calibratio
 def test_cpu_cost_model_tells_step_size_from_attention_by_batched_prefills():
     """One sequence of n tokens cannot tell a step's size (T^2) from attention (n^2 / 2):
     `prefill_batch_s` (b sequences in one step) can; the fit recovers both."""
-    from router.cost_model import PrefillCost
+    from raypd.sim.cost_model import PrefillCost
     truth = PrefillCost(tok_s=250.0, attn_ctx_tokens=4096.0, step_overhead_s=0.02,
                         chunk_tokens=2048, step_tok_sq_s=2e-7)
     engine = {"prefill_tok_s": {str(n): n / truth.step_s([(n, 0)])
@@ -151,7 +151,7 @@ def test_shared_host_slows_decode_during_prefill_steps_and_prefill_beside_decode
     slower, a prefill step starting while decode has a batch prefill_x slower."""
     import dataclasses
 
-    from router.cost_model import PrefillCost, SharedHost
+    from raypd.sim.cost_model import PrefillCost, SharedHost
     base = CostModel(prefill=PrefillCost(tok_s=1000.0, attn_ctx_tokens=0.0,
                                          step_overhead_s=0.0, chunk_tokens=4096),
                      decode=DecodeCost(base_s=0.1, per_seq_s=0.0, per_ctx_token_s=0.0),
@@ -196,8 +196,8 @@ def test_parse_gpus():
 
 
 def test_plan_sweeps_ratios_and_policies_and_checks_both_directions():
-    from router.trace import TraceRequest
-    trace = [TraceRequest(j * 0.5, 4000, 32, tuple(range(5)) + (1000 + j, 2000 + j), j + 1)
+    from raypd.replay.mooncake import WorkloadRequest
+    trace = [WorkloadRequest(j * 0.5, 4000, 32, tuple(range(5)) + (1000 + j, 2000 + j), j + 1)
              for j in range(60)]
     plan = run_plan(trace, gpu_cost_model("h100"), [4], slo_ttft_s=2.0, slo_tpot_s=0.05,
                     requests_per_16=60)
@@ -245,7 +245,7 @@ def test_simulate_cli_writes_json_and_html(tmp_path, capsys):
 
 
 def test_validate_simulator_side_replays_the_same_requests():
-    from router.validate import replay_requests, run_sim
+    from raypd.bench.sim_validation import replay_requests, run_sim
     replay = replay_requests(6, (128, 384), gap_s=1.0)
     assert [len(p) for _, p in replay] == [128, 384] * 3
     arrivals = [at for at, _ in replay]
@@ -263,7 +263,7 @@ def test_validate_needs_cpu_here(capsys):
 def test_bench_engine_calibration_feeds_the_cpu_cost_model():
     """`raypd bench engine --calibration` on a real (tiny) engine: the figures the cpu-here
     cost model reads, measured, and accepted by it."""
-    from cluster.bench_engine import run_calibration
+    from raypd.bench.engine import run_calibration
     cal = run_calibration(model="tiny", repeats=1, prefill_lens=(32, 64, 128),
                           decode_points=((1, 32), (2, 64), (4, 32)), decode_steps=3,
                           prefill_batches=((2, 32),))
@@ -281,7 +281,7 @@ def test_validation_anchors_speeds_and_the_link_latency_to_the_probe():
     """The probe's prefills alone set the level of prefill and decode seconds and the link's
     latency: what they spent before their first token beside their compute, less the link's
     own transfer of their KV (never below 0)."""
-    from router.validate import _anchor
+    from raypd.bench.sim_validation import _anchor
     c = cpu_cost_model({"prefill_tok_s": {"128": 600.0, "512": 600.0, "1024": 480.0},
                         "decode_step_ms_b1": 30.0, "decode_step_ms_b16": 60.0})
     probe = {"prefill_tokens": 768, "context": 384, "decode_tokens": 40,

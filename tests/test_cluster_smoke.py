@@ -46,7 +46,7 @@ def test_the_smoke_config_is_the_template_rendered_for_one_loopback_node():
     import yaml
     from ray.autoscaler._private.util import prepare_config, validate_config
 
-    from cluster.smoke_config import SmokePorts, SmokeTarget, render
+    from scripts.cluster_smoke_config import SmokePorts, SmokeTarget, render
     ports = SmokePorts(*range(20001, 20013))
     target = SmokeTarget("raypd-smoke-1", "rpsmoke1", "/tmp/k", "python3 p.py 127.0.0.1 2222",
                          str(ROOT))
@@ -67,7 +67,7 @@ def test_the_smoke_config_is_the_template_rendered_for_one_loopback_node():
 def test_rendering_fails_when_the_template_changes_shape():
     import yaml
 
-    from cluster.smoke_config import SmokePorts, SmokeTarget, render
+    from scripts.cluster_smoke_config import SmokePorts, SmokeTarget, render
     cfg = yaml.safe_load((ROOT / "configs" / "cluster-local.yaml").read_text())
     cfg["head_start_ray_commands"] = [c.replace("--port=6379", "--port=7000")
                                       for c in cfg["head_start_ray_commands"]]

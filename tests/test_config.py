@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ConfigError, RaypdConfig, load_config
-from cluster.serve import add_serve_parser, overrides_from_args
+from raypd.cli.serve import add_serve_parser, overrides_from_args
 
 LOCAL = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 
@@ -48,9 +48,11 @@ workers:
   prefill: {count: 2, resources: {prefill: 1}}
   decode: {count: 3, resources: {decode: 0.5}}
   num_gpus: 0
+  max_restarts: 5
 transfer: {transport: grpc, lease_s: 5, failure_policy: fail, local_prefill_max_tokens: 64}
 router: {policy: locality, policy_options: {work_weight: 2.0}, index_mode: approx,
-         slo: {ttft_s: 1.5}, admit_timeout_s: 3, request_timeout_s: 60}
+         slo: {ttft_s: 1.5}, admit_timeout_s: 3, request_timeout_s: 60, max_retries: 4,
+         report_interval_s: 0.5, health_timeout_s: 7, hang_timeout_s: 90}
 server: {host: 0.0.0.0, port: 9000, grpc_port: 9001, api_key: secret}
 ray: {address: auto}
 """))
@@ -65,10 +67,13 @@ ray: {address: auto}
                              device="cpu", cuda_graphs=False)
     assert (pd.num_prefill, pd.num_decode, pd.threads_per_actor) == (2, 3, 2)
     assert pd.prefill_resources == {"prefill": 1.0} and pd.decode_resources == {"decode": 0.5}
-    assert (pd.transport, pd.lease_s, pd.failure_policy) == ("grpc", 5.0, "fail")
-    assert pd.local_prefill_max_tokens == 64 and pd.index_mode == "approx"
-    assert pd.policy_cfg == {"work_weight": 2.0, "ttft_slo_s": 1.5}
-    assert (pd.admit_timeout_s, pd.request_timeout_s) == (3.0, 60.0)
+    assert (pd.flow.transport, pd.lease_s, pd.flow.failure_policy) == ("grpc", 5.0, "fail")
+    flow = pd.flow
+    assert flow.local_prefill_max_tokens == 64 and flow.index_mode == "approx"
+    assert flow.policy_cfg == {"work_weight": 2.0, "ttft_slo_s": 1.5}
+    assert (flow.admit_timeout_s, flow.request_timeout_s) == (3.0, 60.0)
+    assert (flow.max_retries, flow.report_interval_s, flow.health_timeout_s,
+            flow.hang_timeout_s, pd.max_restarts) == (4, 0.5, 7.0, 90.0, 5)
 
 
 def test_an_empty_file_is_the_defaults(tmp_path):

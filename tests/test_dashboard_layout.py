@@ -15,7 +15,7 @@ import pytest
 import requests
 from conftest import ROOT
 
-from kvcache.request_trace import STAGES
+from protocol.request_trace import STAGES
 
 CHROMIUM = next((shutil.which(b) for b in ("chromium", "chromium-browser") if shutil.which(b)),
                 None)
@@ -41,8 +41,8 @@ def server(ray_session):
 @pytest.fixture(scope="module")
 def report_html(server, tmp_path_factory):
     """A report of 8 requests replayed through the server (`raypd submit --html`)."""
-    from cluster.cli import main
-    from router.workload import write_jsonl
+    from raypd.cli import main
+    from raypd.replay.workload import write_jsonl
     d = tmp_path_factory.mktemp("report")
     write_jsonl([{"prompt": "shared system prompt " * 6 + f"question {i}", "max_tokens": 6}
                  for i in range(8)], d / "t.jsonl")

@@ -104,8 +104,9 @@ def test_graph_buckets():
 
 
 def test_device_reaches_the_engine_through_the_config_chain(tmp_path):
-    from cluster.cli import build_parser, engine_config_from_args
     from cluster.config import ConfigError, load_config
+    from raypd.cli import build_parser
+    from raypd.cli.common import engine_config_from_args
     cfg = load_config(None, {"model.name": "tiny", "engine.device": "cpu",
                              "engine.cuda_graphs": False})
     assert cfg.engine_config()["device"] == "cpu" and cfg.engine_config()["cuda_graphs"] is False
@@ -124,7 +125,7 @@ def test_device_reaches_the_engine_through_the_config_chain(tmp_path):
 
 
 def test_evidence_label_follows_the_pools_device_not_the_gpus_reserved():
-    from router.report import build_report, evidence_from_devices
+    from raypd.replay.report import build_report, evidence_from_devices
     assert evidence_from_devices(["cuda"]) == "gpu-measured"
     assert evidence_from_devices(["cpu", "cuda"]) == "cpu-measured"
     assert evidence_from_devices([]) == "cpu-measured"

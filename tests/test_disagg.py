@@ -9,7 +9,8 @@ import ray
 from conftest import hf_greedy, random_prompt
 
 from cluster.pd import PDCluster, PDConfig
-from kvcache.handoff import RequestInput
+from protocol.messages import RequestInput
+from router.orchestrator import FlowConfig
 from workers.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -40,18 +41,18 @@ def _clean(cluster: PDCluster) -> None:
 
 @pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "rdt", "cuda_ipc"])
 def test_disagg_matches_transformers_generate_for_every_transport(transport, reference):
-    cluster = PDCluster(PDConfig(engine=ENGINE, transport=transport))
+    cluster = PDCluster(PDConfig(engine=ENGINE, flow=FlowConfig(transport=transport)))
     try:
         results = cluster.generate(PROMPTS, GREEDY)
-        assert [r.get("error") for r in results] == [None] * len(PROMPTS)
-        assert [r["token_ids"] for r in results] == reference(PROMPTS)
+        assert [r.error for r in results] == [None] * len(PROMPTS)
+        assert [r.token_ids for r in results] == reference(PROMPTS)
         for r, p in zip(results, PROMPTS, strict=True):
-            lc = r["lifecycle"]
-            assert lc["transferred_blocks"] == -(-len(p) // 16) - lc["skipped_blocks"]
-            assert lc["transfer_bytes"] > 0 and lc["transfer_s"] > 0
-            assert lc["prefill_worker"] == "prefill-0" and lc["decode_worker"] == "decode-0"
-            assert lc["handoff_round_trips"] == 3      # admit, prefill, stream (pull + decode)
-            assert lc["router_overhead_ms"] >= 0
+            lc = r.lifecycle
+            assert lc.transferred_blocks == -(-len(p) // 16) - lc.skipped_blocks
+            assert lc.transfer_bytes > 0 and lc.transfer_s > 0
+            assert lc.prefill_worker == "prefill-0" and lc.decode_worker == "decode-0"
+            assert lc.handoff_round_trips == 3      # admit, prefill, stream (pull + decode)
+            assert lc.router_overhead_ms >= 0
         _clean(cluster)
     finally:
         cluster.shutdown()
@@ -61,13 +62,13 @@ def test_rdt_many_concurrent_transfers_of_different_sizes(reference):
     """Ray pairs RDT sends with receives by order only: two transfers in flight at one actor
     could swap (a gloo size mismatch aborted the decode worker). The orchestrator runs one
     RDT transfer per actor at a time; every page must land where it belongs."""
-    cluster = PDCluster(PDConfig(engine=ENGINE, transport="rdt", num_prefill=2, num_decode=2))
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, num_decode=2, flow=FlowConfig(transport="rdt")))
     try:
         prompts = [random_prompt(5 + 11 * i, seed=300 + i) for i in range(12)]
         results = cluster.generate(prompts, GREEDY)
-        assert [r.get("error") for r in results] == [None] * len(prompts)
-        assert [r["token_ids"] for r in results] == reference(prompts)
-        assert {r["lifecycle"]["transferred_blocks"] for r in results} >= {1, 2, 3, 4, 5}
+        assert [r.error for r in results] == [None] * len(prompts)
+        assert [r.token_ids for r in results] == reference(prompts)
+        assert {r.lifecycle.transferred_blocks for r in results} >= {1, 2, 3, 4, 5}
         _clean(cluster)
     finally:
         cluster.shutdown()
@@ -77,7 +78,7 @@ def test_rdt_many_concurrent_transfers_of_different_sizes(reference):
 def test_prefix_hits_on_prefill_decode_and_both(transport, reference):
     first, second = SHARED + random_prompt(7, seed=5), SHARED + random_prompt(13, seed=6)
     expected = reference([first, second])
-    cluster = PDCluster(PDConfig(engine=ENGINE, transport=transport))
+    cluster = PDCluster(PDConfig(engine=ENGINE, flow=FlowConfig(transport=transport)))
     p, d = cluster.prefill[0], cluster.decode[0]
     try:
         # forget the other side's cache between the two requests: a hit on P only, D only, both
@@ -89,30 +90,30 @@ def test_prefix_hits_on_prefill_decode_and_both(transport, reference):
             if forget is not None:
                 ray.get(forget.reset_prefix_cache.remote())
             b = cluster.run_request(second, GREEDY)
-            assert [a["token_ids"], b["token_ids"]] == expected
-            assert a["lifecycle"]["skipped_blocks"] == 0
-            assert (b["lifecycle"]["skipped_blocks"] == 2) == d_hit
+            assert [a.token_ids, b.token_ids] == expected
+            assert a.lifecycle.skipped_blocks == 0
+            assert (b.lifecycle.skipped_blocks == 2) == d_hit
             p_reused = ray.get(p.stats.remote())["reused_tokens"] - reused_before
             assert (p_reused == 32) == p_hit, p_reused
             if d_hit:   # delta transfer: only the blocks D lacks travel
-                assert b["lifecycle"]["transferred_blocks"] == 4 - 2
-                assert b["lifecycle"]["transfer_bytes"] < a["lifecycle"]["transfer_bytes"]
+                assert b.lifecycle.transferred_blocks == 4 - 2
+                assert b.lifecycle.transfer_bytes < a.lifecycle.transfer_bytes
             else:
-                assert b["lifecycle"]["transferred_blocks"] == 4
+                assert b.lifecycle.transferred_blocks == 4
             _clean(cluster)
     finally:
         cluster.shutdown()
 
 
 def test_conditional_local_prefill(reference):
-    cluster = PDCluster(PDConfig(engine=ENGINE, local_prefill_max_tokens=20))
+    cluster = PDCluster(PDConfig(engine=ENGINE, flow=FlowConfig(local_prefill_max_tokens=20)))
     try:
         short, long_ = PROMPTS[1], PROMPTS[2]
         rs = [cluster.run_request(p, GREEDY) for p in (short, long_)]
-        assert [r["token_ids"] for r in rs] == reference([short, long_])
-        assert rs[0]["lifecycle"]["transfer_bytes"] == 0      # prefilled on D
-        assert rs[0]["lifecycle"]["prefill_worker"] is None
-        assert rs[1]["lifecycle"]["transfer_bytes"] > 0       # 61 uncached tokens > 20
+        assert [r.token_ids for r in rs] == reference([short, long_])
+        assert rs[0].lifecycle.transfer_bytes == 0      # prefilled on D
+        assert rs[0].lifecycle.prefill_worker is None
+        assert rs[1].lifecycle.transfer_bytes > 0       # 61 uncached tokens > 20
         _clean(cluster)
     finally:
         cluster.shutdown()
@@ -154,14 +155,14 @@ def test_abort_mid_transfer_releases_both_sides():
             request_id="long")))
         t.start()
         deadline = time.time() + 30
-        while "long" not in cluster._flights and time.time() < deadline:
+        while "long" not in cluster.orchestrator.in_flight() and time.time() < deadline:
             time.sleep(0.01)
         time.sleep(0.3)
         assert cluster.abort("long")
         t.join(30)
-        assert "aborted" in out["r"][0]["error"]
+        assert "aborted" in out["r"][0].error
         _clean(cluster)
-        assert cluster.generate([PROMPTS[0]], GREEDY)[0].get("error") is None  # still serving
+        assert cluster.generate([PROMPTS[0]], GREEDY)[0].error is None  # still serving
     finally:
         cluster.shutdown()
 
@@ -170,7 +171,7 @@ def test_abort_mid_transfer_releases_both_sides():
 def test_lease_expires_when_decode_never_pulls(transport):
     # (object_store keeps an expired transfer readable while a handle exists; the data is an
     # immutable copy, so a late pull is still correct there)
-    cluster = PDCluster(PDConfig(engine=ENGINE, lease_s=0.3, transport=transport))
+    cluster = PDCluster(PDConfig(engine=ENGINE, lease_s=0.3, flow=FlowConfig(transport=transport)))
     try:
         d, p, pre = _stage_without_pull(cluster, PROMPTS[3], "never-pulled")
         time.sleep(0.6)
@@ -190,18 +191,18 @@ def test_lease_expires_when_decode_never_pulls(transport):
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_transfer_failure_policy(policy, reference):
-    cluster = PDCluster(PDConfig(engine=ENGINE, failure_policy=policy))
+    cluster = PDCluster(PDConfig(engine=ENGINE, fault_injection=True, flow=FlowConfig(failure_policy=policy)))
     try:
         ray.get(cluster.decode[0].inject_transfer_faults.remote(1))
         [r] = cluster.generate([PROMPTS[2]], GREEDY)
         if policy == "recompute":
-            assert r["token_ids"] == reference([PROMPTS[2]])[0]
-            assert r["lifecycle"]["transfer_bytes"] == 0     # recomputed on D
+            assert r.token_ids == reference([PROMPTS[2]])[0]
+            assert r.lifecycle.transfer_bytes == 0     # recomputed on D
         else:
-            assert "KV transfer" in r["error"]
+            assert "KV transfer" in r.error
         _clean(cluster)
         [ok] = cluster.generate([PROMPTS[0]], GREEDY)        # the next request is unaffected
-        assert ok["token_ids"] == reference([PROMPTS[0]])[0]
+        assert ok.token_ids == reference([PROMPTS[0]])[0]
         _clean(cluster)
     finally:
         cluster.shutdown()
@@ -209,7 +210,7 @@ def test_transfer_failure_policy(policy, reference):
 
 def test_unknown_transport_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown KV transport 'carrier-pigeon'.*grpc"):
-        PDCluster(PDConfig(engine=ENGINE, transport="carrier-pigeon"))
+        PDCluster(PDConfig(engine=ENGINE, flow=FlowConfig(transport="carrier-pigeon")))
 
 
 def test_decode_first_admission_waits_for_capacity(reference):
@@ -218,8 +219,8 @@ def test_decode_first_admission_waits_for_capacity(reference):
     try:
         prompts = [random_prompt(40, seed=200 + i) for i in range(6)]
         results = cluster.generate(prompts, GREEDY)
-        assert [r.get("error") for r in results] == [None] * 6
-        assert [r["token_ids"] for r in results] == reference(prompts)
+        assert [r.error for r in results] == [None] * 6
+        assert [r.token_ids for r in results] == reference(prompts)
         _clean(cluster)
     finally:
         cluster.shutdown()
@@ -234,29 +235,29 @@ def test_streamed_deltas_add_up_to_the_final_text():
         r = cluster.run_request("stream me please", SamplingParams(max_tokens=16,
                                                                    ignore_eos=True),
                                 on_delta=deltas.append)
-        assert "".join(d["text"] for d in deltas) == r["text"] == free["text"]
-        assert [t for d in deltas for t in d["token_ids"]] == r["token_ids"]
-        stop = free["text"][4:7]
+        assert "".join(d.text for d in deltas) == r.text == free.text
+        assert [t for d in deltas for t in d.token_ids] == r.token_ids
+        stop = free.text[4:7]
         if stop.strip():
             deltas.clear()
             s = cluster.run_request("stream me please", SamplingParams(
                 max_tokens=16, ignore_eos=True, stop=(stop,)), on_delta=deltas.append)
-            streamed = "".join(d["text"] for d in deltas)
-            assert streamed == s["text"] and stop not in streamed
-            assert s["lifecycle"]["finish_reason"] == "stop"
+            streamed = "".join(d.text for d in deltas)
+            assert streamed == s.text and stop not in streamed
+            assert s.lifecycle.finish_reason == "stop"
         _clean(cluster)
     finally:
         cluster.shutdown()
 
 
 def test_router_sends_a_shared_prefix_to_the_prefill_worker_holding_it():
-    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, policy="locality"))
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, flow=FlowConfig(policy="locality")))
     try:
         a = cluster.run_request(SHARED + random_prompt(7, seed=8), GREEDY)
-        cluster.orchestrator.refresh()      # the KV events of a's prefill reach the index
+        cluster.orchestrator.fleet.refresh()      # the KV events of a's prefill reach the index
         b = cluster.run_request(SHARED + random_prompt(9, seed=9), GREEDY)
-        assert b["lifecycle"]["prefill_worker"] == a["lifecycle"]["prefill_worker"]
-        assert b["lifecycle"]["cached_tokens"] >= 32
+        assert b.lifecycle.prefill_worker == a.lifecycle.prefill_worker
+        assert b.lifecycle.cached_tokens >= 32
         assert any(k.startswith("locality:cache_hit") for k in cluster.orchestrator.decisions)
         _clean(cluster)
     finally:
@@ -267,8 +268,8 @@ def test_colocated_mode_without_prefill_workers(reference):
     cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=0, num_decode=2))
     try:
         results = cluster.generate(PROMPTS, GREEDY)
-        assert [r["token_ids"] for r in results] == reference(PROMPTS)
-        assert all(r["lifecycle"]["transfer_bytes"] == 0 for r in results)
+        assert [r.token_ids for r in results] == reference(PROMPTS)
+        assert all(r.lifecycle.transfer_bytes == 0 for r in results)
         _clean(cluster)
     finally:
         cluster.shutdown()
@@ -287,26 +288,26 @@ def test_seeded_sampling_is_the_same_single_engine_and_disaggregated(tiny_loaded
     cluster = PDCluster(PDConfig(engine=ENGINE))
     try:
         results = [cluster.run_request(p, sampling) for p in prompts]
-        assert [r["token_ids"] for r in results] == expected
-        assert all(r["lifecycle"]["transferred_blocks"] > 0 for r in results)
+        assert [r.token_ids for r in results] == expected
+        assert all(r.lifecycle.transferred_blocks > 0 for r in results)
         _clean(cluster)
     finally:
         cluster.shutdown()
 
 
 def test_corrupt_pages_are_refused_and_prefilled_again_on_another_prefill_worker(reference):
-    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, policy="round_robin"))
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, fault_injection=True, flow=FlowConfig(policy="round_robin")))
     try:
         ray.get(cluster.prefill[0].inject_fault.remote("corrupt", 1))   # round robin: first
         r = cluster.run_request(PROMPTS[2], GREEDY)
-        assert r["token_ids"] == reference([PROMPTS[2]])[0]
-        assert r["lifecycle"]["transfer_bytes"] > 0              # not recomputed on D
-        assert r["lifecycle"]["handoff_round_trips"] > 3         # the retry shows
+        assert r.token_ids == reference([PROMPTS[2]])[0]
+        assert r.lifecycle.transfer_bytes > 0              # not recomputed on D
+        assert r.lifecycle.handoff_round_trips > 3         # the retry shows
         assert cluster.orchestrator.rejected == {"corrupt": 1}
         assert ray.get(cluster.decode[0].stats.remote())["rejected_corrupt"] == 1
         injected = [ray.get(p.stats.remote())["corrupt_injected"] for p in cluster.prefill]
         assert injected == [1, 0]
-        assert r["lifecycle"]["prefill_worker"] == "prefill-1"   # the other prefill worker
+        assert r.lifecycle.prefill_worker == "prefill-1"   # the other prefill worker
         counters = cluster.orchestrator.ledger.counters()
         assert counters["released_transfer_failed"] == 1 and counters["open_holds"] == 0
         _clean(cluster)
@@ -315,17 +316,17 @@ def test_corrupt_pages_are_refused_and_prefilled_again_on_another_prefill_worker
 
 
 def test_a_lost_ack_is_closed_by_the_lease_in_both_ledgers():
-    cluster = PDCluster(PDConfig(engine=ENGINE, lease_s=0.5))
+    cluster = PDCluster(PDConfig(engine=ENGINE, lease_s=0.5, fault_injection=True))
     try:
         p = cluster.prefill[0]
         ray.get(p.inject_fault.remote("drop_ack", 1))
-        assert cluster.run_request(PROMPTS[2], GREEDY).get("token_ids")
+        assert cluster.run_request(PROMPTS[2], GREEDY).token_ids
         ledger = cluster.orchestrator.ledger
         assert [h.kind for h in ledger.open_holds()] == ["staged"]   # left to the lease
         deadline = time.time() + 20
         while ledger.open_holds() and time.time() < deadline:
             ray.get(p.expire_leases.remote())
-            cluster.orchestrator.refresh()        # P's report says the lease expired
+            cluster.orchestrator.fleet.refresh()        # P's report says the lease expired
         assert ledger.open_holds() == []
         assert ledger.counters()["released_expired"] == 1
         assert cluster.leaked_blocks() == 0

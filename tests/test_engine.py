@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import hf_greedy, make_engine, random_prompt
 
-from workers.engine import RequestError
+from protocol.errors import RequestError
 from workers.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -150,14 +150,23 @@ def test_abort_releases_blocks(tiny_loaded):
     _drained(engine)
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_k": -2}, "top_k"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+])
+def test_bad_sampling_is_refused_where_it_is_made(fields, message):
+    """Validated once: a SamplingParams that exists is valid, nobody checks it again."""
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(**fields)
+
+
 @pytest.mark.parametrize("prompt, sampling, message", [
     ("", SamplingParams(), "prompt is empty"),
     ("   ", SamplingParams(), "prompt is empty"),
-    ("hi", SamplingParams(temperature=-1.0), "temperature"),
-    ("hi", SamplingParams(top_p=0.0), "top_p"),
-    ("hi", SamplingParams(max_tokens=0), "max_tokens"),
-    ("hi", SamplingParams(top_k=-2), "top_k"),
-    ("hi", SamplingParams(temperature=float("nan")), "temperature"),
 ])
 def test_bad_requests_are_rejected_clearly(tiny_loaded, prompt, sampling, message):
     engine = make_engine(tiny_loaded)

@@ -15,7 +15,7 @@ from conftest import random_prompt
 
 from cluster.pd import PDCluster, PDConfig
 from ingress.errors import classify
-from kvcache.sampling import SamplingParams
+from protocol.sampling import SamplingParams
 from workers.request import Request
 from workers.sampler import sample
 
@@ -38,7 +38,7 @@ def _referenced(cluster) -> int:
 
 
 def test_a_failing_step_fails_only_its_requests_and_the_worker_serves_on():
-    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=0, num_decode=1))
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=0, num_decode=1, fault_injection=True))
     try:
         decode = cluster.decode[0]
         deltas, out = [], {}
@@ -59,7 +59,7 @@ def test_a_failing_step_fails_only_its_requests_and_the_worker_serves_on():
         assert err.status == 500 and err.code == "engine_step_failed"
         assert "engine step failed" in err.message
         # the loop lives: the next request is served, the failed one left no block behind
-        assert len(cluster.run_request(random_prompt(20, seed=2), SHORT)["token_ids"]) == 8
+        assert len(cluster.run_request(random_prompt(20, seed=2), SHORT).token_ids) == 8
         _wait_until(lambda: _referenced(cluster) == 0, 10)
         s = ray.get(decode.stats.remote())
         assert s["loop_error"] is None and s["step_failures"] == 1
@@ -68,7 +68,7 @@ def test_a_failing_step_fails_only_its_requests_and_the_worker_serves_on():
 
 
 def test_a_broken_loop_restarts_the_actor_and_its_request_is_retried():
-    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=1, num_decode=2, lease_s=2.0))
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=1, num_decode=2, lease_s=2.0, fault_injection=True))
     try:
         deltas, out = [], {}
 
@@ -79,14 +79,14 @@ def test_a_broken_loop_restarts_the_actor_and_its_request_is_retried():
         t.start()
         _wait_until(lambda: len(deltas) >= 3)
         orch = cluster.orchestrator
-        victim = orch._flights[next(iter(orch._flights))].decode
+        victim = orch.in_flight_flights()[0].decode
         victim.crash_loop.remote()
         t.join(180)
-        assert len(out["r"]["token_ids"]) == LONG.max_tokens
-        assert out["r"]["lifecycle"]["retries"] >= 1
+        assert len(out["r"].token_ids) == LONG.max_tokens
+        assert out["r"].lifecycle.retries >= 1
         _wait_until(lambda: _pingable(victim), 120)      # restarted by Ray
         assert ray.get(victim.stats.remote())["loop_error"] is None
-        assert [len(r["token_ids"]) for r in
+        assert [len(r.token_ids) for r in
                 cluster.generate([random_prompt(10, seed=s) for s in range(4)], SHORT)] == [8] * 4
         _wait_until(lambda: _expire_and_count(cluster) == 0, 30)
     finally:

@@ -11,7 +11,8 @@ import ray
 from conftest import make_engine, random_prompt
 
 from cluster.pd import PDCluster, PDConfig
-from kvcache.handoff import RequestInput
+from protocol.messages import RequestInput
+from router.orchestrator import FlowConfig
 from workers.request import SamplingParams
 
 ENGINE = dict(model="tiny", num_blocks=256, block_size=16)
@@ -62,15 +63,15 @@ def test_decode_worker_killed_mid_decode_request_completes(tiny_loaded):
             result["r"] = cluster.run_request(prompt, LONG, on_delta=deltas.append)
         t = threading.Thread(target=run)
         t.start()
-        _wait_until(lambda: sum(len(d["token_ids"]) for d in deltas) >= 20)
-        victim = cluster.orchestrator._flights[next(iter(cluster.orchestrator._flights))].decode
+        _wait_until(lambda: sum(len(d.token_ids) for d in deltas) >= 20)
+        victim = cluster.orchestrator.in_flight_flights()[0].decode
         ray.kill(victim, no_restart=False)          # Ray restarts it (max_restarts)
         t.join(120)
         r = result["r"]
-        assert r["token_ids"] == expected[0]
-        assert r["lifecycle"]["retries"] >= 1
+        assert r.token_ids == expected[0]
+        assert r.lifecycle.retries >= 1
         # the client saw every token exactly once across the failure
-        assert [tok for d in deltas for tok in d["token_ids"]] == expected[0]
+        assert [tok for d in deltas for tok in d.token_ids] == expected[0]
         assert cluster.orchestrator.retries >= 1
         _drained(cluster)
     finally:
@@ -88,13 +89,13 @@ def test_prefill_worker_killed_requests_retry_elsewhere(tiny_loaded):
         ray.kill(cluster.prefill[0], no_restart=False)
         t.join(180)
         results = out["r"]
-        ok = [r for r in results if "error" not in r]
-        assert len(ok) + sum("error" in r for r in results) == len(prompts)   # none lost
+        ok = [r for r in results if r.error is None]
+        assert len(ok) + sum(r.error is not None for r in results) == len(prompts)   # none lost
         for r, exp in zip(results, expected, strict=True):
-            if "error" not in r:
-                assert r["token_ids"] == exp
+            if r.error is None:
+                assert r.token_ids == exp
             else:
-                assert "failed" in r["error"]      # an explicit error, not silence
+                assert "failed" in r.error      # an explicit error, not silence
         _drained(cluster)
     finally:
         cluster.shutdown()
@@ -131,13 +132,13 @@ def test_live_scaling_under_load_loses_nothing(tiny_loaded):
         time.sleep(0.5)
         assert cluster.scale(prefill=1, decode=1) == {"prefill": 1, "decode": 1}
         t.join(180)
-        assert [r.get("error") for r in out["r"]] == [None] * len(prompts)
-        assert [r["token_ids"] for r in out["r"]] == expected
+        assert [r.error for r in out["r"]] == [None] * len(prompts)
+        assert [r.token_ids for r in out["r"]] == expected
         cluster.scale(wait=True)
         assert len(cluster.prefill) == 1 and len(cluster.decode) == 1
         _drained(cluster)
         # the scaled-in cluster still serves
-        assert cluster.generate(prompts[:2], sampling)[0]["token_ids"] == expected[0]
+        assert cluster.generate(prompts[:2], sampling)[0].token_ids == expected[0]
     finally:
         cluster.shutdown()
 
@@ -146,20 +147,19 @@ def test_hung_prefill_worker_is_routed_around(tiny_loaded):
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = [random_prompt(30, seed=90 + i) for i in range(3)]
     expected = _reference(tiny_loaded, prompts, sampling)
-    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, hang_timeout_s=1.0,
-                                 policy="round_robin"))
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, fault_injection=True, flow=FlowConfig(hang_timeout_s=1.0, policy="round_robin")))
     try:
         stuck = cluster.prefill[0]
         ray.get(stuck.stall_next_step.remote(6.0))
         t, out = _start(cluster, prompts[:1], sampling)    # round robin: lands on prefill-0
-        _wait_until(lambda: "prefill-0" in cluster.orchestrator.unhealthy, 20)
-        assert cluster.orchestrator.state["prefill-0"].draining
+        _wait_until(lambda: "prefill-0" in cluster.orchestrator.fleet.unhealthy, 20)
+        assert cluster.orchestrator.fleet.state["prefill-0"].draining
         results = cluster.generate(prompts[1:], sampling)  # served by prefill-1 meanwhile
-        assert [r["token_ids"] for r in results] == expected[1:]
-        assert {r["lifecycle"]["prefill_worker"] for r in results} == {"prefill-1"}
+        assert [r.token_ids for r in results] == expected[1:]
+        assert {r.lifecycle.prefill_worker for r in results} == {"prefill-1"}
         t.join(60)
-        assert out["r"][0]["token_ids"] == expected[0]     # the stalled request finished too
-        _wait_until(lambda: "prefill-0" not in cluster.orchestrator.unhealthy, 20)
+        assert out["r"][0].token_ids == expected[0]     # the stalled request finished too
+        _wait_until(lambda: "prefill-0" not in cluster.orchestrator.fleet.unhealthy, 20)
         _drained(cluster)
     finally:
         cluster.shutdown()

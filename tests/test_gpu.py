@@ -130,17 +130,17 @@ def test_cuda_ipc_between_two_actors_sharing_one_gpu(ray_gpu):
 
 def test_disagg_on_one_gpu_over_cuda_ipc_matches_generate(ray_gpu, tiny_cuda):
     from cluster.pd import PDCluster, PDConfig
+    from router.orchestrator import FlowConfig
     from workers.request import SamplingParams
     _, reference = tiny_cuda
-    cluster = PDCluster(PDConfig(engine={"model": "tiny", "num_blocks": 256, "device": "cuda"},
-                                 transport="cuda_ipc", num_gpus_per_worker=0.5))
+    cluster = PDCluster(PDConfig(engine={"model": "tiny", "num_blocks": 256, "device": "cuda"}, num_gpus_per_worker=0.5, flow=FlowConfig(transport="cuda_ipc")))
     try:
         assert {i["device"] for i in cluster.info} == {"cuda"}
         for n in (5, 40, 70):
             p = random_prompt(n, seed=50 + n)
             out = cluster.run_request(p, SamplingParams(max_tokens=16, ignore_eos=True))
-            assert out["token_ids"] == hf_greedy_on(reference, p, 16)
-            assert out["lifecycle"]["transfer_bytes"] > 0
+            assert out.token_ids == hf_greedy_on(reference, p, 16)
+            assert out.lifecycle.transfer_bytes > 0
         cluster.check_invariants()
     finally:
         cluster.shutdown()
@@ -148,7 +148,7 @@ def test_disagg_on_one_gpu_over_cuda_ipc_matches_generate(ray_gpu, tiny_cuda):
 
 def test_device_page_checksums_equal_the_host_computation():
     """wsum64 is made on P's GPU and may be checked on a CPU: both must give the same values."""
-    from workers.handoff import checksum_algo, page_checksums
+    from workers.kv_handoff import checksum_algo, page_checksums
     pages = torch.randn(4, 2, 40, 16, 2, 64, generator=torch.Generator().manual_seed(5)) \
         .to(torch.bfloat16)
     on_gpu = page_checksums(pages.to(CUDA))

@@ -14,8 +14,8 @@ from ingress import raypd_pb2 as pb
 from ingress import raypd_pb2_grpc as pb_grpc
 from ingress.core import IngressSettings
 from ingress.grpc_server import start_grpc_server
-from kvcache.request_checks import ModelLimits
-from kvcache.sampling import SamplingParams
+from ingress.request_checks import ModelLimits
+from protocol.sampling import SamplingParams
 
 ENGINE = dict(model="tiny", num_blocks=128, block_size=16)
 PROMPTS = [random_prompt(21, seed=1), random_prompt(40, seed=2), random_prompt(7, seed=3)]
@@ -48,7 +48,7 @@ def _req(prompt: list[int], max_tokens: int = 10, **kw) -> pb.GenerateRequest:
 
 def _direct(cluster, prompt, max_tokens=10) -> list[int]:
     return cluster.run_request(prompt, SamplingParams(max_tokens=max_tokens,
-                                                      ignore_eos=True))["token_ids"]
+                                                      ignore_eos=True)).token_ids
 
 
 def _drained(cluster) -> None:

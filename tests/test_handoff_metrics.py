@@ -8,9 +8,11 @@ import pytest
 import ray
 from test_metrics import free_port, scrape
 
-from kvcache.request_trace import PrefillTiming
+from protocol.metric_names import PROMETHEUS_NAMES
+from protocol.request_trace import PrefillTiming
+from router.metrics import RouterMetrics
 from router.request_traces import TraceStore
-from workers.metrics import PROMETHEUS_NAMES, RouterMetrics, WorkerMetrics
+from workers.metrics import WorkerMetrics
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ worker death keep both ledgers and both block pools consistent, and no block is 
 while it does not belong to the request whose pages land in it.
 
 Both ends run in this process on real engines (tiny model) and the real handoff state
-machine (workers/handoff.py); the transport keeps staged pages in memory; time is a fake clock.
+machine (workers/kv_handoff.py); the transport keeps staged pages in memory; time is a fake clock.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvcache import ledger as L
-from kvcache.handoff import AdmittedRequest, TransferRejected
-from kvcache.ledger import HandoffLedger
 from kvtransfer.base import KVTransport, TransferError
 from kvtransfer.endpoint import KVProducer
+from protocol import ledger as L
+from protocol.errors import TransferRejected
+from protocol.ledger import HandoffLedger
+from protocol.messages import AdmittedRequest
 from workers.engine import EngineConfig, LLMEngine
-from workers.handoff import DecodeHandoff, stage_plan
+from workers.kv_handoff import DecodeHandoff, stage_plan
 from workers.request import SamplingParams
 
 LEASE_S = 5.0

@@ -15,10 +15,11 @@ import pytest
 import torch
 from conftest import random_prompt
 
-from kvcache.handoff import PrefillResult, RequestInput, TransferRejected
 from kvtransfer.base import KVTransport, TransferHandle, dtype_name
-from workers.actors import DecodeHost
-from workers.handoff import page_checksums
+from protocol.errors import TransferRejected
+from protocol.messages import PrefillResult, RequestInput
+from workers.decode_host import DecodeHost
+from workers.kv_handoff import page_checksums
 from workers.request import SamplingParams
 
 

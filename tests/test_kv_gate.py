@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-import cluster.bench_kv_quality as kvq
-from cluster.cli import main
+import raypd.bench.kv_quality as bench
+import workers.kv_gate as kvq
 from cluster.config import load_config
 from cluster.serve import check_kv_quality_gate
+from raypd.cli import main
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def _record(model: str, kv_dtype: str, ppl_delta_pct: float, agreement: float) -
 
 
 def test_the_bench_reports_the_issue_keys_and_records_its_gate(gates_file):
-    r = kvq.run_kv_quality("tiny", "int8", text_tokens=128, chunk=48, prompts=3,
+    r = bench.run_kv_quality("tiny", "int8", text_tokens=128, chunk=48, prompts=3,
                            prompt_tokens=16, max_tokens=4)
     for key in ("ppl_ref", "ppl_quant", "ppl_delta_pct", "greedy_agreement", "mean_kl",
                 "bytes_per_token_ref", "bytes_per_token_quant", "capacity_ratio",

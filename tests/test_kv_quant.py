@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from conftest import hf_greedy, make_engine, random_prompt
 
-from cluster.bench_kv_quality import common_prefix_fraction
 from kvtransfer.base import make_transport
+from raypd.bench.kv_quality import common_prefix_fraction
 from workers.attention import AttentionMetadata, DecodeGroup, PrefillSegment, paged_attention
 from workers.kv_quant import QuantizedPool, gather_dequantized, write_quantized
 from workers.request import SamplingParams

@@ -7,6 +7,7 @@ import pytest
 from conftest import make_engine, random_prompt
 
 from cluster.pd import PDCluster, PDConfig
+from router.orchestrator import FlowConfig
 from workers.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -20,17 +21,17 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 def test_int8_pages_cross_every_transport(transport, tiny_loaded):
     expected = [r.output_token_ids for r in
                 make_engine(tiny_loaded, num_blocks=64, kv_dtype="int8").generate(PROMPTS, GREEDY)]
-    cluster = PDCluster(PDConfig(engine=ENGINE, transport=transport))
+    cluster = PDCluster(PDConfig(engine=ENGINE, flow=FlowConfig(transport=transport)))
     try:
         results = cluster.generate(PROMPTS, GREEDY)
-        assert [r.get("error") for r in results] == [None, None]
-        assert [r["token_ids"] for r in results] == expected
+        assert [r.error for r in results] == [None, None]
+        assert [r.token_ids for r in results] == expected
         # the pages that crossed are the packed int8 blocks: elements + scales, ~1/4 of float32
         layers, heads, dim, bs = 2, 2, 16, 16
         per_block = 2 * layers * (bs * heads * dim + 4 * heads)
         for r in results:
-            lc = r["lifecycle"]
-            assert lc["transfer_bytes"] == lc["transferred_blocks"] * per_block
+            lc = r.lifecycle
+            assert lc.transfer_bytes == lc.transferred_blocks * per_block
         for counts in cluster.check_invariants():
             assert counts["referenced"] == 0, counts
     finally:

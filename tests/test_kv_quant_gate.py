@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from cluster.bench_kv_quality import GateThresholds, _text_logprobs, english_text
+from raypd.bench.kv_quality import GateThresholds, _text_logprobs, english_text
 from workers.request import SamplingParams
 
 

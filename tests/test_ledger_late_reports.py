@@ -10,9 +10,9 @@ import threading
 import pytest
 import ray
 
-from kvcache import ledger as L
-from kvcache.handoff import HoldRelease, LoadReport
-from kvcache.ledger import HandoffLedger
+from protocol import ledger as L
+from protocol.ledger import HandoffLedger
+from protocol.messages import HoldRelease, LoadReport
 from router.orchestrator import FlowConfig, Orchestrator
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -58,12 +58,12 @@ def test_a_late_report_is_waited_for_not_dropped():
     orch = Orchestrator([w], [], FlowConfig(health_timeout_s=0.3, report_interval_s=3600))
     try:
         orch.ledger.hold("prefill-slow", L.STAGED, "r-7", 4, 30.0)
-        assert "prefill-slow" in orch.unhealthy          # its first report did not come in time
+        assert "prefill-slow" in orch.fleet.unhealthy          # its first report did not come in time
         ray.get(w.answer.remote())                       # ... now it has
-        orch.refresh()
+        orch.fleet.refresh()
         assert not orch.ledger.is_open("prefill-slow", L.STAGED, "r-7")
         assert orch.ledger.released[L.EXPIRED] == 1
-        assert "prefill-slow" not in orch.unhealthy
+        assert "prefill-slow" not in orch.fleet.unhealthy
     finally:
         orch.close()
         ray.kill(w)

@@ -172,7 +172,7 @@ def test_bad_adapter_folders_fail_at_start_naming_the_file(adapters, tmp_path):
 
 
 def test_bench_engine_lora_reports_the_mixed_batch_throughput_ratio():
-    from cluster.bench_engine import run_engine_bench
+    from raypd.bench.engine import run_engine_bench
     out = run_engine_bench(model="tiny", quick=True, repeats=1, lora=2, lora_only=True)
     assert out["lora_adapters"] == 2 and out["lora_loads"] == 2
     assert out["lora_throughput_ratio"] > 0 and out["lora_output_tokens"] > 0
@@ -182,8 +182,8 @@ def test_a_worker_refuses_a_request_admitted_under_another_adapter_namespace(ada
     """The admitted request that crosses to the prefill worker carries the namespace root it
     was hashed under (the adapter's content hash): a worker whose adapter of that name has
     other weights refuses it before computing or staging anything; the same files pass."""
-    from kvcache.handoff import AdmittedRequest
-    from workers.engine import RequestError
+    from protocol.errors import RequestError
+    from protocol.messages import AdmittedRequest
     d = make_engine(load_model("tiny"), lora_adapters=adapters)
     req = d.make_request(random_prompt(40, seed=5), SamplingParams(max_tokens=4),
                          request_id="r1", lora_id="all")
@@ -214,7 +214,7 @@ def test_locality_prefers_the_worker_with_the_adapter_resident_and_counts_the_lo
 
 
 def test_engine_stats_count_requests_tokens_and_hits_per_adapter(adapters):
-    from workers.metrics import WORKER_ADAPTER_COUNTERS, WORKER_COUNTERS
+    from protocol.metric_names import WORKER_ADAPTER_COUNTERS, WORKER_COUNTERS
     engine = _engine(adapters)
     prompt = random_prompt(40, seed=11)
     one = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -252,10 +252,11 @@ def test_a_workers_prefill_speed_leaves_out_its_adapter_loads(adapters, monkeypa
     twice."""
     import time
 
-    from kvcache.handoff import RequestInput
-    from kvcache.step_rates import StepRates
+    from protocol.messages import RequestInput
+    from protocol.step_rates import StepRates
     from workers import lora as lora_mod
-    from workers.actors import DecodeHost, PrefillHost
+    from workers.decode_host import DecodeHost
+    from workers.prefill_host import PrefillHost
     real_load_weights = lora_mod.load_weights
 
     def slow_load_weights(spec):            # a slow disk: the load takes 0.5 s more

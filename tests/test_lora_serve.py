@@ -101,7 +101,7 @@ def test_unknown_adapter_raised_on_a_worker_is_a_404(ray_session):
     import ray
 
     from ingress.errors import classify
-    from kvcache.sampling import UnknownLoRAError
+    from protocol.errors import UnknownLoRAError
 
     @ray.remote
     def refuse():

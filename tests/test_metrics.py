@@ -18,18 +18,18 @@ import ray
 from conftest import ROOT, make_engine
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcache.lifecycle import RequestLifecycle
 from kvtransfer.endpoint import ConsumerStats, ProducerStats
-from workers.metrics import (
+from protocol.lifecycle import RequestLifecycle
+from protocol.metric_names import (
     METRIC_NAMES,
     PROMETHEUS_NAMES,
     WORKER_COUNTERS,
     WORKER_GAUGES,
     WORKER_HISTOGRAMS,
-    RouterMetrics,
-    WorkerMetrics,
     exported_names,
 )
+from router.metrics import RouterMetrics
+from workers.metrics import WorkerMetrics
 
 DASHBOARD = ROOT / "configs" / "grafana" / "raypd.json"
 

@@ -8,6 +8,7 @@ from conftest import make_engine, random_prompt
 from ray.cluster_utils import Cluster
 
 from cluster.pd import PDCluster, PDConfig
+from router.orchestrator import FlowConfig
 from workers.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -31,15 +32,14 @@ def two_nodes():
 def test_prefill_and_decode_on_different_nodes(two_nodes, transport, tiny_loaded):
     prompts = [random_prompt(n, seed=300 + n) for n in (7, 33, 50)]
     expected = [r.output_token_ids for r in make_engine(tiny_loaded).generate(prompts, GREEDY)]
-    cfg = PDConfig(engine=dict(model="tiny", num_blocks=128), transport=transport,
-                   prefill_resources={"prefill": 1}, decode_resources={"decode": 1})
+    cfg = PDConfig(engine=dict(model="tiny", num_blocks=128), prefill_resources={"prefill": 1}, decode_resources={"decode": 1}, flow=FlowConfig(transport=transport))
     pd = PDCluster(cfg)
     try:
         nodes = {i["role"]: i["node_id"] for i in pd.info}
         assert nodes["prefill"] != nodes["decode"], "roles were meant to land on two nodes"
         results = pd.generate(prompts, GREEDY)
-        assert [r["token_ids"] for r in results] == expected
-        assert all(r["lifecycle"]["transfer_bytes"] > 0 for r in results)
+        assert [r.token_ids for r in results] == expected
+        assert all(r.lifecycle.transfer_bytes > 0 for r in results)
         assert all(c["referenced"] == 0 for c in pd.check_invariants())
     finally:
         pd.shutdown()

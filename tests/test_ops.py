@@ -16,8 +16,8 @@ import pytest
 import requests
 
 from cluster.config import load_config
-from cluster.ops import add_ops_parsers
 from cluster.serve import start_server
+from raypd.cli.ops import add_ops_parsers
 
 KEY = "ops-key"
 CONFIG = {"model.name": "tiny", "engine.num_blocks": 256, "engine.max_num_batched_tokens": 512,

@@ -12,9 +12,10 @@ import time
 import pytest
 from conftest import random_prompt
 
-from kvcache.handoff import PrefillResult, RequestInput
-from kvcache.sampling import RequestError, StepFailed
-from workers.actors import DecodeHost, PrefillHost
+from protocol.errors import RequestError, StepFailed
+from protocol.messages import PrefillResult, RequestInput
+from workers.decode_host import DecodeHost
+from workers.prefill_host import PrefillHost
 from workers.request import SamplingParams
 
 

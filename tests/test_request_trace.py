@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from kvcache.request_trace import STAGES, PrefillTiming, RequestTrace
+from protocol.request_trace import STAGES, PrefillTiming, RequestTrace
+from raypd.replay.trace_views import chrome_trace, timeline_lines
 from router.request_traces import TraceStore, stage_breakdown
-from router.trace_views import chrome_trace, timeline_lines
 
 
 class Clock:
@@ -165,7 +165,7 @@ def server(ray_session):
 def test_a_served_request_has_every_handoff_stage_in_its_trace(server, tmp_path, capsys):
     import requests
 
-    from cluster.cli import main
+    from raypd.cli import main
     auth = {"Authorization": f"Bearer {KEY}"}
     r = requests.post(server.url + "/v1/completions", headers=auth, timeout=120,
                       json={"model": "tiny", "prompt": "one two three four five six seven "
@@ -205,8 +205,8 @@ def test_a_served_request_has_every_handoff_stage_in_its_trace(server, tmp_path,
 
 
 def test_submit_reports_the_stage_breakdown_and_writes_perfetto(server, tmp_path, capsys):
-    from cluster.cli import main
-    from router.workload import write_jsonl
+    from raypd.cli import main
+    from raypd.replay.workload import write_jsonl
     trace = tmp_path / "t.jsonl"
     write_jsonl([{"prompt": f"alpha beta gamma delta epsilon {i} zeta eta theta iota kappa "
                   "lambda mu nu xi omicron pi rho", "max_tokens": 4} for i in range(6)], trace)

@@ -7,22 +7,22 @@ import pytest
 from conftest import random_prompt
 
 from cluster.pd import PDCluster, PDConfig
+from router.orchestrator import FlowConfig
 from workers.request import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 def test_live_reports_carry_measured_speeds_and_the_router_measures_pair_bandwidth():
-    cluster = PDCluster(PDConfig(engine=dict(model="tiny", num_blocks=256, block_size=16),
-                                 num_prefill=1, policy="locality"))
+    cluster = PDCluster(PDConfig(engine=dict(model="tiny", num_blocks=256, block_size=16), num_prefill=1, flow=FlowConfig(policy="locality")))
     try:
         shared = random_prompt(48, seed=5)
         for i in range(6):
             cluster.run_request(shared + random_prompt(20 + 7 * i, seed=10 + i),
                                 SamplingParams(max_tokens=8, ignore_eos=True))
         orch = cluster.orchestrator
-        orch.refresh()
-        states = list(orch.state.values())
+        orch.fleet.refresh()
+        states = list(orch.fleet.state.values())
         prefill = [s for s in states if s.worker_id.startswith("prefill")]
         decode = [s for s in states if s.worker_id.startswith("decode")]
         assert prefill and decode

@@ -3,15 +3,9 @@
 import pytest
 
 from kvcache.hashing import hash_block
-from kvcache.step_rates import PrefillFit
-from router.policies import (
-    POLICIES,
-    RoutingRejected,
-    RoutingRequest,
-    SLOUnmeetable,
-    WorkerState,
-    make_policy,
-)
+from protocol.errors import RoutingRejected, SLOUnmeetable
+from protocol.step_rates import PrefillFit
+from router.policies import POLICIES, RoutingRequest, WorkerState, make_policy
 
 BS = 512
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcache.handoff import LoadReport
-from kvcache.step_rates import PrefillFit, StepRates, nnls
+from protocol.messages import LoadReport
+from protocol.step_rates import PrefillFit, StepRates, nnls
 from router.drift import HashDriftAlarm
 from router.policies import RoutingDecision, RoutingRequest, WorkerState
 from router.transfer_rates import TransferRates
@@ -62,7 +62,7 @@ def test_nnls_keeps_coefficients_non_negative():
 
 
 def test_worker_step_observation_separates_prefill_decode_and_mixed_steps():
-    from workers.actors import _observe_step
+    from workers.host import observe_step as _observe_step
 
     def r(computed_after, prompt=1000, outputs=()):
         return SimpleNamespace(num_computed_tokens=computed_after, output_token_ids=list(outputs))

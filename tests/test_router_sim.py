@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from router.bench import run_routing_bench
+from raypd.bench.routing import run_routing_bench
+from raypd.replay.mooncake import default_trace_path, load_trace
+from raypd.sim.routing_sim import SimConfig, Simulator, ceiling_hit_rate, simulate, trace_hashes
 from router.policies import POLICIES, make_policy
-from router.sim import SimConfig, Simulator, ceiling_hit_rate, simulate, trace_hashes
-from router.trace import default_trace_path, load_trace
 
 TRACE = default_trace_path()
 REPO = Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def test_bench_layout_is_workload_policy_workers():
 def test_bench_workloads_can_be_drawn_with_another_seed_and_the_trace_stays():
     """`bench routing --seed S`: the synthesized workloads are drawn with S (what a check
     across seeds replays)."""
-    from router.sim_workloads import QUICK_SIZES, make_workloads, multi_lora
+    from raypd.sim.workloads import QUICK_SIZES, make_workloads, multi_lora
     own, = make_workloads(quick=True, only=("multi_lora",))
     five, = make_workloads(quick=True, only=("multi_lora",), seed=5)
     assert five.requests == multi_lora(QUICK_SIZES["multi_lora"], seed=5).requests
@@ -122,7 +122,7 @@ def test_bench_workloads_can_be_drawn_with_another_seed_and_the_trace_stays():
 
 @needs_trace
 def test_bench_seed_leaves_the_shared_trace_as_it_is():
-    from router.sim_workloads import make_workloads
+    from raypd.sim.workloads import make_workloads
     a, = make_workloads(quick=True, only=("mooncake",))
     b, = make_workloads(quick=True, only=("mooncake",), seed=5)
     assert a.requests == b.requests

@@ -5,8 +5,8 @@ import copy
 
 import pytest
 
+from raypd.sim.routing_sim import SimConfig, SimRequest, Simulator
 from router.policies import BasePolicy, WorkerState, make_policy
-from router.sim import SimConfig, SimRequest, Simulator
 from router.worker_view import apply_load_report, note_prefill
 
 
@@ -92,8 +92,8 @@ def test_the_hidden_speed_reaches_policies_only_as_a_measured_fit():
 def test_a_simulated_workers_prefill_fit_leaves_out_its_adapter_loads():
     """As a live worker's (tests/test_lora.py): the seconds an adapter load adds to a step
     reach the router as the worker's lora_load_s, not as a slower prefill fit."""
-    from router.cost_model import CostModel, PrefillCost
-    from router.sim import SimWorker, namespace_root
+    from raypd.sim.cost_model import CostModel, PrefillCost
+    from raypd.sim.routing_sim import SimWorker, namespace_root
     hidden = PrefillCost(tok_s=8_000.0, attn_ctx_tokens=0.0, step_overhead_s=0.02)
     w = SimWorker("p0", 400, CostModel(prefill=hidden, lora_load_s=1.0), max_loras=2)
     for j in range(6):             # each alone on the worker, each under an adapter not loaded

@@ -5,8 +5,15 @@ from argparse import Namespace
 
 import pytest
 
-from router.cli_commands import cmd_route_sim, main
-from router.trace import TraceError, chained_hashes, load_trace, namespace_root, scaled_tokens
+from raypd.cli import main
+from raypd.cli.simulate import cmd_route_sim
+from raypd.replay.mooncake import (
+    WorkloadError,
+    chained_hashes,
+    load_trace,
+    namespace_root,
+    scaled_tokens,
+)
 
 GOOD = [
     {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]},
@@ -49,7 +56,7 @@ BAD_LINES = {
 @pytest.mark.parametrize("what", list(BAD_LINES))
 def test_malformed_line_names_file_and_line(tmp_path, what):
     path = write(tmp_path, [GOOD[0], "", GOOD[1], BAD_LINES[what], GOOD[2]])
-    with pytest.raises(TraceError) as e:
+    with pytest.raises(WorkloadError) as e:
         load_trace(path)
     assert str(e.value).startswith(f"{path}:4: ")
     assert what in str(e.value)

@@ -8,7 +8,7 @@ import json
 
 import ray
 
-from cluster.run_job import add_run_parser
+from raypd.cli.run import add_run_parser
 
 CONFIG = "model: {name: tiny}\nengine: {num_blocks: 256}\n"
 

@@ -18,9 +18,7 @@ from conftest import make_engine
 from cluster.config import load_config
 from cluster.pd import PDCluster
 from cluster.serve import start_server
-from kvcache.sampling import RequestError
-from router.orchestrator import TransferFailed
-from router.policies import RoutingRejected, SLOUnmeetable
+from protocol.errors import RequestError, RoutingRejected, SLOUnmeetable, TransferFailed
 from workers.request import SamplingParams
 
 KEY = "test-key"

@@ -8,10 +8,11 @@ import re
 
 import pytest
 
-from router.report import build_report, diagnose, percentiles
-from router.submit import RequestRecord, add_submit_parser, parse_metrics, request_body
-from router.trace import TraceError
-from router.workload import (
+from raypd.cli.replay import add_submit_parser
+from raypd.replay.mooncake import WorkloadError
+from raypd.replay.report import build_report, diagnose
+from raypd.replay.submit import RequestRecord, parse_metrics, request_body
+from raypd.replay.workload import (
     SynthConfig,
     expand_hash_ids,
     load_workload,
@@ -20,6 +21,7 @@ from router.workload import (
     synth_trace,
     write_jsonl,
 )
+from router.percentiles import percentiles
 
 MOONCAKE_LINES = [
     {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
@@ -81,7 +83,7 @@ def test_synth_trace_shares_system_prompts_and_repeats_conversations():
 ])
 def test_malformed_raypd_line_names_file_and_line(tmp_path, bad, words):
     path = _write(tmp_path / "t.jsonl", ['{"prompt": "a"}', "", bad, '{"prompt": "b"}'])
-    with pytest.raises(TraceError) as e:
+    with pytest.raises(WorkloadError) as e:
         load_workload(path)
     assert str(e.value).startswith(f"{path}:3: ") and words in str(e.value)
 
@@ -90,7 +92,7 @@ def test_malformed_mooncake_line_names_file_and_line(tmp_path):
     rows = [*MOONCAKE_LINES[:2], {"timestamp": 1, "input_length": 1100, "output_length": 5,
                                   "hash_ids": [1]}]
     path = _write(tmp_path / "m.jsonl", rows)
-    with pytest.raises(TraceError, match=re.escape(f"{path}:3: len(hash_ids)")):
+    with pytest.raises(WorkloadError, match=re.escape(f"{path}:3: len(hash_ids)")):
         load_workload(path)
 
 
@@ -168,8 +170,8 @@ def test_parse_metrics_reads_per_worker_gauges():
 def server(ray_session):
     from cluster.config import load_config
     from cluster.pd import PDCluster
-    from cluster.run_job import RecordingBackend
     from cluster.serve import start_server
+    from raypd.replay.run_job import RecordingBackend
     cfg = load_config(None, {"model.name": "tiny", "engine.num_blocks": 256})
     cluster = PDCluster(cfg.to_pd_config())
     backend = RecordingBackend(cluster)
@@ -212,7 +214,7 @@ def test_submit_replays_a_small_trace_and_counts_add_up(server, tmp_path, capsys
     assert [x["id"] for x in lines] == [r["id"] for r in arrival]
     by_id = {x["id"]: x for x in lines}
     assert by_id["ids"]["usage"]["completion_tokens"] == 4
-    assert by_id["ids"]["text"] == backend.results[by_id["ids"]["request_id"]]["text"]
+    assert by_id["ids"]["text"] == backend.results[by_id["ids"]["request_id"]].text
     page = html_path.read_text()
     assert "data:image/png;base64," in page and not re.search(r"(src|href)=['\"]http", page)
     assert "requests: 9 ok, 1 failed of 10 sent" in capsys.readouterr().out

@@ -13,19 +13,19 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvcache.handoff import AdmittedRequest
 from kvcache.hashing import CacheNamespace
-from kvcache.kv_plan import bytes_per_layer_block, kv_layout
-from kvcache.lifecycle import EngineStats
+from kvcache.kv_sizing import bytes_per_layer_block, kv_layout
 from kvcache.manager import KVCacheManager, cdiv
-from kvcache.sampling import UnknownLoRAError
+from protocol.errors import RequestError, UnknownLoRAError
+from protocol.lifecycle import EngineStats
+from protocol.messages import AdmittedRequest
 from workers.device import DEVICES, DTYPES, device_name, load_dtype, resolve_device
 from workers.kv_quant import QUANT_FORMATS, is_quantized
 from workers.kv_tier2 import attach_tier2, observe_prefill_cost, tier2_counters
 from workers.lora import LoRAStats, read_adapter
 from workers.model_runner import MODEL_IMPLS, ModelRunner
 from workers.random_model import build_random, is_random
-from workers.request import Request, RequestError, RequestStatus, SamplingParams
+from workers.request import Request, RequestStatus, SamplingParams
 from workers.sampler import sample
 from workers.scheduler import Scheduler, SchedulerConfig
 
@@ -159,7 +159,6 @@ class LLMEngine:
 
     def _build_request(self, prompt, sampling: SamplingParams, request_id: str | None,
                        chat: bool, tenant: str, lora_id: str) -> Request:
-        sampling.validate()
         if isinstance(prompt, str) and not prompt.strip() and not chat:
             raise RequestError("prompt is empty")
         token_ids = self.tokenize(prompt, chat)
@@ -171,7 +170,15 @@ class LLMEngine:
         n = len(token_ids)
         if n >= self.max_model_len:
             raise RequestError(f"prompt has {n} tokens; the model's context is "
-                               f"{self.max_model_len} tokens (prompt must leave room for output)")
+                               f"{self.max_model_len} tokens (prompt must leave room for output)",
+                               param="messages" if chat else "prompt")
+        if sampling.strict_max_tokens and n + sampling.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {n + sampling.max_tokens} tokens ({n} in the "
+                f"{'messages' if chat else 'prompt'}, {sampling.max_tokens} in the completion). "
+                "Please reduce the length of the prompt or of the completion (max_tokens).",
+                param="max_tokens")
         need = cdiv(n + 1, self.cfg.block_size)
         if need > self.kv.pool.num_blocks:
             raise RequestError(f"prompt needs {need} KV blocks; the whole pool has "
@@ -316,15 +323,22 @@ class LLMEngine:
         req.block_hashes = list(admitted.block_hashes)
         return req
 
-    def reserve(self, req: Request) -> int | None:
-        """Decode side: take the request's prefix hit and reserve blocks for its whole prompt
-        before anyone computes it (decode-first admission). Returns the hit in blocks, or None
-        (nothing reserved) when the pool (or the adapter slots) cannot take it now. The request
-        is the engine's but not the scheduler's until `fill` or `fallback`."""
+    def match_prefix(self, req: Request) -> list:
+        """The cached blocks of the request's longest cached prefix (at least its last prompt
+        token is left to compute)."""
+        return self.kv.match_prefix(req.namespace_root, req.block_hashes, req.all_token_ids,
+                                    req.num_tokens - 1)
+
+    def reserve(self, req: Request, hits: list | None = None) -> int | None:
+        """Decode side: take the request's prefix hit (`hits`: `match_prefix(req)` when the
+        caller has it already) and reserve blocks for its whole prompt before anyone computes
+        it (decode-first admission). Returns the hit in blocks, or None (nothing reserved) when
+        the pool (or the adapter slots) cannot take it now. The request is the engine's but not
+        the scheduler's until `fill` or `fallback`."""
         if req.lora_name and not self.scheduler.lora_fits(req.lora_name):
             return None
-        hits = self.kv.match_prefix(req.namespace_root, req.block_hashes, req.all_token_ids,
-                                    req.num_tokens - 1)
+        if hits is None:
+            hits = self.match_prefix(req)
         new = self.kv.allocate_slots(req.request_id, req.num_tokens, hits)
         if new is None:
             return None
@@ -391,7 +405,58 @@ class LLMEngine:
             self.step()
         return reqs
 
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's blocks, in order (empty when it holds none)."""
+        return self.kv.block_table(request_id)
+
+    def abort_running(self) -> list[str]:
+        """End every request of the running batch (a failed step's): their blocks are freed."""
+        ids = [r.request_id for r in self.scheduler.running]
+        for rid in ids:
+            try:
+                self.abort(rid)
+            except Exception:   # noqa: BLE001 - free what can be freed
+                pass
+        return ids
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (blocks in use stay); publishes an AllBlocksCleared event."""
+        self.kv.pool.reset_prefix_cache()
+
     # ---- introspection -----------------------------------------------------------------------
+    @property
+    def stalled(self) -> bool:
+        """The last step could schedule nothing: blocks are held by reservations or leases."""
+        return self.scheduler.stalled
+
+    def waiting_requests(self) -> tuple[Request, ...]:
+        return tuple(self.scheduler.waiting)
+
+    def running_requests(self) -> tuple[Request, ...]:
+        return tuple(self.scheduler.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could take now (free + evictable cached)."""
+        return self.kv.pool.num_free_blocks
+
+    def pool_counts(self) -> dict[str, int]:
+        """The block ledger: free, cached (unreferenced), referenced, total."""
+        return self.kv.pool.counts()
+
+    def pool_usage(self) -> tuple[int, int, int, int]:
+        """(used, cached, free, total) blocks of the pool, as a load report gives them."""
+        pool = self.kv.pool
+        return pool.num_used_blocks, pool.num_cached_blocks, pool.num_free_blocks, \
+            pool.num_blocks
+
+    def block_holders(self) -> dict[str, str]:
+        """Requests that reference blocks now: request id -> "<blocks> blocks, <state>"."""
+        state = {r.request_id: "waiting" for r in self.scheduler.waiting}
+        state.update({r.request_id: "running" for r in self.scheduler.running})
+        return {rid: f"{len(blocks)} blocks, {state.get(rid, 'not scheduled')}"
+                for rid, blocks in self.kv.req_blocks.items() if blocks}
+
     def take_kv_events(self) -> list:
         return self.kv.pool.take_events()
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvcache.hashing import BlockHash, hash_block
-from kvcache.lifecycle import RequestLifecycle
-from kvcache.sampling import RequestError, SamplingParams
+from protocol.errors import RequestError
+from protocol.lifecycle import RequestLifecycle
+from protocol.sampling import SamplingParams
 
 __all__ = ["Request", "RequestError", "RequestStatus", "SamplingParams"]
 

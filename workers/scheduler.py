@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvcache.lifecycle import EngineStats
 from kvcache.manager import KVCacheManager
+from protocol.lifecycle import EngineStats
 from workers.model_runner import ScheduledChunk
 from workers.request import Request, RequestStatus
 

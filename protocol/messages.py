@@ -1,0 +1,262 @@
+"""The P/D handoff protocol: every message that crosses the router/worker boundary for one request.
+
+Torch-free and Ray-free plain data, imported by the router and by both worker roles. One request:
+
+    router -> D   admit(RequestInput)              -> Admission (AdmittedRequest + TransferPlan)
+    router -> P   prefill(AdmittedRequest, plan)   -> PrefillResult (first token, sampler state,
+                                                      staged handle, per-page checksums)
+    router -> D   stream(PrefillResult)            -> D pulls, verifies, decodes: TokenDelta...,
+                                                      RequestDone
+
+The request is tokenized, validated and hashed once (by D at admission); the AdmittedRequest
+travels from then on. D computes the TransferPlan (which of the prompt's blocks P sends into
+which of D's reserved blocks); P executes exactly that plan. Each PrefillResult names the
+request id, the attempt epoch and the plan's digest; D refuses (TransferRejected) anything
+whose epoch, digest or checksums do not match the reservation it holds now.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcache.events import KVEvent
+from protocol.lifecycle import RequestLifecycle
+from protocol.request_trace import PrefillTiming
+from protocol.sampling import SamplingParams
+from protocol.step_rates import DecodeFit, PrefillFit
+
+# What a client asks to complete: text, token ids, or chat messages ({"role", "content"} each).
+ChatMessage = dict[str, str]
+Prompt = str | tuple[int, ...] | list[int] | list[ChatMessage]
+
+
+@dataclass(frozen=True)
+class TransferHandle:
+    """What the consumer needs to pull one staged transfer. Small and picklable.
+
+    ``address`` is transport specific (grpc: "host:port", shm and cuda_ipc: file path);
+    ``object_ref`` is set by the object_store transport only, ``export`` (how to map the staged
+    memory: kvtransfer.cuda_ipc.SharedPages) by cuda_ipc only. ``checksum`` is None when the
+    producer did not compute one.
+    """
+
+    transfer_id: str
+    request_id: str
+    transport: str
+    producer_id: str
+    node_id: str
+    block_hashes: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    nbytes: int
+    checksum: int | None = None
+    checksum_algo: str | None = None
+    lease_s: float = 0.0  # set by KVProducer.offer: how long the producer keeps the pages
+    address: str = ""
+    object_ref: Any = None
+    export: Any = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
+
+
+def worker_request_id(request_id: str, epoch: int) -> str:
+    """The id workers know one attempt by: a surviving worker may still be releasing the
+    previous attempt's state under the old id."""
+    return request_id if epoch == 0 else f"{request_id}~{epoch}"
+
+
+@dataclass(frozen=True)
+class RequestInput:
+    """A request as the client sent it, before anyone tokenized it."""
+
+    request_id: str
+    prompt: Prompt
+    sampling: SamplingParams
+    deadline: float                   # wall clock (time.time()) by which it must have ended
+    epoch: int = 0
+    chat: bool = False
+    tenant: str = ""
+    lora_id: str = ""
+
+    @property
+    def worker_request_id(self) -> str:
+        return worker_request_id(self.request_id, self.epoch)
+
+
+@dataclass(frozen=True)
+class AdmittedRequest:
+    """The request as admitted: tokenized, validated and hashed once (by the admitting D).
+
+    `block_hashes` are the chained hashes of the prompt's full blocks under the request's
+    cache namespace, whose root is `namespace_root`; a worker whose own root differs (another
+    model revision, tokenizer, dtype, tenant or adapter) must refuse the request."""
+
+    request_id: str
+    epoch: int
+    prompt_token_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    block_size: int
+    namespace_root: int
+    sampling: SamplingParams
+    deadline: float
+    tenant: str = ""
+    lora_id: str = ""
+
+    @property
+    def worker_request_id(self) -> str:
+        return worker_request_id(self.request_id, self.epoch)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_blocks(self) -> int:
+        return -(-len(self.prompt_token_ids) // self.block_size)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Which blocks travel: the prompt's blocks [first_block, first_block + num_blocks) go into
+    D's reserved blocks `dest_block_ids`, in order. Computed once, by D; P sends exactly this.
+
+    `block_hashes` name each sent block (0 for a trailing partial block)."""
+
+    request_id: str
+    epoch: int
+    decode_worker: str
+    first_block: int
+    dest_block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.dest_block_ids) == len(self.block_hashes) > 0, self
+        assert len(set(self.dest_block_ids)) == len(self.dest_block_ids), self
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.dest_block_ids)
+
+    @property
+    def digest(self) -> str:
+        """Ties a transfer to this exact plan: D lands pages only under the digest it made."""
+        text = (f"{self.request_id}|{self.epoch}|{self.decode_worker}|{self.first_block}|"
+                f"{self.dest_block_ids}|{self.block_hashes}")
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True)
+class Admission:
+    """D's answer to admit: reserved (with the plan P must execute), prefilled locally, or
+    refused for now (no room: the router tries another decode worker or waits)."""
+
+    request: AdmittedRequest
+    decode_worker: str
+    admitted: bool
+    local: bool = False               # D prefills it itself (short uncached part / no P)
+    decode_cached_blocks: int = 0     # D's own prefix hit, in blocks (not transferred)
+    plan: TransferPlan | None = None  # set when admitted and not local
+    reserved_blocks: int = 0          # blocks D holds for it (hit + new), ledger RESERVED
+    free_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """P's result: the first token, the sampler state after drawing it (seeded sampling goes on
+    on D exactly where P stopped), and the staged pages of the plan under a lease."""
+
+    request_id: str
+    epoch: int
+    plan_digest: str
+    first_token: int
+    handle: TransferHandle | None     # the staged pages (None: nothing to send)
+    page_checksums: tuple[int, ...]   # one per staged block, as P read it (crc32 of CPU
+                                      # pages, wsum64 of GPU ones: workers/kv_handoff.py)
+    staged_at: float                  # wall clock when the lease started
+    lease_s: float
+    prefill_worker: str
+    sampler_state: bytes | None = None
+    cached_tokens: int = 0            # P's prefix hit
+    computed_tokens: int = 0
+    ttft_s: float | None = None
+    timing: PrefillTiming | None = None   # P's own stage durations, for the request's trace
+
+    @property
+    def worker_request_id(self) -> str:
+        return worker_request_id(self.request_id, self.epoch)
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens D produced since the last delta, with their text."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """The last item of a stream; `lifecycle` is None when the request was aborted."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    lifecycle: RequestLifecycle | None = None
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """How a request ended, as the router hands it to the ingress: its text and token ids and
+    its lifecycle record; or, from `generate` (many requests at once), the `error` it failed
+    with (then `lifecycle` is None)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    lifecycle: RequestLifecycle | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class HoldRelease:
+    """A worker let a handoff hold go (reported so the router's ledger closes it too)."""
+
+    worker_id: str
+    kind: str                          # ledger.STAGED | ledger.RESERVED
+    request_id: str                    # worker-side id of the attempt
+    reason: str
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a worker reports to the router's policies and prefix index, as of its last step.
+
+    Every speed in it is measured by the worker itself from its own recent steps
+    (protocol/step_rates.py): `prefill_fit` from prefill-only steps, `decode_fit` from
+    decode-only steps; None until enough steps were seen (never a made-up default)."""
+
+    worker_id: str
+    queued_tokens: int = 0
+    running_tokens: int = 0
+    num_requests: int = 0
+    active_blocks: int = 0
+    cached_blocks: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    queued_s: float | None = None      # seconds of prefill work queued + running (by the fit)
+    prefill_fit: PrefillFit | None = None
+    decode_fit: DecodeFit | None = None
+    decode_batch: int = 0              # sequences decoding now
+    decode_step_s: float = 0.0         # estimated decode step at the current batch (0: none)
+    kv_bytes_per_token: int = 0        # of the loaded model (K and V, all layers)
+    busy_for_s: float = 0.0            # how long the running engine step has taken so far
+    incarnation: str = ""              # changes when the worker actor restarts
+    loras_resident: tuple[str, ...] = ()   # LoRA adapters loaded now (routing affinity)
+    lora_load_s: float = 0.0           # measured mean adapter load time (0: none loaded yet)
+    lora_slots: int = 0                # adapters that fit at once (0: no adapters served)
+    events: tuple[KVEvent, ...] = ()   # KV events since the last report
+    released: tuple[HoldRelease, ...] = field(default=())   # handoff holds let go since then
+    reported_at: float = 0.0           # worker clock when the snapshot was taken
+    age_s: float = 0.0                 # how old the snapshot was when the report was made

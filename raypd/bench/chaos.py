@@ -1,0 +1,378 @@
+"""`raypd bench chaos`: replay requests on 2 prefill + 2 decode workers while injecting faults;
+count what completed, what failed with an explicit error, what was lost, and leaked blocks.
+
+Fault kinds (each injected `kills` times, spread over the replay by progress):
+  kill      a prefill worker mid-prefill (its next step stalls, then it dies) or a decode
+            worker mid-pull (its next pull stalls, then it dies); Ray restarts it
+  corrupt   a prefill worker flips bytes of its next staged copy after checksumming it
+  delay     a decode worker's next pull starts after the lease has ended
+  drop_ack  a prefill worker ignores its next ack (the lease has to free the pages)
+  abort     the client hangs up on a request that is streaming
+
+Every request has a deadline; one that has not ended by then, or ended with an error that is
+not one of the documented explicit ones, is lost. Leaked blocks come from the router's
+ledger (which answers for workers that died) and from every live worker's pool. Greedy
+outputs of completed requests are checked against stock transformers generate() on an
+independently loaded copy of the model.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import ray
+
+from cluster.pd import PDCluster, PDConfig
+from protocol.errors import RequestError, RoutingRejected, TransferFailed, WorkerFailed
+from router.orchestrator import FlowConfig
+from router.percentiles import percentiles
+from workers.request import SamplingParams
+
+FAULT_KINDS = ("kill", "corrupt", "delay", "drop_ack", "abort")
+EXPLICIT_ERRORS = (RequestError, RoutingRejected, TransferFailed, WorkerFailed)
+_TALLY = threading.Lock()   # the injector threads' counts
+
+
+def _workload(n: int, seed: int, vocab: int) -> list[list[int]]:
+    """Requests in a few shared-prefix groups (so prefix caches and transfers both matter)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab) for _ in range(rng.choice((32, 48, 64)))]
+                for _ in range(4)]
+    return [rng.choice(prefixes) + [rng.randrange(3, vocab) for _ in range(rng.randint(4, 40))]
+            for _ in range(n)]
+
+
+def _references(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Stock transformers generate(), greedy, one prompt at a time, own copy of the model."""
+    import torch
+
+    from workers.model_loader import load_model
+    hf, _, info = load_model(model)
+    eos = list(info.eos_token_ids) or None
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                              do_sample=False, eos_token_id=eos, pad_token_id=0)
+            toks = gen[0, len(p):].tolist()
+            if eos:   # generate() pads after eos in a batch of one? trim at the first eos
+                for i, t in enumerate(toks):
+                    if t in eos:
+                        toks = toks[:i + 1]
+                        break
+            out.append(toks)
+    return out
+
+
+class _Replay:
+    """The requests' threads and outcomes; a request never blocks the bench past its deadline."""
+
+    def __init__(self, cluster: PDCluster, prompts: list, sampling: SamplingParams,
+                 deadline_s: float, concurrency: int) -> None:
+        self.cluster, self.prompts, self.sampling = cluster, prompts, sampling
+        self.deadline_s = deadline_s
+        self.results: list[dict | None] = [None] * len(prompts)
+        self.ended_at: list[float | None] = [None] * len(prompts)
+        self.started_at: list[float | None] = [None] * len(prompts)
+        self.streaming: set[int] = set()          # requests with a token delivered, not ended
+        self.cond = threading.Condition()
+        self.finished = 0
+        self.allowed = len(prompts)   # requests the feeder may start so far (fault pacing)
+        self._slots = threading.Semaphore(concurrency)
+
+    def rid(self, i: int) -> str:
+        return f"chaos-{i}"
+
+    def start(self) -> None:
+        threading.Thread(target=self._feed, daemon=True, name="chaos-feed").start()
+
+    def allow(self, n: int) -> None:
+        with self.cond:
+            self.allowed = min(len(self.prompts), max(self.allowed, n))
+            self.cond.notify_all()
+
+    def _feed(self) -> None:
+        for i in range(len(self.prompts)):
+            with self.cond:
+                self.cond.wait_for(lambda i=i: i < self.allowed)
+            self._slots.acquire()
+            threading.Thread(target=self._one, args=(i,), daemon=True).start()
+
+    def _one(self, i: int) -> None:
+        self.started_at[i] = time.monotonic()
+
+        def on_delta(_delta) -> None:
+            with self.cond:
+                if self.ended_at[i] is None:
+                    self.streaming.add(i)
+        try:
+            r = {"result": self.cluster.run_request(self.prompts[i], self.sampling,
+                                                    request_id=self.rid(i), on_delta=on_delta,
+                                                    timeout_s=self.deadline_s)}
+        except EXPLICIT_ERRORS as e:
+            r = {"error": f"{type(e).__name__}: {e}", "explicit": True}
+        except Exception as e:     # not a documented error: the client got no clear answer
+            r = {"error": f"{type(e).__name__}: {e}", "explicit": False}
+        with self.cond:
+            self.results[i] = r
+            self.ended_at[i] = time.monotonic()
+            self.streaming.discard(i)
+            self.finished += 1
+            self.cond.notify_all()
+        self._slots.release()
+
+    def wait_progress(self, n: int, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.finished >= n, timeout)
+
+    def wait_all(self, until: float) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.finished >= len(self.prompts),
+                               max(0.0, until - time.monotonic()))
+
+
+def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, n: int,
+            lease_s: float, log: dict) -> None:
+    """One fault of `kind`; counts what was really injected in `log`."""
+    orch = cluster.orchestrator
+    prefill, decode = list(cluster.prefill), list(cluster.decode)
+    if kind == "kill":
+        role = "prefill" if n % 2 == 0 else "decode"
+        victim = rng.choice(prefill if role == "prefill" else decode)
+        try:     # make the kill land mid-prefill / mid-pull
+            if role == "prefill":
+                ray.get(victim.stall_next_step.remote(1.0), timeout=5)
+            else:
+                ray.get(victim.inject_pull_delay.remote(1.0, 1), timeout=5)
+        except Exception:
+            pass
+        time.sleep(0.3)
+        with _TALLY:
+            log["killed"].append(orch.fleet.worker_id(victim))
+        ray.kill(victim, no_restart=False)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:   # restarted (model loaded) and answering again
+            try:
+                ray.get(victim.ping.remote(), timeout=5)
+                break
+            except Exception:
+                time.sleep(0.2)
+    elif kind == "corrupt":
+        # armed on every prefill worker: the next staging anywhere takes it (a fixed victim
+        # may get no request for a while when routing keeps prefixes elsewhere)
+        armed = []
+        for p in prefill:
+            try:
+                armed.append((p, ray.get(p.arm_corruption.remote(), timeout=10)))
+            except Exception:
+                pass   # that P is down: the others are armed
+        hit: list = []
+        deadline = time.monotonic() + 60
+        while (armed and not hit and time.monotonic() < deadline
+               and replay.finished < len(replay.prompts)):
+            for p, fid in armed:
+                try:
+                    if (tid := ray.get(p.corruption_applied.remote(fid), timeout=10)):
+                        hit.append(tuple(tid))
+                except Exception:
+                    pass   # P died meanwhile: whatever it staged died with it
+            time.sleep(0.05)
+        for p, fid in armed:     # disarm the rest; one that landed meanwhile counts too
+            try:
+                tid = ray.get(p.corruption_applied.remote(fid, disarm=True), timeout=10)
+                if tid and tuple(tid) not in hit:
+                    hit.append(tuple(tid))
+            except Exception:
+                pass
+        with _TALLY:
+            log["corrupt_staged"].extend(hit)
+    elif kind == "delay":
+        d = rng.choice(decode)
+        try:
+            ray.get(d.inject_pull_delay.remote(lease_s + 0.5, 1), timeout=10)
+            with _TALLY:
+                log["delays_armed"] += 1
+        except Exception:
+            pass
+    elif kind == "drop_ack":
+        p = rng.choice(prefill)
+        try:
+            ray.get(p.inject_fault.remote("drop_ack", 1), timeout=10)
+            with _TALLY:
+                log["acks_dropped"] += 1
+        except Exception:
+            pass
+    elif kind == "abort":
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with replay.cond:
+                streaming = sorted(replay.streaming)
+            if streaming:
+                i = rng.choice(streaming)
+                if cluster.abort(replay.rid(i)):
+                    with _TALLY:
+                        log["client_aborts"] += 1
+                    return
+            time.sleep(0.02)
+
+
+def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: str = "tiny",
+                    requests: int = 100, max_tokens: int = 32, seed: int = 0,
+                    deadline_s: float = 120.0, transport: str = "object_store",
+                    lease_s: float = 2.0, concurrency: int = 12) -> dict:
+    unknown = set(faults) - set(FAULT_KINDS)
+    if unknown:
+        raise ValueError(f"unknown fault kinds {sorted(unknown)}; valid: {', '.join(FAULT_KINDS)}")
+    from workers.model_loader import load_model
+    vocab = min(load_model(model)[2].vocab_size, 30000)
+    prompts = _workload(requests, seed, vocab)
+    sampling = SamplingParams(max_tokens=max_tokens)
+    reference = _references(model, prompts, max_tokens)
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(include_dashboard=False, log_to_driver=False)
+    cluster = PDCluster(PDConfig(engine=dict(model=model, num_blocks=512), num_prefill=2, num_decode=2, lease_s=lease_s, max_restarts=kills + 2, fault_injection=True, flow=FlowConfig(transport=transport, max_retries=3, request_timeout_s=deadline_s)))
+    rng = random.Random(seed + 1)
+    events = [k for k in faults for _ in range(kills)]
+    rng.shuffle(events)
+    log: dict = {"killed": [], "corrupt_staged": [], "delays_armed": 0,
+                 "acks_dropped": 0, "client_aborts": 0}
+    replay = _Replay(cluster, prompts, sampling, deadline_s, concurrency)
+
+    def threshold(j: int) -> int:     # fault j fires once this many requests have finished
+        return (j + 1) * len(prompts) // (len(events) + 2)
+    # the feeder keeps requests coming only up to a little past the next fault, so that every
+    # fault meets requests in flight however long the previous one took (a restart, say)
+    replay.allowed = threshold(0) + 2 * concurrency
+    t0 = time.monotonic()
+    replay.start()
+    kill_no = 0
+    injectors: list[threading.Thread] = []
+    for j, kind in enumerate(events):   # each fault once another slice of requests finished
+        if not replay.wait_progress(threshold(j), deadline_s):
+            break
+        args = (kind, cluster, replay, random.Random(rng.random()), kill_no, lease_s, log)
+        if kind == "kill":    # one worker down at a time: the next fault waits for its restart
+            _inject(*args)
+            kill_no += 1
+            replay.allow(threshold(j + 1) + 2 * concurrency)
+            continue
+        # in its own thread: a fault that waits to land (a corrupt staging, a streaming
+        # request to abort) does not hold back the next one
+        t = threading.Thread(target=_inject, args=args, daemon=True)
+        t.start()
+        injectors.append(t)
+        replay.allow(threshold(j + 1) + 2 * concurrency)
+    replay.allow(len(prompts))
+    replay.wait_all(t0 + deadline_s * 2 + 30)    # the last request starts late: own deadline
+    for t in injectors:
+        t.join(30)
+    wall = time.monotonic() - t0
+
+    ok, explicit, lost = [], [], []
+    for i, r in enumerate(replay.results):
+        start, end = replay.started_at[i], replay.ended_at[i]
+        in_time = end is not None and start is not None and end - start <= deadline_s + 5
+        if r is None or not in_time:
+            lost.append(i)
+            if r is None:
+                cluster.abort(replay.rid(i))
+        elif "error" not in r:
+            ok.append(i)
+        elif r["explicit"]:
+            explicit.append(i)
+        else:
+            lost.append(i)
+    mismatches = sum(replay.results[i]["result"].token_ids != reference[i] for i in ok)
+
+    leaked = _drain(cluster, lease_s)
+    orch = cluster.orchestrator
+    pulled, detected = _corrupt_audit(cluster, log["corrupt_staged"])
+    lcs = [replay.results[i]["result"].lifecycle for i in ok]
+    overhead = percentiles([lc.router_overhead_ms for lc in lcs])
+    trips = percentiles([lc.handoff_round_trips for lc in lcs])
+    out = {"model": model, "transport": transport, "kills": kills, "faults": list(faults),
+           "requests_total": len(prompts), "requests_ok": len(ok),
+           "requests_failed_explicit": len(explicit), "requests_lost": len(lost),
+           "corrupt_transfers_injected": len(pulled),
+           "corrupt_transfers_detected": len(detected),
+           "corrupt_stagings": len(log["corrupt_staged"]),
+           "corrupt_not_pulled": len(log["corrupt_staged"]) - len(pulled),
+           "leaked_blocks": leaked, "leak_holders": _holders(cluster) if leaked else {},
+           "greedy_mismatches": mismatches,
+           "killed": log["killed"], "delays_armed": log["delays_armed"],
+           "acks_dropped": log["acks_dropped"], "acks_lost_seen": orch.acks_lost, "client_aborts": log["client_aborts"],
+           "transfers_rejected": dict(orch.rejected), "retries": orch.retries,
+           "prefill_retries": orch.prefill_retries, "ledger": orch.ledger.counters(),
+           "handoff_round_trips_p50": trips["p50"], "handoff_round_trips_max":
+           max((lc.handoff_round_trips for lc in lcs), default=None),
+           "router_overhead_ms_p50": overhead["p50"], "router_overhead_ms_p99": overhead["p99"],
+           "wall_s": wall,
+           "errors": sorted({replay.results[i]["error"].split(":")[0] for i in explicit}),
+           "lost_errors": sorted({(replay.results[i] or {}).get("error", "no end")[:120]
+                                  for i in lost})}
+    cluster.shutdown()
+    if started_ray:
+        ray.shutdown()
+    return out
+
+
+def _corrupt_audit(cluster: PDCluster, staged: list[tuple[str, str]]
+                   ) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+    """Of the staged copies P corrupted, (prefill worker, worker request id), the ones whose
+    pages reached a decode worker (a corrupt *transfer*), and of those the ones refused as
+    corrupt. Sources: each live decode worker's own record of the pages it verified, and the
+    router's trail of the rejections it was told of (which outlives a decode worker that died
+    after refusing). A corrupted staging that nothing pulled (its request was aborted, its P
+    killed, its lease ran out first) is no transfer: it counts under `corrupt_not_pulled`."""
+    wanted = set(staged)
+    pulled: set[tuple[str, str]] = set()
+    detected: set[tuple[str, str]] = set()
+    for d in cluster.decode:
+        try:
+            got, bad = ray.get(d.transfers_seen.remote(sorted(wanted)), timeout=30)
+        except Exception:
+            continue
+        pulled.update(map(tuple, got))
+        detected.update(map(tuple, bad))
+    for reason, pid, rid in list(cluster.orchestrator.recent_rejections):
+        if reason == "corrupt" and (pid, rid) in wanted:
+            pulled.add((pid, rid))
+            detected.add((pid, rid))
+    return pulled, detected
+
+
+def _holders(cluster: PDCluster) -> dict[str, dict[str, str]]:
+    """Per live worker, the requests still referencing blocks (and the router's open holds)."""
+    out: dict[str, dict[str, str]] = {}
+    for w in list(cluster.workers):
+        try:
+            held = ray.get(w.block_holders.remote(), timeout=10)
+        except Exception:
+            continue
+        if held:
+            out[cluster.orchestrator.fleet.worker_id(w)] = held
+    for h in cluster.orchestrator.ledger.open_holds():
+        out.setdefault(h.worker_id, {})[h.request_id] = f"ledger {h.kind} hold, {h.num_blocks}"
+    return out
+
+
+def _drain(cluster: PDCluster, lease_s: float, timeout_s: float = 60.0) -> int | None:
+    """Wait for leases to run out and reports to close the ledger; then count what is held."""
+    leaked = None
+    deadline = time.time() + max(timeout_s, 4 * lease_s)
+    while time.time() < deadline:
+        try:
+            cluster.expire_leases()
+        except Exception:
+            pass
+        cluster.orchestrator.fleet.refresh()
+        leaked = cluster.leaked_blocks()
+        if leaked == 0:
+            break
+        time.sleep(0.5)
+    return leaked

@@ -1,0 +1,463 @@
+"""`raypd bench engine`: the paged engine and stock transformers `generate()`, side by side.
+
+Same weights, dtype and threads, one process, one after the other, on the same inputs; both
+warmed up; every figure is the median of `repeats` runs. Fairness rules:
+- decode: `generate()` time for `new` tokens minus its time for 1 token (its prefill), against
+  the engine's window from the step where every request has its first token to the end,
+  counting only the tokens decoded inside that window;
+- mixed: every request stops at its own length on both sides (`generate()` gets a per-request
+  stopping criterion; its static batches are formed from requests of similar prompt length, as
+  a careful user would, so it pays little padding);
+- prefix: TTFT of a request whose 1,024-token prefix is cached against the same request cold;
+- lora (`--lora N`): N random rank-8 adapters on every projection, made by the bench; one batch
+  with requests spread round-robin over the base model and the adapters against the same batch
+  on an engine without adapters (`lora_throughput_ratio` = base-only time / mixed time).
+Physical scale: `decode_bound_ms` is what reading the weights and the batch's KV once at the
+memory bandwidth measured here takes; `prefill_gflops` is set against `matmul_peak_gflops`, the
+engine's own linear at a large shape.
+
+`--device` runs both sides on that device (generate() gets the stock model moved there). A
+random-weight model of a real shape (`--model random:llama3-8b`) has no answers to compare:
+it gets the engine's own figures only (`run_shape_bench`): prefill tok/s at 2,048 tokens,
+decode tok/s at batch 1/16/64 against the weights-read bound at the device's measured read
+bandwidth.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import statistics
+import time
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from workers.device import resolve_device
+from workers.engine import EngineConfig, LLMEngine
+from workers.layers import Linear
+from workers.random_model import is_random
+from workers.request import SamplingParams
+
+
+class _StopAtOwnLength(StoppingCriteria):
+    """generate(): row i is done once it has `lengths[i]` new tokens."""
+
+    def __init__(self, prompt_width: int, lengths: list[int]) -> None:
+        self.width = prompt_width
+        self.lengths = torch.tensor(lengths)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return (input_ids.shape[1] - self.width) >= self.lengths.to(input_ids.device)
+
+
+def _hf_generate(model, batch: list[list[int]], lengths: list[int], pad_id: int) -> float:
+    """Seconds for `generate()` on a left-padded static batch, row i stopping at lengths[i]."""
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                        device=model.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lengths),
+                       do_sample=False, pad_token_id=pad_id,
+                       stopping_criteria=StoppingCriteriaList([_StopAtOwnLength(width, lengths)]))
+    _sync(model.device)
+    return time.perf_counter() - t0
+
+
+def _engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int]
+                ) -> tuple[float, float, int, list[float]]:
+    """(wall s, decode-window s, tokens decoded inside the window, step seconds of the window's
+    steps) for one batch. The window opens at the first step after which every request has its
+    first token."""
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
+            for p, m in zip(prompts, max_tokens, strict=True)]
+    t_open, tokens_at_open, steps = None, 0, []
+    while engine.has_unfinished():
+        s0 = time.perf_counter()
+        engine.step()
+        s1 = time.perf_counter()
+        if t_open is not None:
+            steps.append(s1 - s0)
+        elif all(r.first_token_time for r in reqs):
+            t_open, tokens_at_open = s1, sum(len(r.output_token_ids) for r in reqs)
+    t1 = time.perf_counter()
+    decoded = sum(len(r.output_token_ids) for r in reqs) - tokens_at_open
+    return t1 - t0, t1 - (t_open or t1), decoded, steps
+
+
+def _median(f, repeats: int) -> float:
+    return statistics.median(f() for _ in range(repeats))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+CPU = torch.device("cpu")
+
+
+def _memory_read_gbps(device: torch.device = CPU) -> float:
+    """Bytes read per second by a large sum (well beyond any cache; 2 GiB on a GPU), median
+    of 5."""
+    x = torch.ones((2048 if device.type == "cuda" else 256) * 2**20 // 4, device=device)
+    x.sum()
+    _sync(device)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        x.sum()
+        _sync(device)
+        return x.numel() * 4 / (time.perf_counter() - t0) / 1e9
+    return _median(once, 5)
+
+
+def _matmul_peak_gflops(dtype: torch.dtype, device: torch.device = CPU) -> float:
+    """The engine's Linear on a 2048 x 2048 x 2048 product in `dtype` (8192 on a GPU), median
+    of 5."""
+    n = 8192 if device.type == "cuda" else 2048
+    w = torch.randn(n, n, device=device).to(dtype)
+    x = torch.randn(n, n, device=device).to(dtype)
+    lin = Linear(w)
+    with torch.inference_mode():
+        lin(x)
+        _sync(device)
+
+        def once() -> float:
+            t0 = time.perf_counter()
+            lin(x)
+            _sync(device)
+            return 2 * n**3 / (time.perf_counter() - t0) / 1e9
+        return _median(once, 5)
+
+
+def _lora_bench(model: str, dtype: str, loaded, prompts: list[list[int]], outputs: list[int],
+                num_loras: int, repeats: int) -> dict:
+    """The same batch on an engine without adapters and, spread over the base model and
+    `num_loras` adapters, on an engine serving them (all resident: max_loras = num_loras)."""
+    import tempfile
+
+    from workers.lora import write_random_adapter
+    rank = 8
+    num_blocks = sum(-(-(len(p) + o) // 16) for p, o in zip(prompts, outputs, strict=True)) + 64
+    with tempfile.TemporaryDirectory(prefix="raypd-bench-lora-") as tmp:
+        adapters = {f"lora{i}": str(write_random_adapter(f"{tmp}/lora{i}", loaded[0].config,
+                                                         rank=rank, seed=i))
+                    for i in range(num_loras)}
+        engines = {
+            "base": LLMEngine(EngineConfig(model=model, dtype=dtype, num_blocks=num_blocks,
+                                           enable_prefix_caching=False), loaded=loaded),
+            "lora": LLMEngine(EngineConfig(model=model, dtype=dtype, num_blocks=num_blocks,
+                                           enable_prefix_caching=False, lora_adapters=adapters,
+                                           max_loras=num_loras), loaded=loaded)}
+        names = ["", *adapters]
+        spread = [names[i % len(names)] for i in range(len(prompts))]
+
+        def run(kind: str) -> float:
+            engine = engines[kind]
+            t0 = time.perf_counter()
+            for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+                engine.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True),
+                                   lora_id=spread[i] if kind == "lora" else "")
+            while engine.has_unfinished():
+                engine.step()
+            return time.perf_counter() - t0
+        run("base")
+        run("lora")   # warm-up; loads every adapter once
+        t_lora, t_base = [], []
+        for _ in range(repeats):   # interleaved, so drifts of the machine hit both
+            t_base.append(run("base"))
+            t_lora.append(run("lora"))
+        stats = engines["lora"].get_stats()
+        for e in engines.values():
+            e.check_invariants()
+    base_s, lora_s = statistics.median(t_base), statistics.median(t_lora)
+    return {"lora_adapters": num_loras, "lora_rank": rank, "lora_batch": len(prompts),
+            "lora_base_only_s": base_s, "lora_mixed_s": lora_s,
+            "lora_throughput_ratio": base_s / lora_s,
+            "lora_output_tokens": sum(outputs), "lora_loads": stats["lora_loads"],
+            "lora_load_s_mean": stats["lora_load_s_mean"]}
+
+
+def run_shape_bench(model: str, dtype: str = "auto", device: str = "auto",
+                    cuda_graphs: bool = True, repeats: int = 3, quick: bool = False,
+                    prefill_tokens: int = 2048, decode_batches: tuple[int, ...] = (1, 16, 64),
+                    decode_prompt: int = 512, decode_new: int = 64) -> dict:
+    """The engine's own figures on a random-weight model of a real shape (see the module doc):
+    `prefill_tok_s`, `engine_decode_tok_s_b{B}`, `decode_bound_tok_s_b{B}` (B tokens per
+    weights + KV read at `memory_read_gbps`) and their ratio `decode_vs_bound_b{B}`."""
+    if quick:
+        prefill_tokens, decode_batches, decode_prompt, decode_new = 256, (1, 4), 64, 8
+    bs = 16
+    need = max(decode_batches) * -(-(decode_prompt + decode_new + 1) // bs) \
+        + -(-(prefill_tokens + 2) // bs) + 16
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device,
+                                    cuda_graphs=cuda_graphs, num_blocks=need, block_size=bs,
+                                    max_num_batched_tokens=max(2048, prefill_tokens),
+                                    max_num_seqs=max(decode_batches),
+                                    enable_prefix_caching=False))
+    dev = engine.device
+    rng = random.Random(0)
+    vocab = engine.info.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+    stats = engine.get_stats()
+    out: dict = {"model": model, "quick": quick, "dtype": engine.info.dtype,
+                 "kv_dtype": engine.kv_dtype, "repeats": repeats, "device": stats["device"],
+                 "device_name": stats["device_name"], "cuda_graphs": stats["cuda_graphs"],
+                 "model_impl": stats["model_impl"], "linear_kernel": stats["linear_kernel"],
+                 "attention_kernel": stats["attention_kernel"],
+                 "evidence": "gpu-measured" if dev.type == "cuda" else "cpu-measured"}
+    _engine_run(engine, [prompt(64) for _ in range(2)], [4, 4])   # warm-up
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    read_gbps = _memory_read_gbps(dev)
+    out.update(weight_bytes=weight_bytes, memory_read_gbps=read_gbps)
+    p = prompt(prefill_tokens)
+
+    def prefill_once() -> float:
+        t0 = time.perf_counter()
+        _engine_run(engine, [p], [1])
+        return time.perf_counter() - t0
+    prefill_once()
+    out["prefill_tokens"] = prefill_tokens
+    out["prefill_tok_s"] = {str(prefill_tokens): prefill_tokens / _median(prefill_once, repeats)}
+    for b in decode_batches:
+        batch = [prompt(decode_prompt) for _ in range(b)]
+        _engine_run(engine, batch, [4] * b)   # captures this batch's graphs, if any
+        runs = [_engine_run(engine, batch, [decode_new] * b) for _ in range(repeats)]
+        tok_s = statistics.median(n / max(t, 1e-9) for _, t, n, _ in runs)
+        kv_bytes = b * (decode_prompt + decode_new / 2) * engine.kv_bytes_per_token
+        bound_s = (weight_bytes + kv_bytes) / (read_gbps * 1e9)
+        out[f"engine_decode_tok_s_b{b}"] = tok_s
+        out[f"decode_step_ms_b{b}"] = 1e3 * statistics.median(
+            s for *_, steps in runs for s in steps)
+        out[f"decode_bound_ms_b{b}"] = 1e3 * bound_s
+        out[f"decode_bound_tok_s_b{b}"] = b / bound_s
+        out[f"decode_vs_bound_b{b}"] = tok_s / (b / bound_s)
+    out["cuda_graph_replays"] = engine.get_stats()["cuda_graph_replays"]
+    engine.check_invariants()
+    return out
+
+
+def run_engine_bench(model: str = "smollm2", quick: bool = False,
+                     threads: int | None = None, dtype: str = "auto",
+                     repeats: int = 3, lora: int = 0, lora_only: bool = False,
+                     device: str = "auto", cuda_graphs: bool = True) -> dict:
+    """Every figure; `lora` > 0 adds the multi-LoRA comparison (`lora_only`: just that).
+    A `random:<shape>` model gets `run_shape_bench` (no reference to compare with)."""
+    from workers.device import load_dtype
+    from workers.model_loader import load_model
+    if threads:
+        torch.set_num_threads(threads)
+    if is_random(model):
+        return run_shape_bench(model, dtype, device, cuda_graphs, repeats, quick)
+    dev = resolve_device(device)
+    hf_model, tok, info = load_model(model, load_dtype(dtype, model, dev))
+    loaded = (copy.deepcopy(hf_model), tok, info)   # the engine builds its own copy anyway
+    hf_model.to(dev)                                # generate() on the engine's device
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    rng = random.Random(0)
+    vocab = min(info.vocab_size, 30000)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    if lora:
+        n, (lo_p, hi_p), (lo_o, hi_o) = (16, (32, 256), (8, 32)) if quick \
+            else (32, (64, 512), (16, 64))
+        lora_out = _lora_bench(model, dtype, loaded,
+                               [prompt(rng.randint(lo_p, hi_p)) for _ in range(n)],
+                               [rng.randint(lo_o, hi_o) for _ in range(n)], lora, repeats)
+        if lora_only:
+            return {"model": model, "quick": quick, "threads": torch.get_num_threads(),
+                    "dtype": info.dtype, "repeats": repeats, **lora_out}
+
+    plen, new = (256, 32) if quick else (512, 64)
+    n_mixed, (lo_p, hi_p), (lo_o, hi_o) = (16, (64, 512), (8, 64)) if quick \
+        else (32, (64, 1024), (16, 128))
+    prefix_len = 512 if quick else 1024
+    prefill_lens = (512,) if quick else (512, 2048)
+    total_tokens = 16 * (plen + new) + hi_p * n_mixed + max(prefill_lens) + 4096
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, num_blocks=-(-total_tokens // 16),
+                                    max_num_batched_tokens=2048, max_num_seqs=64,
+                                    enable_prefix_caching=False, device=device,
+                                    cuda_graphs=cuda_graphs), loaded=loaded)
+    stats = engine.get_stats()
+    out: dict = {"model": model, "quick": quick, "threads": torch.get_num_threads(),
+                 "dtype": info.dtype, "kv_dtype": engine.kv_dtype, "repeats": repeats,
+                 "model_impl": stats["model_impl"], "linear_kernel": stats["linear_kernel"],
+                 "attention_kernel": stats["attention_kernel"],
+                 "device": stats["device"], "device_name": stats["device_name"],
+                 "evidence": "gpu-measured" if stats["device"] == "cuda" else "cpu-measured",
+                 "prompt_tokens": plen, "new_tokens": new}
+    # warm-up: both sides, a short batch
+    warm = [prompt(64) for _ in range(4)]
+    _hf_generate(hf_model, warm, [4] * 4, pad)
+    _engine_run(engine, warm, [4] * 4)
+
+    # ---- decode at batch 1 and 16 ----------------------------------------------------------
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    read_gbps = _memory_read_gbps(dev)
+    out["memory_read_gbps"] = read_gbps
+    for b in (1, 16):
+        batch = [prompt(plen) for _ in range(b)]
+        t_full = _median(lambda batch=batch: _hf_generate(hf_model, batch, [new] * len(batch),
+                                                          pad), repeats)
+        t_pre = _median(lambda batch=batch: _hf_generate(hf_model, batch, [1] * len(batch), pad),
+                        repeats)
+        out[f"hf_decode_tok_s_b{b}"] = b * (new - 1) / max(t_full - t_pre, 1e-9)
+        runs = [_engine_run(engine, batch, [new] * b) for _ in range(repeats)]
+        out[f"engine_decode_tok_s_b{b}"] = statistics.median(
+            n / max(t, 1e-9) for _, t, n, _ in runs)
+        out[f"decode_step_ms_b{b}"] = 1e3 * statistics.median(
+            s for *_, steps in runs for s in steps)
+        kv_bytes = b * (plen + new / 2) * engine.kv_bytes_per_token
+        out[f"decode_bound_ms_b{b}"] = 1e3 * (weight_bytes + kv_bytes) / (read_gbps * 1e9)
+    out["decode_ratio_b16"] = out["engine_decode_tok_s_b16"] / out["hf_decode_tok_s_b16"]
+    out["decode_step_ms"] = out["decode_step_ms_b16"]
+    out["decode_bound_ms"] = out["decode_bound_ms_b16"]
+
+    # ---- step overhead at batch 8: step time minus the model's forward ----------------------
+    batch8 = [prompt(plen) for _ in range(8)]
+    for p in batch8:
+        engine.add_request(p, SamplingParams(max_tokens=new, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
+        engine.step()
+    overheads = []
+    while engine.has_unfinished():
+        s0 = time.perf_counter()
+        engine.step()
+        overheads.append(time.perf_counter() - s0 - engine.runner.last_forward_s)
+    out["step_overhead_ms"] = 1e3 * statistics.median(overheads)
+
+    # ---- prefill throughput (one request of n tokens, cold) -------------------------------
+    non_embed = weight_bytes / hf_model.dtype.itemsize - info.vocab_size * info.hidden_size
+    out["prefill_tok_s"], out["hf_prefill_tok_s"], out["prefill_gflops"] = {}, {}, {}
+    for n in prefill_lens:
+        p = prompt(n)
+
+        def eng_once(p=p) -> float:
+            t0 = time.perf_counter()
+            _engine_run(engine, [p], [1])
+            return time.perf_counter() - t0
+
+        def hf_once(p=p) -> float:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                hf_model(torch.tensor([p], device=dev), logits_to_keep=1)
+                _sync(dev)
+                return time.perf_counter() - t0
+        t_eng, t_hf = _median(eng_once, repeats), _median(hf_once, repeats)
+        flops = 2 * non_embed * n + 2 * info.num_layers * info.num_heads * info.head_dim * n * n
+        out["prefill_tok_s"][str(n)] = n / t_eng
+        out["hf_prefill_tok_s"][str(n)] = n / t_hf
+        out["prefill_gflops"][str(n)] = flops / t_eng / 1e9
+    out["matmul_peak_gflops"] = _matmul_peak_gflops(hf_model.dtype, dev)
+
+    # ---- mixed lengths: every request stops at its own length on both sides -----------------
+    mixed = [(prompt(rng.randint(lo_p, hi_p)), rng.randint(lo_o, hi_o)) for _ in range(n_mixed)]
+    by_len = sorted(mixed, key=lambda m: len(m[0]))
+
+    def hf_mixed() -> float:
+        return sum(_hf_generate(hf_model, [p for p, _ in by_len[i:i + 16]],
+                                [o for _, o in by_len[i:i + 16]], pad)
+                   for i in range(0, n_mixed, 16))
+    t_hf = _median(hf_mixed, repeats)
+    t_eng = _median(lambda: _engine_run(engine, [p for p, _ in mixed],
+                                        [o for _, o in mixed])[0], repeats)
+    out.update(hf_mixed_s=t_hf, engine_mixed_s=t_eng, throughput_ratio_mixed=t_hf / t_eng,
+               mixed_output_tokens=sum(o for _, o in mixed))
+    engine.check_invariants()
+
+    # ---- prefix reuse: a fresh engine with prefix caching on, same weights -------------------
+    cached = LLMEngine(EngineConfig(model=model, dtype=dtype,
+                                    num_blocks=(prefix_len + 256) // 16 * 4 * repeats,
+                                    enable_prefix_caching=True, device=device,
+                                    cuda_graphs=cuda_graphs), loaded=loaded)
+    cold, hit = [], []
+    for _ in range(repeats):
+        shared = prompt(prefix_len)   # a new prefix each repeat: the first request is cold
+        for ttft in (cold, hit):
+            r = cached.add_request(shared + prompt(64), SamplingParams(max_tokens=1))
+            while cached.has_unfinished():
+                cached.step()
+            ttft.append(r.lifecycle.ttft_s)
+    cached.check_invariants()
+    ttft_cold, ttft_hit = statistics.median(cold), statistics.median(hit)
+    out.update(ttft_cold_s=ttft_cold, ttft_hit_s=ttft_hit, prefix_ttft_ratio=ttft_hit / ttft_cold,
+               prefix_hit_tokens=r.lifecycle.cached_tokens)
+    if lora:
+        out.update(lora_out)
+    return out
+
+
+# ---- `--calibration`: the engine figures the simulator's cpu-here cost model is fitted to ----
+CALIBRATION_PREFILL = (128, 512, 1024, 2048)
+CALIBRATION_DECODE = ((1, 128), (1, 1024), (4, 512), (16, 128), (16, 512))
+CALIBRATION_PREFILL_BATCH = ((4, 128), (2, 512), (8, 128))   # (sequences, tokens each)
+
+
+def run_calibration(model: str = "smollm2", threads: int | None = None, dtype: str = "auto",
+                    repeats: int = 3, device: str = "auto",
+                    prefill_lens: tuple[int, ...] = CALIBRATION_PREFILL,
+                    decode_points: tuple[tuple[int, int], ...] = CALIBRATION_DECODE,
+                    prefill_batches: tuple[tuple[int, int], ...] = CALIBRATION_PREFILL_BATCH,
+                    decode_steps: int = 8, max_num_batched_tokens: int = 2048) -> dict:
+    """The engine alone (no transformers baseline), prefix caching off, warmed up:
+    `prefill_tok_s` of one cold request at each length in `prefill_lens` (chunked at
+    `max_num_batched_tokens`, as a worker runs it; median of `repeats` runs),
+    `prefill_batch_s`, the seconds of one step prefilling `batch` cold sequences of `tokens`
+    each (median of `repeats`), and `decode_step_ms_grid`, the median step time of a
+    decode-only batch of `batch` sequences of `context` prompt tokens each over
+    repeats x decode_steps steps (the first one left out). `raypd simulate --gpu cpu-here`
+    fits its prefill and decode costs to these (raypd/sim/cost_model.py cpu_cost_model)."""
+    if threads:
+        torch.set_num_threads(threads)
+    max_batch = max(b for b, _ in decode_points)
+    need = max(max(prefill_lens) + 2, max(b * (c + decode_steps + 8) for b, c in decode_points))
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device,
+                                    num_blocks=-(-need // 16) + max_batch + 16, block_size=16,
+                                    max_num_batched_tokens=max_num_batched_tokens,
+                                    max_num_seqs=max(64, max_batch),
+                                    enable_prefix_caching=False))
+    rng = random.Random(0)
+    vocab = min(engine.info.vocab_size, 30000)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+    stats = engine.get_stats()
+    out: dict = {"model": model, "calibration": True, "threads": torch.get_num_threads(),
+                 "dtype": engine.info.dtype, "kv_dtype": engine.kv_dtype, "repeats": repeats,
+                 "device": stats["device"], "device_name": stats["device_name"],
+                 "max_num_batched_tokens": max_num_batched_tokens,
+                 "evidence": "gpu-measured" if stats["device"] == "cuda" else "cpu-measured"}
+    _engine_run(engine, [prompt(64) for _ in range(4)], [4] * 4)   # warm-up
+    out["prefill_tok_s"] = {}
+    for n in prefill_lens:
+        p = prompt(n)
+        _engine_run(engine, [p], [1])
+        out["prefill_tok_s"][str(n)] = n / _median(lambda p=p: _engine_run(engine, [p], [1])[0],
+                                                   repeats)
+    out["prefill_batch_s"] = []
+    for b, n in prefill_batches:
+        assert b * n <= max_num_batched_tokens, "one step per point"
+        ps = [prompt(n) for _ in range(b)]
+        _engine_run(engine, ps, [1] * b)
+        out["prefill_batch_s"].append({"batch": b, "tokens": n, "step_s": _median(
+            lambda ps=ps: _engine_run(engine, ps, [1] * len(ps))[0], repeats)})
+    grid = []
+    for b, c in decode_points:   # one prefill per point, then repeats x decode_steps steps
+        steps = _engine_run(engine, [prompt(c) for _ in range(b)],
+                            [repeats * decode_steps + 2] * b)[3]
+        grid.append({"batch": b, "context": c, "step_ms": 1e3 * statistics.median(steps[1:])})
+    out["decode_step_ms_grid"] = grid
+    for b in (1, 16):   # the two points every cost model reads (at the shortest context)
+        pts = [g for g in grid if g["batch"] == b]
+        if pts:
+            out[f"decode_step_ms_b{b}"] = min(pts, key=lambda g: g["context"])["step_ms"]
+    engine.check_invariants()
+    return out

@@ -1,0 +1,232 @@
+"""`raypd bench ...`: every benchmark's flags and handler (the benchmarks themselves live in
+raypd/bench/, imported only when their command runs). Each prints JSON and writes it with --json;
+the keys are the benchmark's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from raypd.cli.common import add_device_args, emit
+from raypd.cli.simulate import add_bench_routing_parser
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (JSON output)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="paged engine vs transformers generate(), side by side")
+    be.add_argument("--model", default="smollm2",
+                    help="smollm2, tiny, a local folder, or random:llama3-8b (random weights "
+                    "of that shape; only the engine's own figures)")
+    be.add_argument("--quick", action="store_true")
+    be.add_argument("--threads", type=int, default=None)
+    be.add_argument("--dtype", default="auto", help="weights: auto | float32 | bfloat16")
+    be.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    be.add_argument("--lora", type=int, default=0, metavar="N",
+                    help="also compare a batch spread over the base and N random LoRA adapters "
+                    "with a base-only batch (lora_throughput_ratio)")
+    be.add_argument("--lora-only", action="store_true", help="with --lora: only that figure")
+    be.add_argument("--calibration", action="store_true",
+                    help="only the engine's prefill tok/s vs length and decode step time vs "
+                    "batch and context that `raypd simulate --gpu cpu-here --engine-json` fits "
+                    "(no transformers baseline; ~5 min; measured in this process, while "
+                    "`simulate --validate` measures it in a Ray task placed like the workers)")
+    add_device_args(be)
+    be.add_argument("--json", metavar="PATH")
+    be.set_defaults(func=cmd_bench_engine)
+
+    bc = bsub.add_parser("chaos", help="inject faults during a replay; count losses and leaks "
+                         "(exit 1 unless: 0 lost, 0 leaked, 0 mismatches, every corrupt "
+                         "transfer detected, >= 90%% ok)")
+    bc.add_argument("--kills", type=int, default=5,
+                    help="how many faults of each kind (kills included)")
+    bc.add_argument("--faults", default="kill",
+                    help="comma-separated: kill,corrupt,delay,drop_ack,abort")
+    bc.add_argument("--deadline-s", type=float, default=120.0,
+                    help="every request must have ended by this many seconds after it started")
+    bc.add_argument("--model", default="tiny")
+    bc.add_argument("--requests", type=int, default=100)
+    bc.add_argument("--max-tokens", type=int, default=32)
+    bc.add_argument("--transport", default="object_store")
+    bc.add_argument("--seed", type=int, default=0)
+    bc.add_argument("--json", metavar="PATH")
+    bc.set_defaults(func=cmd_bench_chaos)
+
+    add_bench_routing_parser(bsub)
+    add_bench_transfer_parser(bsub)
+    add_bench_disagg_parser(bsub)
+    add_bench_badinput_parser(bsub)
+    add_bench_kv_quality_parser(bsub)
+    add_bench_capacity_parser(bsub)
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from raypd.bench.engine import run_calibration, run_engine_bench
+    if args.calibration:
+        return emit(run_calibration(model=args.model, threads=args.threads, dtype=args.dtype,
+                                     repeats=args.repeats, device=args.device or "auto"), args)
+    return emit(run_engine_bench(model=args.model, quick=args.quick, threads=args.threads,
+                                  dtype=args.dtype, repeats=args.repeats, lora=args.lora,
+                                  lora_only=args.lora_only, device=args.device or "auto",
+                                  cuda_graphs=not args.no_cuda_graphs), args)
+
+
+def cmd_bench_chaos(args: argparse.Namespace) -> int:
+    from raypd.bench.chaos import run_chaos_bench
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    result = run_chaos_bench(kills=args.kills, faults=faults, model=args.model,
+                             requests=args.requests, max_tokens=args.max_tokens,
+                             transport=args.transport, seed=args.seed,
+                             deadline_s=args.deadline_s)
+    emit(result, args)
+    met = (result["requests_lost"] == 0 and result["leaked_blocks"] == 0
+           and result["greedy_mismatches"] == 0
+           and result["corrupt_transfers_detected"] == result["corrupt_transfers_injected"]
+           and result["requests_ok"] >= 0.9 * result["requests_total"])
+    return 0 if met else 1
+
+
+def cmd_bench_kv_quality(args: argparse.Namespace) -> int:
+    quick = args.quick
+    from raypd.bench.kv_quality import run_kv_quality
+    result = run_kv_quality(
+        model=args.model, kv_dtype=args.kv_dtype, dtype=args.dtype,
+        text_tokens=256 if quick else args.text_tokens, chunk=64 if quick else 256,
+        prompts=4 if quick else 32, prompt_tokens=32 if quick else 64,
+        max_tokens=8 if quick else 64, threads=args.threads,
+        thresholds=_gate_thresholds(args.max_ppl_delta_pct, args.min_greedy_agreement),
+        record=not quick)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+def add_bench_kv_quality_parser(bsub) -> None:
+    from workers.kv_gate import GateThresholds
+    p = bsub.add_parser("kv-quality", help="quantized KV pool vs full precision: perplexity, "
+                        "greedy agreement, KL; records the gate `raypd serve` enforces")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--kv-dtype", default="int8", choices=["int8", "fp8"])
+    p.add_argument("--dtype", default="auto", help="weights: auto | float32 | bfloat16")
+    p.add_argument("--text-tokens", type=int, default=2048)
+    p.add_argument("--max-ppl-delta-pct", type=float, default=GateThresholds.max_ppl_delta_pct)
+    p.add_argument("--min-greedy-agreement", type=float,
+                   default=GateThresholds.min_greedy_agreement)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="tiny settings (smoke test, not recorded)")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(func=cmd_bench_kv_quality)
+
+
+def cmd_bench_capacity(args: argparse.Namespace) -> int:
+    quick = args.quick
+    from raypd.bench.capacity import render_html, run_capacity
+    r = run_capacity(args.model, args.kv_dtype, args.budget_gb, args.block_size,
+                     args.shared_frac,
+                     contexts=[256, 512, 1024] if quick else None,
+                     concurrencies=[1, 4, 16, 64] if quick else None,
+                     tpot_contexts=[256] if quick else None, threads=args.threads)
+    text = json.dumps(r, indent=2)
+    print(json.dumps(r["headline"], indent=2))
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    if args.html:
+        Path(args.html).write_text(render_html(r))
+    return 0
+
+
+def add_bench_capacity_parser(bsub) -> None:
+    from kvcache.kv_sizing import KV_DTYPE_BYTES
+    p = bsub.add_parser("capacity", help="KV growth vs context and concurrency: plain cache, "
+                        "paged pool, paged + prefix sharing; max concurrency in a budget")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", *KV_DTYPE_BYTES])
+    p.add_argument("--budget-gb", type=float, default=1.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--shared-frac", type=float, default=0.5,
+                   help="fraction of each context that is the shared system prompt")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="few points (smoke test)")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--html", metavar="PATH")
+    p.set_defaults(func=cmd_bench_capacity)
+
+
+def add_bench_badinput_parser(bsub) -> None:
+    from raypd.bench.badinput import CATALOGUE
+    p = bsub.add_parser("badinput", help="run the bad-input catalogue against a server")
+    p.add_argument("--url", required=True, help="the server's HTTP base URL")
+    p.add_argument("--grpc", metavar="HOST:PORT", help="its gRPC ingress (else gRPC cases skip)")
+    p.add_argument("--keys-file", metavar="FILE",
+                   help="the server's API keys file (names admin, acme, globex, slow); without "
+                        "it the key cases skip and requests carry no key")
+    p.add_argument("--catalogue", default=str(CATALOGUE), metavar="FILE")
+    p.add_argument("--slow-wait-s", type=float, default=15.0,
+                   help="how long a stalling client waits (above server.limits timeouts)")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(func=cmd_bench_badinput)
+
+
+def cmd_bench_badinput(args: argparse.Namespace) -> int:
+    from raypd.bench.badinput import Target, load_catalogue, read_keys, run_catalogue
+    t = Target(args.url.rstrip("/"), args.grpc,
+               read_keys(args.keys_file) if args.keys_file else {}, args.slow_wait_s)
+    result = run_catalogue(t, load_catalogue(args.catalogue))
+    text = json.dumps({k: v for k, v in result.items() if k != "results"}, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["clean"] == result["cases"] else 1
+
+
+def cmd_bench_disagg(args: argparse.Namespace) -> int:
+    from raypd.bench.disagg import run_bench_disagg
+    return emit(run_bench_disagg(quick=args.quick, model=args.model), args)
+
+
+def add_bench_disagg_parser(bsub) -> argparse.ArgumentParser:
+    """Register `bench disagg` on the `bench` subparsers."""
+    p = bsub.add_parser("disagg", help="mixed load: 1 prefill + 1 decode vs 2 colocated workers")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--quick", action="store_true", help="a shorter, lighter load (~2 min)")
+    p.add_argument("--json", metavar="PATH", help="also write the JSON here")
+    p.set_defaults(func=cmd_bench_disagg)
+    return p
+
+
+def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from raypd.bench.transfer import run_bench_transfer, run_gpu_transfer_bench
+    if args.device == "cuda":
+        result = run_gpu_transfer_bench(model=args.model or "random:llama3-8b",
+                                        ttft_prompt_tokens=args.ttft_prompt_tokens or 4096)
+        emit(result, args)
+        return 1 if "error" in result else 0
+    return emit(run_bench_transfer(quick=args.quick, model=args.model or "smollm2",
+                                    ttft_prompt_tokens=args.ttft_prompt_tokens or 2048), args)
+
+
+def add_bench_transfer_parser(bsub) -> argparse.ArgumentParser:
+    """Register `bench transfer` on the `bench` subparsers."""
+    p = bsub.add_parser("transfer", help="KV transport GB/s vs memcpy; transfer share of TTFT; "
+                                         "bytes a decode-side prefix hit saves")
+    p.add_argument("--model", default=None, help="model of the TTFT / delta clusters "
+                   "(default smollm2; with --device cuda: random:llama3-8b)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: cuda_ipc between GPU actors vs a device copy_, TTFT share on a "
+                   "GPU (see the module doc)")
+    p.add_argument("--ttft-prompt-tokens", type=int, default=None,
+                   help="prompt length of the TTFT share (default 2048; cuda: 4096)")
+    p.add_argument("--quick", action="store_true",
+                   help="sizes 1, 16, 64 MiB; TTFT on shm only")
+    p.add_argument("--json", metavar="PATH", help="also write the JSON here")
+    p.set_defaults(func=cmd_bench_transfer)
+    return p
+
+
+
+def _gate_thresholds(max_ppl_delta_pct: float, min_greedy_agreement: float):
+    from workers.kv_gate import GateThresholds
+    return GateThresholds(max_ppl_delta_pct, min_greedy_agreement)

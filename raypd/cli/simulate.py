@@ -1,0 +1,275 @@
+"""`raypd simulate TRACE ...` (one cluster simulation, or `--plan` over cluster sizes: JSON, a
+text summary, an HTML page), `raypd route-sim` (the routing simulator on one trace) and the
+flags of `raypd bench routing`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import html
+import json
+import sys
+from pathlib import Path
+
+from raypd.cli.common import emit
+from raypd.replay.mooncake import WorkloadError, load_trace
+from raypd.sim.cost_model import GPUS, LINKS, MODELS, CostModel, cpu_cost_model, gpu_cost_model
+from raypd.sim.routing_sim import SimConfig, simulate
+from router.policies import DEFAULT_POLICY, POLICIES, make_policy
+
+GPU_CHOICES = (*GPUS, "cpu-here")
+SIM_DEFAULTS = SimConfig()
+
+
+def register(sub) -> None:
+    add_simulate_parser(sub)
+    add_route_sim_parser(sub)
+
+
+def cost_model_of(args: argparse.Namespace) -> CostModel:
+    if args.gpu == "cpu-here":
+        engine = None
+        if args.engine_json is not None:
+            try:
+                engine = json.loads(Path(args.engine_json).read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"--engine-json {args.engine_json}: {e}") from None
+            missing = [k for k in ("prefill_tok_s", "decode_step_ms_b1", "decode_step_ms_b16")
+                       if k not in engine]
+            if missing:
+                raise ValueError(f"--engine-json {args.engine_json}: no {missing[0]!r} (a "
+                                 "`raypd bench engine --json` file is needed)")
+        return cpu_cost_model(engine)
+    return gpu_cost_model(args.gpu, args.model or "llama3-8b", args.link)
+
+
+def _html(title: str, rows: list[dict], notes: dict) -> str:
+    keys = list(rows[0]) if rows else []
+    head = "".join(f"<th>{html.escape(str(k))}</th>" for k in keys)
+    body = "".join("<tr>" + "".join(
+        f"<td>{html.escape(f'{r[k]:.4g}' if isinstance(r[k], float) else str(r[k]))}</td>"
+        for k in keys) + "</tr>" for r in rows)
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
+            "</title><style>body{font-family:sans-serif}td,th{border:1px solid #ccc;"
+            "padding:2px 6px}table{border-collapse:collapse}</style></head><body>"
+            f"<h1>{html.escape(title)}</h1><table><tr>{head}</tr>{body}</table>"
+            f"<pre>{html.escape(json.dumps(notes, indent=1, default=str))}</pre></body></html>")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from raypd.sim.cluster_sim import ClusterConfig, simulate_cluster
+    from raypd.sim.planner import parse_gpus, plan_text, run_plan
+
+    try:
+        cost = cost_model_of(args)
+        if args.validate:
+            if args.gpu != "cpu-here":
+                raise ValueError("--validate compares with a real cluster here: use "
+                                 "--gpu cpu-here (--engine-json optional)")
+            from raypd.bench.sim_validation import validate
+            # without --engine-json the calibration is measured here first, right before the
+            # replay (raypd/bench/sim_validation.py)
+            result = validate(cost if args.engine_json is not None else None)
+            print(json.dumps(result, indent=2, default=str))
+            if args.json is not None:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+            return 0
+        if args.trace is None:
+            raise ValueError("a TRACE is needed (except with --validate)")
+        trace = load_trace(args.trace, limit=args.limit)
+        if not trace:
+            raise ValueError(f"{args.trace}: the trace is empty")
+        if args.plan:
+            plan = run_plan(trace, cost, parse_gpus(args.gpus), args.slo_ttft, args.slo_tpot,
+                            requests_per_16=args.plan_requests)
+            text = plan_text(plan)
+            print(text)
+            result, rows = plan, [
+                {"gpus": g, "config": k, **{x: v for x, v in r.items()
+                                            if isinstance(v, int | float | str | bool)}}
+                for g, s in plan["sizes"].items() for k, r in s["configs"].items()]
+            title = "raypd simulate --plan"
+        else:
+            cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode,
+                                colocated=args.colocated, policy=args.policy,
+                                slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
+            result = simulate_cluster(trace, cost, cfg, args.rate_scale)
+            result["label"] = f"simulated ({cost.label})"
+            result["trace"] = str(args.trace)
+            print(json.dumps({k: v for k, v in result.items() if k != "cost_model"},
+                             indent=2, default=str))
+            rows = [{k: v for k, v in result.items() if isinstance(v, int | float | str)}]
+            title = f"raypd simulate {args.trace}"
+    except (WorkloadError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cost.notes.get("source", "").startswith("no bench engine"):
+        print("note: cpu-here without --engine-json uses stated defaults "
+              "(raypd/sim/cost_model.py CPU_DEFAULTS)", file=sys.stderr)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if args.html is not None:
+        args.html.parent.mkdir(parents=True, exist_ok=True)
+        args.html.write_text(_html(title, rows, {"cost_model": cost.to_dict(),
+                                                 "label": result.get("label")}))
+    return 0
+
+
+def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "simulate", help="cluster simulator: P/D pools, transfer, SLO goodput; --plan sweeps",
+        description="Simulate a prefill/decode cluster on a Mooncake-format trace with the "
+                    "production policies, prefix index and block pools (raypd/sim/cluster_sim.py)")
+    p.add_argument("trace", type=Path, nargs="?", default=None,
+                   help="Mooncake-format JSONL trace (not needed with --validate)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill GPUs/workers")
+    p.add_argument("--decode", type=int, default=1, help="decode GPUs/workers")
+    p.add_argument("--colocated", action="store_true",
+                   help="--prefill GPUs that each prefill and decode (no transfer)")
+    p.add_argument("--gpu", choices=GPU_CHOICES, default="h100",
+                   help="cost model: GPU roofline, or cpu-here (from --engine-json)")
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="model shape for the GPU roofline (default llama3-8b)")
+    p.add_argument("--link", choices=sorted(LINKS), default="400g",
+                   help="P -> D link for the GPU roofline (default %(default)s)")
+    p.add_argument("--engine-json", type=Path, default=None,
+                   help="`raypd bench engine --json` output measured here (cpu-here)")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="locality")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, s")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT SLO, s")
+    p.add_argument("--rate-scale", type=float, default=1.0,
+                   help="multiply the trace's request rate (default %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    p.add_argument("--plan", action="store_true",
+                   help="sweep P:D ratios and policies per cluster size (--gpus)")
+    p.add_argument("--gpus", default="16..256", help="plan sizes: LOW..HIGH (doublings) or "
+                                                     "a list (default %(default)s)")
+    p.add_argument("--plan-requests", type=int, default=800,
+                   help="requests per 16 GPUs in the plan's replay (default %(default)s)")
+    p.add_argument("--validate", action="store_true",
+                   help="a short replay on a real 1P+1D cluster here against the simulator "
+                        "(cpu-here, calibrated here first unless --engine-json is given): "
+                        "sim_vs_real_error")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH")
+    p.add_argument("--html", type=Path, default=None, metavar="PATH")
+    p.set_defaults(func=cmd_simulate)
+    return p
+
+
+
+
+def _add_sim_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--capacity-blocks", type=int, default=SIM_DEFAULTS.capacity_blocks,
+                   help="prefix-cache blocks per prefill worker (default %(default)s)")
+    p.add_argument("--block-tokens", type=int, default=SIM_DEFAULTS.block_tokens,
+                   help="tokens a trace block stands for; input lengths scale with it "
+                        "(default %(default)s)")
+    p.add_argument("--prefill-tok-s", type=float, default=SIM_DEFAULTS.prefill_tok_s,
+                   help="prefill rate of a worker at zero context, tokens/s (default %(default)s)")
+    p.add_argument("--overhead-s", type=float, default=SIM_DEFAULTS.overhead_s,
+                   help="fixed seconds per prefill request (default %(default)s)")
+    p.add_argument("--attn-ctx-tokens", type=float, default=SIM_DEFAULTS.attn_ctx_tokens,
+                   help="context at which attention doubles a token's cost; 0: linear "
+                        "(default %(default)s)")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="also write the result here")
+
+
+def _sim_config(args: argparse.Namespace, num_workers: int = 8) -> SimConfig:
+    return SimConfig(num_workers=num_workers, capacity_blocks=args.capacity_blocks,
+                     block_tokens=args.block_tokens, prefill_tok_s=args.prefill_tok_s,
+                     overhead_s=args.overhead_s, attn_ctx_tokens=args.attn_ctx_tokens,
+                     index_mode=getattr(args, "index", SIM_DEFAULTS.index_mode),
+                     approx_ttl_s=getattr(args, "approx_ttl_s", SIM_DEFAULTS.approx_ttl_s))
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def cmd_route_sim(args: argparse.Namespace) -> int:
+    """Handler of `route-sim`: replay the trace, print the JSON report (exit 2 on bad input)."""
+    try:
+        _positive("--prefill-workers", args.prefill_workers)
+        _positive("--capacity-blocks", args.capacity_blocks)
+        _positive("--block-tokens", args.block_tokens)
+        _positive("--prefill-tok-s", args.prefill_tok_s)
+        cfg = _sim_config(args, args.prefill_workers)
+        policy_cfg = {}
+        if args.policy == "locality" and args.ttft_slo_s is not None:
+            policy_cfg["ttft_slo_s"] = args.ttft_slo_s
+        policy = make_policy(args.policy, **policy_cfg)
+        requests = load_trace(args.trace, limit=args.limit)
+        result = simulate(requests, policy, cfg)
+    except (WorkloadError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result["trace"] = str(args.trace)
+    emit(result, args)
+    return 0
+
+
+def cmd_bench_routing(args: argparse.Namespace) -> int:
+    """Handler of `bench routing`: the full benchmark (or --quick), printed as JSON."""
+    from raypd.bench.routing import BENCH_CONFIG, run_routing_bench  # numpy-heavy; only when asked
+
+    try:
+        cfg = dataclasses.replace(BENCH_CONFIG, prefill_tok_s=args.prefill_tok_s,
+                                  overhead_s=args.overhead_s,
+                                  attn_ctx_tokens=args.attn_ctx_tokens)
+        only = tuple(args.workloads.split(",")) if args.workloads else None
+        result = run_routing_bench(args.trace, quick=args.quick, config=cfg, only=only,
+                                   seed=args.seed)
+    except (WorkloadError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    emit(result, args)
+    return 0
+
+
+def add_route_sim_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `route-sim TRACE --policy P --prefill-workers N --capacity-blocks C ...`."""
+    p = subparsers.add_parser(
+        "route-sim", help="replay a Mooncake trace through the router's index and policies",
+        description="Replay a Mooncake-format trace (timestamp, input_length, output_length, "
+                    "hash_ids) through the prefix index and a routing policy, with prefill "
+                    "workers that each hold an LRU cache of C blocks (no model).")
+    p.add_argument("trace", type=Path, help="Mooncake-format JSONL trace")
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                   help="routing policy (default %(default)s)")
+    p.add_argument("--prefill-workers", type=int, default=8,
+                   help="number of prefill workers (default %(default)s)")
+    _add_sim_options(p)
+    p.add_argument("--index", choices=("precise", "approx"), default=SIM_DEFAULTS.index_mode,
+                   help="prefix index fed by KV events, or predicted from routing with a TTL")
+    p.add_argument("--approx-ttl-s", type=float, default=SIM_DEFAULTS.approx_ttl_s,
+                   help="TTL of the approximate index's entries (default %(default)s)")
+    p.add_argument("--ttft-slo-s", type=float, default=None,
+                   help="locality only: reject (429) requests whose best estimated TTFT "
+                        "exceeds this")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.set_defaults(func=cmd_route_sim)
+    return p
+
+
+def add_bench_routing_parser(bench_subparsers, name: str = "routing") -> argparse.ArgumentParser:
+    """Register `bench routing [--trace PATH] [--quick] --json PATH` under `raypd bench`."""
+    p = bench_subparsers.add_parser(
+        name, help="routing policies side by side on five workloads, decision latency")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="Mooncake trace (default ../shared/traces/mooncake_synthetic_trace.jsonl"
+                        " beside the repository, or $RAYPD_SHARED_DIR/traces/...)")
+    p.add_argument("--quick", action="store_true",
+                   help="about a quarter of each workload, fewer latency samples")
+    p.add_argument("--workloads", default=None, metavar="A,B",
+                   help="only these workloads (default: all of raypd/sim/workloads.py; "
+                        "block size and cache capacity are each workload's own)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="draw the synthesized workloads with this seed (default: each "
+                        "workload's own; the shared trace is unchanged)")
+    _add_sim_options(p)
+    p.set_defaults(func=cmd_bench_routing)
+    return p

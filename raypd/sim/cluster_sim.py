@@ -1,0 +1,466 @@
+"""Cluster simulator: prefill pools, decode pools with continuous batching and KV capacity, the
+P -> D transfer on a link model, decode-first admission and 429 on an unmeetable SLO, driven by
+the production policies through load reports (raypd/sim/routing_sim.py's workers and report cadence).
+
+One request: decode-first admission (the policy's choose_decode on decode workers' reports;
+blocks for prompt + output reserved in D's real BlockPool, or the request waits; it is shed when
+it has waited past the TTFT SLO) -> the policy's choose_prefill on prefill reports (locality
+with the TTFT SLO sheds early: SLOUnmeetable = 429) -> P's chunked prefill (raypd/sim/routing_sim.py
+SimWorker: prefix cache in a real BlockPool; each step batches the waiting prefills first come,
+first served up to the token budget, as the engine does) -> transfer of the KV D lacks over D's
+link (FIFO per D) -> D's running batch, one token a step (step time by the decode cost model of the batch
+and its context) until the output is done; D frees the blocks.
+
+TTFT = first token at the client = P's prefill done + transfer (D streams from there); TPOT =
+(finish - first token) / (output - 1). A request attains the SLO when TTFT <= slo_ttft and
+TPOT <= slo_tpot; goodput = attained requests / s of the trace span (shed ones fail).
+
+Shared host (`shared_host=True`, cpu-here's 1P+1D validation): prefill i and decode i share
+cores and memory; a decode step overlapping a prefill step runs cost.shared_host.decode_x
+times slower over the overlap, a prefill step prefill_x times slower while decode i's batch
+(as estimated when the step starts, the decodes prefill i has just finished included) lasts.
+
+Colocated mode (`colocated=True`): `num_prefill` GPUs that each prefill and decode; prefill
+steps have priority (the decode batch waits while a prefill step runs: the interference
+DistServe measures), the prefix cache and the decode KV split the GPU's KV memory in half.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from kvcache.block_pool import BlockPool
+from kvcache.hashing import BlockHash
+from protocol.errors import RoutingRejected
+from protocol.messages import LoadReport
+from raypd.sim.cost_model import CostModel
+from raypd.sim.routing_sim import (
+    SimRequest,
+    SimWorker,
+    as_sim_requests,
+    namespace_root,
+    trace_hashes,
+)
+from router.percentiles import percentile
+from router.policies import BasePolicy, Locality, RoutingRequest, WorkerState, make_policy
+from router.prefix_index import PrefixIndex
+from router.transfer_rates import TransferRates
+from router.worker_view import REPORT_INTERVAL_S, apply_load_report, note_decode, note_prefill
+
+
+@dataclass
+class ClusterConfig:
+    num_prefill: int = 1
+    num_decode: int = 1
+    colocated: bool = False          # num_prefill GPUs doing both; num_decode ignored
+    policy: str = "locality"
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.1
+    block_tokens: int = 512          # KV block = one trace block (hash id) on P and D alike
+    report_interval_s: float = REPORT_INTERVAL_S
+    report_rpc_s: float = 0.002
+    max_decode_batch: int = 256
+    shed_on_slo: bool = True         # locality rejects (429) a request it cannot serve in SLO
+    shared_host: bool = False        # prefill i and decode i share a host (cost.shared_host)
+
+    def validate(self) -> None:
+        if self.num_prefill < 1 or (not self.colocated and self.num_decode < 1):
+            raise ValueError("--prefill and --decode must be >= 1")
+        if self.shared_host and (self.colocated or self.num_prefill != self.num_decode):
+            raise ValueError("shared_host pairs prefill i with decode i: equal pool sizes, "
+                             "not colocated")
+        if self.slo_ttft_s <= 0 or self.slo_tpot_s <= 0:
+            raise ValueError("--slo-ttft and --slo-tpot must be > 0")
+
+
+class _Seq:
+    __slots__ = ("rid", "left", "ctx", "first_s", "blocks")
+
+    def __init__(self, rid: int, left: int, ctx: int, first_s: float, blocks: list) -> None:
+        self.rid, self.left, self.ctx, self.first_s, self.blocks = rid, left, ctx, first_s, blocks
+
+
+class DecodeSim:
+    """One decode worker (or the decode half of a colocated GPU): continuous batching, advanced
+    in jumps between batch changes. `prefill`: the worker whose prefill steps slow it down,
+    decode running at `busy_rate` of its speed while one runs (0, colocated: the GPU is the
+    prefill's; 1 / decode_x on a shared host)."""
+
+    def __init__(self, worker_id: str, cost: CostModel, capacity_blocks: int,
+                 max_batch: int, prefill: SimWorker | None = None,
+                 busy_rate: float = 0.0) -> None:
+        assert 0.0 <= busy_rate <= 1.0
+        self.worker_id = worker_id
+        self.cost = cost
+        self.pool = BlockPool(capacity_blocks, enable_prefix_caching=False)
+        self.max_batch = max_batch
+        self.running: list[_Seq] = []
+        self.joins: list[tuple[float, int, _Seq]] = []     # heap of (time, seq no, seq)
+        self.now = 0.0
+        self.carry = 0.0
+        self.link_free_at = 0.0
+        self.finished: list[tuple[int, float, float]] = []  # (rid, first token, finish)
+        self.prefill = prefill          # colocated: the same GPU's prefill; shared host: its neighbour
+        self.busy_rate = busy_rate
+        self._busy_i = 0
+        self._n = 0
+
+    def _busy_steps(self):
+        if self.prefill is None:
+            return []
+        return self.prefill.step_log
+
+    def _free_time(self, a: float, b: float) -> float:
+        """Seconds of decode progress in [a, b): full speed outside prefill steps, busy_rate
+        inside them."""
+        if b <= a:
+            return 0.0
+        steps = self._busy_steps()
+        free = b - a
+        i = self._busy_i
+        while i < len(steps) and steps[i][1] <= a:
+            i += 1
+        self._busy_i = i
+        while i < len(steps) and steps[i][0] < b:
+            s, e = steps[i]
+            free -= (1.0 - self.busy_rate) * max(0.0, min(e, b) - max(s, a))
+            i += 1
+        return max(free, 0.0)
+
+    def _time_after(self, a: float, need: float) -> float:
+        """Wall time at which `need` seconds of decode progress have passed since a."""
+        steps = self._busy_steps()
+        if not steps:
+            return a + need
+        t, i = a, self._busy_i
+        while i < len(steps) and steps[i][1] <= t:
+            i += 1
+        while True:
+            if i >= len(steps) or steps[i][0] >= t + need:
+                return t + need
+            s, e = steps[i]
+            if s > t:
+                need -= s - t
+                t = s
+            # inside the step [t, e): progress at busy_rate
+            if self.busy_rate > 0 and (e - t) * self.busy_rate >= need:
+                return t + need / self.busy_rate
+            need -= (e - t) * self.busy_rate
+            t = e
+            i += 1
+
+    def busy_until(self, t: float, extra: Sequence[tuple[float, int, int]] = ()) -> float:
+        """When the decode work this worker has by t ends (t: none), estimated from where it
+        has been advanced to: each running sequence from now, each joined one from its join,
+        plus `extra` (start, tokens, context) sequences about to join, their tokens at the
+        step time of all of them together, no slowdown counted (the prefill step asking is
+        what would slow it)."""
+        seqs = [(self.now, s.left, s.ctx) for s in self.running]
+        seqs += [(max(at, self.now), s.left, s.ctx) for at, _, s in self.joins if at <= t]
+        seqs += [x for x in extra if x[0] <= t]
+        if not seqs:
+            return t
+        dt = self.cost.decode.step_s(len(seqs), sum(c for _, _, c in seqs))
+        return max(t, max(start + left * dt for start, left, _ in seqs))
+
+    def join(self, at: float, seq: _Seq) -> None:
+        self._n += 1
+        heapq.heappush(self.joins, (at, self._n, seq))
+
+    def advance(self, t: float) -> None:
+        """Run decode steps until time t."""
+        while self.now < t:
+            nxt = self.joins[0][0] if self.joins else math.inf
+            horizon = min(t, nxt)
+            if self.running:
+                batch = len(self.running)
+                ctx = sum(s.ctx for s in self.running)
+                dt = self.cost.decode.step_s(batch, ctx)
+                kmin = min(s.left for s in self.running)
+                end = self._time_after(self.now, kmin * dt - self.carry)
+                if end <= horizon:
+                    k, self.now, self.carry = kmin, end, 0.0
+                else:
+                    avail = self._free_time(self.now, horizon) + self.carry
+                    k = int(avail // dt)
+                    self.carry = avail - k * dt
+                    self.now = horizon
+                if k:
+                    for s in self.running:
+                        s.left -= k
+                        s.ctx += k
+                    done = [s for s in self.running if s.left <= 0]
+                    if done:
+                        self.running = [s for s in self.running if s.left > 0]
+                        for s in done:
+                            self.finished.append((s.rid, s.first_s, self.now))
+                            self.pool.free(s.blocks)
+                    continue
+            else:
+                self.now, self.carry = horizon, 0.0
+            while self.joins and self.joins[0][0] <= self.now:
+                _, _, seq = heapq.heappop(self.joins)
+                if seq.left <= 0:
+                    self.finished.append((seq.rid, seq.first_s, seq.first_s))
+                    self.pool.free(seq.blocks)
+                else:
+                    self.running.append(seq)
+
+    def report(self) -> LoadReport:
+        ctx = sum(s.ctx for s in self.running)
+        waiting = sum(s.ctx for _, _, s in self.joins)
+        return LoadReport(self.worker_id, running_tokens=ctx + waiting,
+                          num_requests=len(self.running) + len(self.joins),
+                          active_blocks=self.pool.num_used_blocks,
+                          free_blocks=self.pool.num_free_blocks,
+                          total_blocks=self.pool.num_blocks, decode_batch=len(self.running),
+                          decode_step_s=self.cost.decode.step_s(len(self.running), ctx),
+                          kv_bytes_per_token=self.cost.kv_bytes_per_token)
+
+
+def _slowed(start: float, step_s: float, busy_until: float, x: float) -> float:
+    """Duration of a prefill step of `step_s` alone that starts at `start` on a host whose
+    decode worker is busy until `busy_until`: 1/x of its speed while the decode runs."""
+    overlap = busy_until - start
+    if overlap <= 0 or x <= 1.0:
+        return step_s
+    if step_s * x <= overlap:
+        return step_s * x
+    return overlap + step_s - overlap / x
+
+
+class ClusterSim:
+    def __init__(self, cost: CostModel, cfg: ClusterConfig,
+                 policy: BasePolicy | None = None) -> None:
+        cfg.validate()
+        self.cost, self.cfg = cost, cfg
+        self.policy = policy or make_policy(
+            cfg.policy, **({"ttft_slo_s": cfg.slo_ttft_s}
+                           if cfg.policy == "locality" and cfg.shed_on_slo else {}))
+        bt = cfg.block_tokens
+        total_blocks = max(1, cost.kv_capacity_tokens // bt)
+        if cfg.colocated:
+            half = max(1, total_blocks // 2)
+            self.prefill = [SimWorker(f"gpu-{i}", half, cost, 4, log_steps=True)
+                            for i in range(cfg.num_prefill)]
+            self.decode = [DecodeSim(f"gpu-{i}", cost, half, cfg.max_decode_batch, p)
+                           for i, p in enumerate(self.prefill)]
+        elif cfg.shared_host:   # P i and D i on one host: each slows the other (measured;
+            sh = cost.shared_host  # the prefill side is set in `run`, which knows the requests)
+            self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, log_steps=True)
+                            for i in range(cfg.num_prefill)]
+            self.decode = [DecodeSim(f"decode-{i}", cost, total_blocks, cfg.max_decode_batch,
+                                     p, 1.0 / sh.decode_x) for i, p in enumerate(self.prefill)]
+        else:
+            self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4)
+                            for i in range(cfg.num_prefill)]
+            self.decode = [DecodeSim(f"decode-{i}", cost, total_blocks, cfg.max_decode_batch)
+                           for i in range(cfg.num_decode)]
+        self.p_states = {w.worker_id: WorkerState(w.worker_id) for w in self.prefill}
+        self.d_states = {w.worker_id: WorkerState(w.worker_id) for w in self.decode}
+        self.index = PrefixIndex()
+        for w in self.prefill:
+            self.index.add_worker(w.worker_id)
+        self.rates = TransferRates()
+        self._transfers_done: list[tuple[float, str, str, int, float]] = []
+        self._tick = -1
+
+    @property
+    def num_gpus(self) -> int:
+        return self.cfg.num_prefill if self.cfg.colocated else \
+            self.cfg.num_prefill + self.cfg.num_decode
+
+    def _reports(self, now: float) -> None:
+        tick = int(now / self.cfg.report_interval_s)
+        if tick <= self._tick:
+            return
+        self._tick = tick
+        at = tick * self.cfg.report_interval_s - self.cfg.report_rpc_s
+        done = self._transfers_done
+        while done and done[0][0] <= at:
+            _, p, d, nbytes, seconds = heapq.heappop(done)
+            self.rates.observe(p, d, nbytes, seconds)
+        for w in self.prefill:
+            rep = w.report(at)
+            self.index.apply(w.worker_id, rep.events)
+            apply_load_report(self.p_states[w.worker_id], rep, at)
+        for d in self.decode:
+            apply_load_report(self.d_states[d.worker_id], d.report(), at)
+
+    def run(self, requests: Sequence[SimRequest], hashes=None) -> dict:
+        cfg, cost, bt = self.cfg, self.cost, self.cfg.block_tokens
+        reqs = list(requests)
+        hashes = trace_hashes(reqs) if hashes is None else hashes
+        roots: dict[tuple[str, str], BlockHash] = {}
+        p_by_id = {w.worker_id: w for w in self.prefill}
+        d_by_id = {d.worker_id: d for d in self.decode}
+        ttft: dict[int, float] = {}
+        arrival: dict[int, float] = {}
+        out_len: dict[int, int] = {}
+        shed = {"slo_reject": 0, "admission_timeout": 0, "too_large": 0}
+        pending: deque[int] = deque()
+        transferred_bytes = 0
+        if cfg.shared_host:   # P i's step beside D i's batch, and the decodes P i just finished
+            x = cost.shared_host.prefill_x
+            for p, d in zip(self.prefill, self.decode, strict=True):
+                def slowed(t: float, step_s: float, p=p, d=d) -> float:
+                    soon = [(f, reqs[j].output_tokens - 1, reqs[j].num_tokens)
+                            for f, (j, _, did, _) in p.finished_by(t) if did == d.worker_id]
+                    return _slowed(t, step_s, d.busy_until(t, soon), x)
+                p.slowed = slowed
+
+        def try_admit(j: int, now: float) -> bool:
+            """Decode-first: reserve on D, route to P, schedule prefill, transfer and decode.
+            False: no decode worker has room now (the request keeps waiting)."""
+            r, hs = reqs[j], hashes[j]
+            req = RoutingRequest(str(j), hs, r.num_tokens, bt, r.tenant, r.output_tokens,
+                                 arrival_s=now, lora=r.lora)
+            d_states = [self.d_states[d.worker_id] for d in self.decode]
+            if cfg.colocated:
+                d_states = [s for s in d_states if s.free_blocks >= math.ceil(
+                    (r.num_tokens + r.output_tokens) / bt)]
+                if not d_states:
+                    return False
+            try:
+                dd = self.policy.choose_decode(req, d_states, {})
+            except RoutingRejected:
+                return False
+            dsim = d_by_id[dd.worker_id]
+            need = math.ceil((r.num_tokens + r.output_tokens) / bt)
+            if need > dsim.pool.num_free_blocks:   # the report was stale: D refuses
+                return False
+            blocks = dsim.pool.allocate(need)
+            note_decode(self.d_states[dd.worker_id], req, dd)
+            p_states = [self.p_states[w.worker_id] for w in self.prefill]
+            if cfg.colocated:   # prefill on the GPU that decodes it
+                p_states = [self.p_states[dd.worker_id]]
+            for st in p_states:
+                st.transfer_gbps_to = self.rates.from_worker(st.worker_id)
+            req = RoutingRequest(str(j), hs, r.num_tokens, bt, r.tenant, r.output_tokens,
+                                 arrival_s=now, lora=r.lora, decode_worker=dd.worker_id)
+            try:
+                pd = self.policy.choose_prefill(req, p_states, self.index.match(hs))
+            except RoutingRejected:
+                dsim.pool.free(blocks)
+                shed["slo_reject"] += 1
+                return True
+            note_prefill(self.p_states[pd.worker_id], req, pd, Locality.pooled_fit(p_states),
+                         now)
+            key = (r.tenant, r.lora)
+            root = roots.get(key) or roots.setdefault(key, namespace_root(*key))
+            p_by_id[pd.worker_id].serve(hs, root, r.hash_ids, r.num_tokens, now, bt, r.lora,
+                                        tag=(j, pd.worker_id, dd.worker_id, blocks))
+            return True
+
+        def prefills_done(t: float) -> None:
+            """Form the prefill steps that start by t; every prefill that ended by t (in
+            finish order) goes on to its transfer and its decode worker."""
+            nonlocal transferred_bytes
+            done = sorted((x for w in self.prefill for x in w.advance(t)), key=lambda x: x[0])
+            for finish, (j, pid, did, blocks) in done:
+                r, dsim = reqs[j], d_by_id[did]
+                first = finish
+                if not cfg.colocated:
+                    nbytes = r.num_tokens * cost.kv_bytes_per_token
+                    start = max(finish, dsim.link_free_at)
+                    first = start + cost.link.seconds(nbytes)
+                    dsim.link_free_at = first
+                    # the router measures a transfer when it ends, not before
+                    heapq.heappush(self._transfers_done, (first, pid, did, nbytes, first - start))
+                    transferred_bytes += nbytes
+                ttft[j] = first - arrival[j]
+                dsim.join(first, _Seq(j, r.output_tokens - 1, r.num_tokens, first, blocks))
+
+        last = 0.0
+        for j, r in enumerate(reqs):
+            now = r.timestamp_s
+            arrival[j] = now
+            out_len[j] = r.output_tokens
+            last = now
+            prefills_done(now)
+            for d in self.decode:
+                d.advance(now)
+            self._reports(now)
+            while pending:               # waiting admissions first (FIFO)
+                k = pending[0]
+                if now - arrival[k] > cfg.slo_ttft_s:
+                    pending.popleft()
+                    shed["admission_timeout"] += 1
+                    continue
+                if not try_admit(k, now):
+                    break
+                pending.popleft()
+            if math.ceil((r.num_tokens + r.output_tokens) / cfg.block_tokens) > \
+                    self.decode[0].pool.num_blocks:
+                shed["too_large"] += 1
+                continue
+            if pending or not try_admit(j, now):
+                pending.append(j)
+        t = last
+        while pending:                   # drain the admission queue on report ticks
+            t += cfg.report_interval_s
+            prefills_done(t)
+            for d in self.decode:
+                d.advance(t)
+            self._reports(t)
+            k = pending[0]
+            if t - arrival[k] > cfg.slo_ttft_s:
+                pending.popleft()
+                shed["admission_timeout"] += 1
+            elif try_admit(k, t):
+                pending.popleft()
+        prefills_done(math.inf)
+        for d in self.decode:
+            d.advance(math.inf)
+        return self._result(reqs, arrival, out_len, ttft, shed, transferred_bytes)
+
+    def _result(self, reqs, arrival, out_len, ttft, shed, transferred_bytes) -> dict:
+        cfg = self.cfg
+        tpot: dict[int, float] = {}
+        for d in self.decode:
+            for rid, first, fin in d.finished:
+                n = out_len[rid]
+                tpot[rid] = (fin - first) / (n - 1) if n > 1 else 0.0
+        self.ttft_s, self.tpot_s = dict(ttft), dict(tpot)   # per request, for validation
+        served = [j for j in ttft if j in tpot]
+        good = [j for j in served if ttft[j] <= cfg.slo_ttft_s and tpot[j] <= cfg.slo_tpot_s]
+        span = max(arrival.values()) - min(arrival.values()) if arrival else 0.0
+        n = len(reqs)
+        tt = [ttft[j] for j in served]
+        tp = [tpot[j] for j in served if out_len[j] > 1]
+        return {
+            "num_requests": n, "served": len(served), "shed": dict(shed),
+            "shed_total": sum(shed.values()),
+            "ttft_p50_s": percentile(tt, 50, 0.0), "ttft_p99_s": percentile(tt, 99, 0.0),
+            "tpot_p50_s": percentile(tp, 50, 0.0), "tpot_p99_s": percentile(tp, 99, 0.0),
+            "slo_attainment": len(good) / n if n else 0.0,
+            "goodput_rps": len(good) / span if span > 0 else float(len(good)),
+            "goodput_rps_per_gpu": (len(good) / span if span > 0 else float(len(good)))
+            / self.num_gpus,
+            "num_gpus": self.num_gpus, "transfer_gb": transferred_bytes / 1e9,
+            "transfer_gbps_measured": self.rates.to_dict() if len(self.rates.pairs) <= 8
+            else {"pairs": len(self.rates.pairs)},
+            "config": asdict(cfg),
+        }
+
+
+def cluster_requests(requests, cfg: ClusterConfig, rate_scale: float = 1.0) -> list[SimRequest]:
+    """Trace rows as SimRequests (prompt lengths as recorded), arrivals divided by
+    `rate_scale` (2.0 = twice the request rate)."""
+    out = as_sim_requests(requests, cfg.block_tokens)
+    t0 = out[0].timestamp_s if out else 0.0
+    return [r._replace(timestamp_s=(r.timestamp_s - t0) / rate_scale,
+                       output_tokens=max(1, r.output_tokens)) for r in out]
+
+
+def simulate_cluster(requests, cost: CostModel, cfg: ClusterConfig,
+                     rate_scale: float = 1.0) -> dict:
+    reqs = cluster_requests(requests, cfg, rate_scale)
+    res = ClusterSim(cost, cfg).run(reqs)
+    res["cost_model"] = cost.to_dict()
+    res["rate_scale"] = rate_scale
+    return res

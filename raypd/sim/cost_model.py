@@ -1,0 +1,306 @@
+"""The simulator's hidden cost model: what a prefill step, a decode step, a KV transfer and an
+adapter load cost. Only the simulator charges time with it; policies never see it (they see the
+workers' load reports, whose speeds the simulated workers fit from the steps charged here).
+
+Prefill step (chunks of (new tokens u, tokens computed before c); T = sum(u)):
+    fit_s = step_overhead_s + T / tok_s + step_tok_sq_s * T^2
+            + sum(u * (c + u/2)) / (tok_s * attn_ctx_tokens)
+(the T^2 term lets a calibration with batched prefill steps tell a step's size from
+per-sequence attention, which one sequence a step cannot; on this machine's calibrations it
+fitted to 0, the batched points going to the attention term; 0 on the GPU rooflines).
+With a measured table `solo_s` (seconds of one cold sequence of n tokens alone: cpu-here),
+a chunk alone costs what the table says (interpolated: S(c + u) - S(c) + overhead, S(0) =
+overhead; tokens past the table at the fit's cost) and a step of several chunks the sum of those
+times fit_s(step) / sum(fit_s(chunk alone)): solo costs measured, batching from the fit
+(on this machine the per-token cost is flat to 512 tokens and then rises faster than the
+fit's form can follow: the fit came out 8-10% short at 1024 tokens in three calibrations).
+Decode step of `batch` sequences holding `ctx` tokens in all:
+    step_s = base_s + per_seq_s * batch + per_ctx_token_s * ctx
+Transfer of n bytes over a link: latency_s + n / (gbps * 1e9).
+Shared host (`SharedHost`, cpu-here: a prefill and a decode worker on the same cores and
+memory): a decode step that overlaps a prefill step runs `decode_x` times slower over the
+overlap, a prefill step `prefill_x` times slower while the decode worker's batch lasts;
+`raypd simulate --validate` measures both on the real cluster before its replay
+(raypd/bench/sim_validation.py probe_shared_host); 1.0 elsewhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    tok_s: float = 8_000.0             # linear-layer rate at zero context
+    attn_ctx_tokens: float = 32_768.0  # context at which a token costs twice as much; 0: off
+    step_overhead_s: float = 0.02      # fixed cost of one prefill step
+    chunk_tokens: int = 8192           # chunked prefill: new tokens per step at most
+    step_tok_sq_s: float = 0.0         # seconds per (step tokens)^2
+
+    solo_s: tuple[tuple[int, float], ...] = ()   # (n, s) one cold sequence alone, measured
+
+    def prefill_s(self, num_tokens: int, num_cached_tokens: int = 0) -> float:
+        """Chunked prefill of tokens [num_cached_tokens, num_tokens) alone on a worker."""
+        t, done = 0.0, num_cached_tokens
+        while done < num_tokens:
+            c = min(self.chunk_tokens, num_tokens - done)
+            t += self.step_s([(c, done)])
+            done += c
+        return t
+
+    def step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        fit = self.fit_s(chunks)
+        if not self.solo_s or not chunks:
+            return fit
+        solo = sum(self._solo_chunk_s(u, c) for u, c in chunks)
+        if len(chunks) == 1:
+            return solo
+        return solo * fit / sum(self.fit_s([ch]) for ch in chunks)
+
+    def _solo_curve(self, n: float) -> float:
+        """Seconds of one cold sequence of n tokens alone, n within the table: linear between
+        its points and from (0, overhead) (cpu_cost_model makes the table monotone)."""
+        xs = [0] + [p[0] for p in self.solo_s]
+        ys = [self.step_overhead_s] + [p[1] for p in self.solo_s]
+        assert 0 <= n <= xs[-1], (n, xs[-1])
+        i = min(bisect.bisect_right(xs, n), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    def _solo_chunk_s(self, u: int, c: int) -> float:
+        """Chunk of u new tokens after c: the table's S(c + u) - S(c) for the part within the
+        table, the fit's cost of the same tokens at their context past it, one overhead."""
+        last, end = self.solo_s[-1][0], c + u
+        t = self.step_overhead_s
+        if c < last:
+            t += self._solo_curve(min(end, last)) - self._solo_curve(c)
+        if end > last:
+            b0 = max(c, last)
+            t += self.fit_s([(end - b0, b0)]) - self.step_overhead_s
+        return t
+
+    def fit_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """The fitted form alone (module doc)."""
+        t = self.step_overhead_s
+        total = sum(u for u, _ in chunks)
+        t += self.step_tok_sq_s * total * total
+        for u, c in chunks:
+            t += u / self.tok_s
+            if self.attn_ctx_tokens > 0:
+                t += u * (c + u / 2.0) / (self.tok_s * self.attn_ctx_tokens)
+        return t
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    base_s: float = 0.008
+    per_seq_s: float = 0.0002
+    per_ctx_token_s: float = 2e-8
+
+    def step_s(self, batch: int, ctx_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        return self.base_s + self.per_seq_s * batch + self.per_ctx_token_s * ctx_tokens
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    gbps: float = 25.0
+    latency_s: float = 0.0005
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / (self.gbps * 1e9) if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SharedHost:
+    """Slowdowns of a prefill and a decode worker sharing one host (module doc); 1.0: none."""
+    prefill_x: float = 1.0
+    decode_x: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_x >= 1.0 and self.decode_x >= 1.0):
+            raise ValueError(f"shared-host slowdowns are >= 1: {self}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    label: str = "synthetic"
+    prefill: PrefillCost = PrefillCost()
+    decode: DecodeCost = DecodeCost()
+    link: LinkCost = LinkCost()
+    kv_bytes_per_token: int = 46_080   # SmolLM2-135M, fp32 (2 x 30 layers x 3 kv heads x 64 x 4)
+    kv_capacity_tokens: int = 4_194_304   # KV tokens one worker's pool holds
+    lora_load_s: float = 0.2
+    shared_host: SharedHost = SharedHost()
+    notes: dict = field(default_factory=dict)   # where the figures come from (stated in output)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def scaled(self, prefill_k: float, decode_k: float) -> CostModel:
+        """The same shapes with every prefill second x prefill_k and every decode second x
+        decode_k (re-anchoring a calibration's level to a later measurement)."""
+        assert prefill_k > 0 and decode_k > 0, (prefill_k, decode_k)
+        p, d = self.prefill, self.decode
+        return replace(self, prefill=replace(
+            p, tok_s=p.tok_s / prefill_k, step_overhead_s=p.step_overhead_s * prefill_k,
+            step_tok_sq_s=p.step_tok_sq_s * prefill_k,
+            solo_s=tuple((n, t * prefill_k) for n, t in p.solo_s)),
+            decode=replace(d, base_s=d.base_s * decode_k, per_seq_s=d.per_seq_s * decode_k,
+                           per_ctx_token_s=d.per_ctx_token_s * decode_k))
+
+
+# ---- where the figures come from: GPU rooflines and this machine's own measurements --------
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    params: float          # parameters
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+
+MODELS = {
+    "smollm2-135m": ModelShape("smollm2-135m", 134.5e6, 30, 576, 3, 64, 2),
+    "llama3-8b": ModelShape("llama3-8b", 8.03e9, 32, 4096, 8, 128, 2),
+}
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    bf16_tflops: float     # dense
+    hbm_tbps: float
+    hbm_gb: float
+
+
+GPUS = {
+    "h100": GPUSpec("h100", 989.0, 3.35, 80.0),    # SXM5
+    "h200": GPUSpec("h200", 989.0, 4.8, 141.0),
+}
+LINKS = {  # GB/s one way, latency s
+    "nvlink": LinkCost(450.0, 5e-6),
+    "pcie5": LinkCost(64.0, 1e-5),
+    "400g": LinkCost(50.0, 2e-5),
+}
+# efficiency factors of the roofline (stated in every output that uses it)
+ROOFLINE_EFFICIENCY = {"prefill_mfu": 0.5, "decode_mbu": 0.7, "decode_mfu": 0.4,
+                       "link_efficiency": 0.8, "step_overhead_s": 0.003,
+                       "kv_memory_fraction": 0.9}
+
+
+def gpu_cost_model(gpu: str = "h100", model: str = "llama3-8b", link: str = "400g",
+                   chunk_tokens: int = 8192) -> CostModel:
+    """Roofline: prefill is compute-bound at prefill_mfu of the bf16 peak (2 x params FLOPs a
+    token for the linear layers, 4 x layers x hidden x context a token for attention); a decode
+    step reads the weights and the batch's KV at decode_mbu of the HBM bandwidth, plus its
+    linear FLOPs at decode_mfu, plus a fixed step overhead; the KV pool is kv_memory_fraction of what the weights
+    leave of HBM; P -> D transfers on `link` at link_efficiency."""
+    g, m, e = GPUS[gpu], MODELS[model], ROOFLINE_EFFICIENCY
+    flops = g.bf16_tflops * 1e12 * e["prefill_mfu"]
+    tok_s = flops / (2 * m.params)
+    # attention FLOPs a token at context c: 4 * layers * hidden * c; equal to the linear part
+    # (2 * params) at c = params / (2 * layers * hidden)
+    attn_ctx = m.params / (2 * m.layers * m.hidden)
+    bw = g.hbm_tbps * 1e12 * e["decode_mbu"]
+    per_ctx = m.kv_bytes_per_token / bw
+    base = max(m.weight_bytes / bw, 0.0) + e["step_overhead_s"]
+    per_seq = 2 * m.params / (g.bf16_tflops * 1e12 * e["decode_mfu"])
+    lk = LINKS[link]
+    kv_tokens = int((g.hbm_gb * 1e9 - m.weight_bytes) * e["kv_memory_fraction"]
+                    / m.kv_bytes_per_token)
+    return CostModel(
+        label=f"roofline {gpu} {model}",
+        prefill=PrefillCost(tok_s, attn_ctx, e["step_overhead_s"], chunk_tokens),
+        decode=DecodeCost(base, per_seq, per_ctx),
+        link=LinkCost(lk.gbps * e["link_efficiency"], lk.latency_s),
+        kv_bytes_per_token=m.kv_bytes_per_token, kv_capacity_tokens=kv_tokens,
+        notes={"gpu": asdict(g), "model": asdict(m), "link": link,
+               "efficiency": dict(e), "source": "roofline"})
+
+
+# stated defaults for cpu-here when no `raypd bench engine` JSON is given (SmolLM2-135M, fp32,
+# one core here, measured once by hand; see the output's notes)
+CPU_DEFAULTS = {"prefill_tok_s": {"128": 900.0, "512": 1000.0, "2048": 700.0},
+                "decode_step_ms_b1": 14.0, "decode_step_ms_b16": 40.0,
+                "step_overhead_ms": 2.0}
+
+
+def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m",
+                   kv_capacity_tokens: int = 65_536, chunk_tokens: int = 2048) -> CostModel:
+    """This machine, from `raypd bench engine` JSON: prefill seconds fitted to its prefill
+    tok/s at each prompt length (overhead + linear + attention terms; one sequence's cost
+    from the measured table itself, `PrefillCost.solo_s`), decode step time fitted
+    to its `decode_step_ms_grid` (`bench engine --calibration`: batch and context) or, from a
+    plain bench, its batch-1 and batch-16 step times; without a JSON, CPU_DEFAULTS (said in the
+    notes)."""
+    from kvcache.kv_sizing import KV_DTYPE_BYTES
+    from protocol.step_rates import nnls
+
+    src = bench_engine or CPU_DEFAULTS
+    rows, ys = [], []
+    for n, tok_s in src["prefill_tok_s"].items():   # one sequence of n tokens
+        n = int(n)
+        rows.append((1.0, n, n * n / 2.0, float(n * n)))
+        ys.append(n / float(tok_s))
+    batched = src.get("prefill_batch_s") or []       # b sequences of n tokens, one step
+    for p in batched:
+        b, n = p["batch"], p["tokens"]
+        rows.append((1.0, b * n, b * n * n / 2.0, float((b * n) ** 2)))
+        ys.append(p["step_s"])
+    sq = 0.0
+    if batched and len(rows) >= 4:   # attention (per sequence) and step size apart
+        c0, c1, c2, sq = nnls(rows, ys)
+    elif len(rows) >= 3:     # overhead, linear and attention terms need three lengths
+        c0, c1, c2 = nnls([r[:3] for r in rows], ys)
+    else:                    # fewer (a --quick bench): the mean rate only, said in the notes
+        c0, c1, c2 = 0.0, 0.0, 0.0
+    c1 = c1 or sum(ys) / sum(r[1] for r in rows)
+    grid = src.get("decode_step_ms_grid")
+    if grid:   # `bench engine --calibration`: step time vs batch and context, fitted
+        base, per_seq, per_ctx = nnls([(1.0, g["batch"], g["batch"] * g["context"])
+                                       for g in grid], [g["step_ms"] / 1e3 for g in grid])
+    else:      # two batch sizes at one context: no context term
+        t1, t16 = src["decode_step_ms_b1"] / 1e3, src["decode_step_ms_b16"] / 1e3
+        per_seq = max(0.0, (t16 - t1) / 15)
+        base, per_ctx = max(t1 - per_seq, 0.0), 0.0
+    m = MODELS[model]
+    solo, top = [], c0     # one step each, made monotone (a noisy point never makes the
+    for n, t in sorted((int(n), int(n) / float(v)) for n, v in src["prefill_tok_s"].items()
+                       if int(n) <= chunk_tokens):   # tokens after it cheaper than nothing)
+        top = max(top, t)
+        solo.append((n, top))
+    return CostModel(
+        label="cpu-here " + ("measured" if bench_engine else "stated defaults"),
+        prefill=PrefillCost(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0, chunk_tokens, sq,
+                            tuple(solo)),
+        decode=DecodeCost(base, per_seq, per_ctx),
+        link=LinkCost(1.0, 0.002),   # KV in the calibrated pool's dtype (fp32 if unsaid)
+        kv_bytes_per_token=m.kv_bytes_per_token * KV_DTYPE_BYTES.get(
+            src.get("kv_dtype", "float32"), 4) // m.dtype_bytes,
+        kv_capacity_tokens=kv_capacity_tokens,
+        notes={"prefill_fit": "overhead + linear + step tokens^2 + attention" if batched else
+               "overhead + linear + attention" if len(rows) >= 3 else
+               f"mean rate only ({len(rows)} prompt length(s) measured)",
+               "source": "raypd bench engine JSON" if bench_engine else
+               "no bench engine JSON given: stated defaults CPU_DEFAULTS", "inputs": {
+                   k: src[k] for k in ("prefill_tok_s", "prefill_batch_s", "decode_step_ms_b1",
+                                       "decode_step_ms_b16", "decode_step_ms_grid")
+                   if k in src},
+               "decode_fit": "base + per_seq x batch + per_ctx_token x context" if grid else
+               "base + per_seq x batch (no context term: two batch sizes measured)",
+               "link": "object store on one host: 1 GB/s, 2 ms (stated)",
+               "solo_prefill": "one sequence: the measured prefill_tok_s table, interpolated"})

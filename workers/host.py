@@ -1,0 +1,336 @@
+"""EngineHost: what a prefill and a decode worker actor share: one engine, its lock, the loop
+thread that steps it, the per-request output queues, and the load report the router polls.
+
+Actor methods run in Ray's thread pool (max_concurrency > 1); they touch the engine only under
+`self._lock`, and the loop thread steps the engine under the same lock. A request's progress
+reaches its caller through a per-request queue. The roles: workers/prefill_host.py (P: prefill
+and stage the plan's pages) and workers/decode_host.py (D: admit, land the pages, decode and
+stream). The P/D flow is driven by router/orchestrator.py; its messages are protocol/messages.py's
+and the handoff's state machine is workers/kv_handoff.py. Fault injection (chaos, tests) wraps
+these hosts from workers/faults.py; it is not in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, replace
+from typing import Any
+
+import ray
+
+from protocol.errors import StepFailed
+from protocol.ledger import HandoffLedger, Hold
+from protocol.messages import HoldRelease, LoadReport
+from protocol.step_rates import StepRates
+from workers.engine import EngineConfig, LLMEngine, StepOutput
+from workers.metrics import WorkerMetrics
+
+DONE = object()   # the last item of a request's output queue
+
+
+class EngineHost:
+    """The engine, its lock, its loop thread and the per-request output queues."""
+
+    role = "worker"
+
+    def __init__(self, worker_id: str, engine_cfg: dict, transport: str = "object_store",
+                 transport_cfg: dict | None = None, lease_s: float = 30.0) -> None:
+        cfg = EngineConfig(**engine_cfg)
+        self.worker_id = worker_id
+        self.engine = LLMEngine(cfg)
+        self.transport_name = transport
+        self._transport_cfg = {"worker_id": worker_id, **(transport_cfg or {})}
+        self._lock = threading.RLock()
+        # callers waiting for the engine lock (`_call_lock`): the loop lets them in before its
+        # next step (the lock is not fair: the loop would win it back, and a prompt that
+        # arrived during a step could miss the next one while a later one made it)
+        self._callers = 0
+        self._callers_cv = threading.Condition()
+        self._doorway_s = 0.05          # the loop waits at most this long for them
+        self._work = threading.Event()
+        self._queues: dict[str, queue.Queue] = {}
+        self._stop = False
+        self._loop_error: str | None = None
+        self.metrics = WorkerMetrics(self.role, worker_id)
+        self._transfer_failures = 0
+        self._report_lock = threading.Lock()          # guards the two fields below only
+        self._events_out: list = []                   # KV events not yet reported
+        self._released_out: list[HoldRelease] = []    # ledger releases not yet reported
+        self._snapshot = LoadReport(worker_id)        # load as of the last step
+        self.incarnation = uuid.uuid4().hex[:8]       # a restarted actor has a new one
+        self.ledger = HandoffLedger(on_release=self._note_release)
+        self._step_started: float | None = None       # monotonic start of the running step
+        self._step_failures = 0                        # steps that raised (their requests failed)
+        self.rates = StepRates()                       # measured prefill / decode speed
+
+    def _start_loop(self) -> None:
+        """Called last by each subclass constructor, once every field the loop reads exists."""
+        with self._lock:
+            self._publish()
+        self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- loop --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        """Step the engine while there is work. A step that raises fails its own requests
+        (`_fail_step`) and the loop goes on; if the loop itself breaks, the process exits so
+        that Ray restarts the actor and the router retries its requests elsewhere."""
+        try:
+            while not self._stop:
+                self._work.wait(timeout=0.1)
+                with self._callers_cv:     # callers who waited through the last step go first
+                    self._callers_cv.wait_for(lambda: self._callers == 0,
+                                              timeout=self._doorway_s)
+                with self._lock:
+                    self._before_step()
+                    self._housekeeping()
+                    self.metrics.maybe_update(self.stats)
+                    self._publish()
+                    if not self.engine.has_unfinished():
+                        self._work.clear()
+                        continue
+                    self._step_started = time.monotonic()
+                    before = step_snapshot(self.engine)
+                    try:
+                        loading_s = self.engine.lora_load_s_total()
+                        outputs = self._run_step()
+                        loading_s = self.engine.lora_load_s_total() - loading_s
+                        # adapter loads are reported on their own (lora_load_s), not as
+                        # prefill or decode speed
+                        observe_step(self.rates, before,
+                                      time.monotonic() - self._step_started - loading_s)
+                    except Exception as e:   # noqa: BLE001 - only this step's requests fail
+                        outputs = self._fail_step(e)
+                    finally:
+                        self._step_started = None
+                    if self.engine.stalled:   # blocks held by reservations / leases:
+                        self._work.clear()              # wait for new work, or 0.1 s
+                    self._after_step(outputs)
+                    self._publish()
+                for out in outputs:
+                    self._deliver(out)
+        except BaseException as e:   # noqa: BLE001 - the loop is gone: let Ray restart us
+            self._loop_error = f"{type(e).__name__}: {e}"
+            print(f"{self.worker_id}: engine loop failed ({self._loop_error}); exiting so "
+                  f"that the actor restarts", file=sys.stderr, flush=True)
+            os._exit(70)
+
+    def _before_step(self) -> None:
+        """Under the lock, in the loop, before each engine step (a hook: workers/faults.py
+        breaks the loop here)."""
+
+    def _run_step(self) -> list[StepOutput]:
+        """One engine step (a hook: workers/faults.py stalls or fails it)."""
+        return self.engine.step()
+
+    @contextlib.contextmanager
+    def _call_lock(self):
+        """The engine lock for an actor call that adds work (a prompt, an admission, landed
+        pages): counted while it waits, so that the loop lets it in before its next step."""
+        with self._callers_cv:
+            self._callers += 1
+            self._callers_cv.notify_all()
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._callers_cv:
+                self._callers -= 1
+                self._callers_cv.notify_all()
+
+    def _fail_step(self, error: Exception) -> list[StepOutput]:
+        """Under the lock, after engine.step() raised: the requests of that step (the running
+        batch) end with StepFailed and their blocks are freed; nothing else is touched."""
+        msg = (f"{self.worker_id}: engine step failed ({type(error).__name__}: {error}); "
+               f"the requests of this step were ended")
+        print(msg, file=sys.stderr, flush=True)
+        self._step_failures += 1
+        self.engine.abort_running()
+        # the step's requests, and any it finished before raising (their output is lost);
+        # a caller that already has its end stops there and never reads this
+        for rid, q in list(self._queues.items()):
+            if rid not in self.engine.requests:
+                q.put(StepFailed(msg))
+        return []
+
+    def _housekeeping(self) -> None:
+        """Periodic work under the lock (lease expiry on prefill workers)."""
+
+    def _after_step(self, outputs: list[StepOutput]) -> None:
+        """Under the lock, in the loop thread, right after a step and before the next one
+        (prefill workers stage finished prefills here)."""
+
+    def _deliver(self, out: StepOutput) -> None:
+        if out.finished:
+            self.metrics.observe_finished(out.request.lifecycle)
+        q = self._queues.get(out.request.request_id)
+        if q is None:
+            return
+        if out.new_token_ids:
+            q.put(list(out.new_token_ids))
+        if out.finished:
+            q.put(DONE)
+
+    def _open_queue(self, request_id: str) -> queue.Queue:
+        q: queue.Queue = queue.Queue()
+        self._queues[request_id] = q
+        return q
+
+    def _next(self, q: queue.Queue, timeout: float) -> Any:
+        item = q.get(timeout=timeout)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    # ---- common methods ----------------------------------------------------------------------
+    def info(self) -> dict:
+        e = self.engine
+        return {"worker_id": self.worker_id, "role": self.role,
+                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "num_blocks": e.pool_counts()["total"], "block_size": e.cfg.block_size,
+                "kv_bytes_per_token": e.kv_bytes_per_token, "model_id": e.info.model_id,
+                "vocab_size": e.info.vocab_size, "max_model_len": e.max_model_len,
+                "namespace": asdict(e.namespace), "transport": self.transport_name,
+                "device": e.device.type}
+
+    def tokenize(self, prompt: Any, chat: bool = False) -> list[int]:
+        return self.engine.tokenize(prompt, chat)
+
+    def stats(self) -> dict:
+        with self._lock:
+            d = self.engine.get_stats()
+            d.update(self.engine.pool_counts())
+            d.update(worker_id=self.worker_id, role=self.role, loop_error=self._loop_error,
+                     step_failures=self._step_failures)
+            return d
+
+    def check_invariants(self) -> dict:
+        """Assert the block ledger and return its counts."""
+        with self._lock:
+            self.engine.check_invariants()
+            return self.engine.pool_counts()
+
+    def block_holders(self) -> dict[str, str]:
+        """Requests that reference blocks now: request id -> "<blocks> blocks, <state>"
+        (what a leak report names)."""
+        with self._lock:
+            return self.engine.block_holders()
+
+    def _note_release(self, hold: Hold) -> None:
+        with self._report_lock:
+            self._released_out.append(HoldRelease(hold.worker_id, hold.kind, hold.request_id,
+                                                  hold.released or ""))
+
+    def ledger_holds(self) -> list[Hold]:
+        """This worker's open handoff holds."""
+        return self.ledger.open_holds()
+
+    def _publish(self) -> None:
+        """Under the engine lock: move KV events and a load snapshot to where `load_report`
+        reads them, so a report never waits for an engine step (steps can take seconds)."""
+        e = self.engine
+        events = e.take_kv_events()
+        waiting, running_reqs = e.waiting_requests(), e.running_requests()
+        used, cached, free, total = e.pool_usage()
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        if self.role == "decode":
+            running = sum(r.num_tokens for r in running_reqs)
+        else:
+            running = sum(r.num_tokens - r.num_computed_tokens for r in running_reqs)
+        pfit, dfit = self.rates.prefill_fit(), self.rates.decode_fit()
+        queued_s = None
+        if pfit is not None:   # the worker's own estimate of its prefill work, by its own fit
+            queued_s = pfit.backlog_s([(r.num_tokens, r.num_computed_tokens)
+                                       for r in (*waiting, *running_reqs)
+                                       if prefilling(r)], e.cfg.max_num_batched_tokens)
+        decoding = [r for r in running_reqs if not prefilling(r)]
+        step_s = dfit.step_s(len(decoding), sum(r.num_tokens for r in decoding)) \
+            if dfit is not None and decoding else 0.0
+        snap = LoadReport(self.worker_id, queued_tokens=queued, running_tokens=running,
+                          num_requests=len(waiting) + len(running_reqs) + self._num_reserved(),
+                          active_blocks=used, cached_blocks=cached, free_blocks=free,
+                          total_blocks=total,
+                          queued_s=queued_s, prefill_fit=pfit, decode_fit=dfit,
+                          decode_batch=len(decoding), decode_step_s=step_s,
+                          kv_bytes_per_token=int(e.kv_bytes_per_token),
+                          incarnation=self.incarnation, reported_at=time.monotonic(),
+                          lora_slots=e.cfg.max_loras if e.cfg.lora_adapters else 0,
+                          **e.lora_load_report())
+        with self._report_lock:
+            self._events_out.extend(events)
+            self._snapshot = snap
+
+    def _num_reserved(self) -> int:
+        return 0
+
+    def load_report(self) -> LoadReport:
+        """KV events and ledger releases since the last report plus the load the router's
+        policies look at, as of the last step; `busy_for_s` says how long the current step has
+        run (a hung loop shows here, since this call never waits for the engine)."""
+        with self._report_lock:
+            events, self._events_out = self._events_out, []
+            released, self._released_out = self._released_out, []
+            snap = self._snapshot
+        started, now = self._step_started, time.monotonic()
+        return replace(snap, events=tuple(events), released=tuple(released),
+                       busy_for_s=now - started if started is not None else 0.0,
+                       age_s=max(0.0, now - snap.reported_at))
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            done = self.engine.abort(request_id)
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put(DONE)
+        return done
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (blocks in use stay); publishes an AllBlocksCleared event."""
+        with self._lock:
+            self.engine.reset_prefix_cache()
+
+    def ping(self) -> str:
+        return self.worker_id
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._work.set()
+
+
+def prefilling(req: Any) -> bool:
+    """Computing prompt tokens (a full prefix hit still computes its last prompt token)."""
+    return req.is_prefill or not req.output_token_ids
+
+
+def step_snapshot(engine: LLMEngine) -> list[tuple[Any, int, bool]]:
+    """Before a step: (request, num_computed_tokens, is_prefill) of every scheduled request."""
+    return [(r, r.num_computed_tokens, prefilling(r))
+            for r in (*engine.running_requests(), *engine.waiting_requests())]
+
+
+def observe_step(rates: StepRates, before: list[tuple[Any, int, bool]], seconds: float) -> None:
+    """Feed one step to the worker's rate fits: a prefill-only step to the prefill fit, a
+    decode-only step to the decode fit; a step mixing both is left out of both."""
+    prefill, decode_ctx, decode_n = [], 0, 0
+    for req, computed, was_prefill in before:
+        new = req.num_computed_tokens - computed
+        if new <= 0:            # not scheduled this step (or preempted)
+            continue
+        if was_prefill:
+            prefill.append((new, computed))
+        else:
+            decode_n += 1
+            decode_ctx += req.num_computed_tokens
+    if prefill and not decode_n:
+        rates.observe_prefill(seconds, prefill)
+    elif decode_n and not prefill:
+        rates.observe_decode(seconds, decode_n, decode_ctx)
+
+
