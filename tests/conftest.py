@@ -21,14 +21,40 @@ assert "ray" not in sys.modules, "set Ray's environment before ray is imported"
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+RAY_METRICS_PORT = _free_port()   # the shared Ray's metrics agent (exports every second)
+
+
+def start_shared_ray() -> None:
+    """The local Ray instance modules share: its metrics agent serves on RAY_METRICS_PORT."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 _metrics_export_port=RAY_METRICS_PORT,
+                 _system_config={"metrics_report_interval_ms": 1000})
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     """One local Ray instance shared by every module that needs it (shut down at session end;
     a module that needs its own cluster shuts this one down first)."""
-    import ray
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_shared_ray()
     yield
+
+
+@pytest.fixture(scope="module")
+def metrics_port(ray_session):
+    """The shared Ray's metrics port (started by this fixture when no Ray runs, else the Ray
+    running must be the shared one)."""
+    import ray
+    assert ray.is_initialized()
+    yield RAY_METRICS_PORT
 
 
 def pytest_sessionfinish(session, exitstatus):

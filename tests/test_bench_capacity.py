@@ -35,7 +35,7 @@ def test_paged_rounds_up_to_blocks_and_prefix_sharing_stores_shared_blocks_once(
 
 def test_run_and_html_on_tiny(tmp_path):
     r = run_capacity("tiny", contexts=[256, 512], concurrencies=[1, 8], tpot_contexts=[],
-                     budget_gb=0.001)
+                     budget_gb=0.001, budgets_gb=(0.0005, 0.001))
     for s in ("plain_static", "plain", "paged", "paged_prefix"):
         assert len(r["peak_bytes_vs_context"][s]) == 2
     assert r["max_concurrency_in_budget"]["paged_prefix"][0] > \

@@ -6,7 +6,6 @@ import argparse
 import math
 
 import pytest
-import ray
 
 from raypd.bench.disagg import Workload, make_jobs, run_bench_disagg
 from raypd.bench.transfer import run_bench_transfer
@@ -18,14 +17,7 @@ TINY_LOAD = Workload(window_s=2.0, num_short=4, short_at_start=2, short_prompt=(
                      long_prompt=(256, 512), long_output=(2, 4))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 def _finite(result: dict, keys: list[str]) -> None:

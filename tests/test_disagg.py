@@ -34,28 +34,42 @@ def reference(tiny_reference):
     return run
 
 
+@pytest.fixture(scope="module")
+def shared_cluster():
+    """`shared_cluster(transport)`: one 1P+1D cluster of ENGINE per transport, shared by the
+    tests of this module that leave it as they found it (each ends with `_clean`)."""
+    clusters: dict[str, PDCluster] = {}
+
+    def get(transport: str = "object_store") -> PDCluster:
+        if transport not in clusters:
+            clusters[transport] = PDCluster(PDConfig(engine=ENGINE,
+                                                     flow=FlowConfig(transport=transport)))
+        return clusters[transport]
+    yield get
+    for c in clusters.values():
+        c.shutdown()
+
+
 def _clean(cluster: PDCluster) -> None:
     for counts in cluster.check_invariants():
         assert counts["referenced"] == 0, counts
 
 
 @pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "rdt", "cuda_ipc"])
-def test_disagg_matches_transformers_generate_for_every_transport(transport, reference):
-    cluster = PDCluster(PDConfig(engine=ENGINE, flow=FlowConfig(transport=transport)))
-    try:
-        results = cluster.generate(PROMPTS, GREEDY)
-        assert [r.error for r in results] == [None] * len(PROMPTS)
-        assert [r.token_ids for r in results] == reference(PROMPTS)
-        for r, p in zip(results, PROMPTS, strict=True):
-            lc = r.lifecycle
-            assert lc.transferred_blocks == -(-len(p) // 16) - lc.skipped_blocks
-            assert lc.transfer_bytes > 0 and lc.transfer_s > 0
-            assert lc.prefill_worker == "prefill-0" and lc.decode_worker == "decode-0"
-            assert lc.handoff_round_trips == 3      # admit, prefill, stream (pull + decode)
-            assert lc.router_overhead_ms >= 0
-        _clean(cluster)
-    finally:
-        cluster.shutdown()
+def test_disagg_matches_transformers_generate_for_every_transport(transport, reference,
+                                                               shared_cluster):
+    cluster = shared_cluster(transport)
+    results = cluster.generate(PROMPTS, GREEDY)
+    assert [r.error for r in results] == [None] * len(PROMPTS)
+    assert [r.token_ids for r in results] == reference(PROMPTS)
+    for r, p in zip(results, PROMPTS, strict=True):
+        lc = r.lifecycle
+        assert lc.transferred_blocks == -(-len(p) // 16) - lc.skipped_blocks
+        assert lc.transfer_bytes > 0 and lc.transfer_s > 0
+        assert lc.prefill_worker == "prefill-0" and lc.decode_worker == "decode-0"
+        assert lc.handoff_round_trips == 3      # admit, prefill, stream (pull + decode)
+        assert lc.router_overhead_ms >= 0
+    _clean(cluster)
 
 
 def test_rdt_many_concurrent_transfers_of_different_sizes(reference):
@@ -75,34 +89,31 @@ def test_rdt_many_concurrent_transfers_of_different_sizes(reference):
 
 
 @pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "rdt"])
-def test_prefix_hits_on_prefill_decode_and_both(transport, reference):
+def test_prefix_hits_on_prefill_decode_and_both(transport, reference, shared_cluster):
     first, second = SHARED + random_prompt(7, seed=5), SHARED + random_prompt(13, seed=6)
     expected = reference([first, second])
-    cluster = PDCluster(PDConfig(engine=ENGINE, flow=FlowConfig(transport=transport)))
+    cluster = shared_cluster(transport)
     p, d = cluster.prefill[0], cluster.decode[0]
-    try:
-        # forget the other side's cache between the two requests: a hit on P only, D only, both
-        for forget, p_hit, d_hit in [(d, True, False), (p, False, True), (None, True, True)]:
-            for w in (p, d):
-                ray.get(w.reset_prefix_cache.remote())
-            reused_before = ray.get(p.stats.remote())["reused_tokens"]
-            a = cluster.run_request(first, GREEDY)
-            if forget is not None:
-                ray.get(forget.reset_prefix_cache.remote())
-            b = cluster.run_request(second, GREEDY)
-            assert [a.token_ids, b.token_ids] == expected
-            assert a.lifecycle.skipped_blocks == 0
-            assert (b.lifecycle.skipped_blocks == 2) == d_hit
-            p_reused = ray.get(p.stats.remote())["reused_tokens"] - reused_before
-            assert (p_reused == 32) == p_hit, p_reused
-            if d_hit:   # delta transfer: only the blocks D lacks travel
-                assert b.lifecycle.transferred_blocks == 4 - 2
-                assert b.lifecycle.transfer_bytes < a.lifecycle.transfer_bytes
-            else:
-                assert b.lifecycle.transferred_blocks == 4
-            _clean(cluster)
-    finally:
-        cluster.shutdown()
+    # forget the other side's cache between the two requests: a hit on P only, D only, both
+    for forget, p_hit, d_hit in [(d, True, False), (p, False, True), (None, True, True)]:
+        for w in (p, d):
+            ray.get(w.reset_prefix_cache.remote())
+        reused_before = ray.get(p.stats.remote())["reused_tokens"]
+        a = cluster.run_request(first, GREEDY)
+        if forget is not None:
+            ray.get(forget.reset_prefix_cache.remote())
+        b = cluster.run_request(second, GREEDY)
+        assert [a.token_ids, b.token_ids] == expected
+        assert a.lifecycle.skipped_blocks == 0
+        assert (b.lifecycle.skipped_blocks == 2) == d_hit
+        p_reused = ray.get(p.stats.remote())["reused_tokens"] - reused_before
+        assert (p_reused == 32) == p_hit, p_reused
+        if d_hit:   # delta transfer: only the blocks D lacks travel
+            assert b.lifecycle.transferred_blocks == 4 - 2
+            assert b.lifecycle.transfer_bytes < a.lifecycle.transfer_bytes
+        else:
+            assert b.lifecycle.transferred_blocks == 4
+        _clean(cluster)
 
 
 def test_conditional_local_prefill(reference):
@@ -226,28 +237,25 @@ def test_decode_first_admission_waits_for_capacity(reference):
         cluster.shutdown()
 
 
-def test_streamed_deltas_add_up_to_the_final_text():
-    cluster = PDCluster(PDConfig(engine=ENGINE))
-    try:
-        free = cluster.run_request("stream me please", SamplingParams(max_tokens=16,
-                                                                      ignore_eos=True))
-        deltas: list[dict] = []
-        r = cluster.run_request("stream me please", SamplingParams(max_tokens=16,
-                                                                   ignore_eos=True),
-                                on_delta=deltas.append)
-        assert "".join(d.text for d in deltas) == r.text == free.text
-        assert [t for d in deltas for t in d.token_ids] == r.token_ids
-        stop = free.text[4:7]
-        if stop.strip():
-            deltas.clear()
-            s = cluster.run_request("stream me please", SamplingParams(
-                max_tokens=16, ignore_eos=True, stop=(stop,)), on_delta=deltas.append)
-            streamed = "".join(d.text for d in deltas)
-            assert streamed == s.text and stop not in streamed
-            assert s.lifecycle.finish_reason == "stop"
-        _clean(cluster)
-    finally:
-        cluster.shutdown()
+def test_streamed_deltas_add_up_to_the_final_text(shared_cluster):
+    cluster = shared_cluster()
+    free = cluster.run_request("stream me please", SamplingParams(max_tokens=16,
+                                                                  ignore_eos=True))
+    deltas: list[dict] = []
+    r = cluster.run_request("stream me please", SamplingParams(max_tokens=16,
+                                                               ignore_eos=True),
+                            on_delta=deltas.append)
+    assert "".join(d.text for d in deltas) == r.text == free.text
+    assert [t for d in deltas for t in d.token_ids] == r.token_ids
+    stop = free.text[4:7]
+    if stop.strip():
+        deltas.clear()
+        s = cluster.run_request("stream me please", SamplingParams(
+            max_tokens=16, ignore_eos=True, stop=(stop,)), on_delta=deltas.append)
+        streamed = "".join(d.text for d in deltas)
+        assert streamed == s.text and stop not in streamed
+        assert s.lifecycle.finish_reason == "stop"
+    _clean(cluster)
 
 
 def test_router_sends_a_shared_prefix_to_the_prefill_worker_holding_it():
@@ -275,7 +283,7 @@ def test_colocated_mode_without_prefill_workers(reference):
         cluster.shutdown()
 
 
-def test_seeded_sampling_is_the_same_single_engine_and_disaggregated(tiny_loaded):
+def test_seeded_sampling_is_the_same_single_engine_and_disaggregated(tiny_loaded, shared_cluster):
     """P draws the first token from the request's seeded generator; its state travels in
     the PrefillResult and D draws the rest from it: the same tokens as one engine."""
     from conftest import make_engine
@@ -285,14 +293,11 @@ def test_seeded_sampling_is_the_same_single_engine_and_disaggregated(tiny_loaded
     engine = make_engine(tiny_loaded, num_blocks=128)
     expected = [r.output_token_ids for r in engine.generate(prompts, sampling)]
     assert expected[0] != expected[1]
-    cluster = PDCluster(PDConfig(engine=ENGINE))
-    try:
-        results = [cluster.run_request(p, sampling) for p in prompts]
-        assert [r.token_ids for r in results] == expected
-        assert all(r.lifecycle.transferred_blocks > 0 for r in results)
-        _clean(cluster)
-    finally:
-        cluster.shutdown()
+    cluster = shared_cluster()
+    results = [cluster.run_request(p, sampling) for p in prompts]
+    assert [r.token_ids for r in results] == expected
+    assert all(r.lifecycle.transferred_blocks > 0 for r in results)
+    _clean(cluster)
 
 
 def test_corrupt_pages_are_refused_and_prefilled_again_on_another_prefill_worker(reference):

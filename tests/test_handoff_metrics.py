@@ -6,24 +6,13 @@ from __future__ import annotations
 
 import pytest
 import ray
-from test_metrics import free_port, scrape
+from test_metrics import scrape
 
 from protocol.metric_names import PROMETHEUS_NAMES
 from protocol.request_trace import PrefillTiming
 from router.metrics import RouterMetrics
 from router.request_traces import TraceStore
 from workers.metrics import WorkerMetrics
-
-
-@pytest.fixture(scope="module")
-def metrics_port():
-    if ray.is_initialized():
-        ray.shutdown()
-    port = free_port()
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
-    yield port
-    ray.shutdown()
 
 
 @ray.remote(num_cpus=0)
@@ -51,22 +40,25 @@ def test_finished_traces_feed_stage_histograms_and_pair_transfer(metrics_port):
     store.finish("r", 200)
     store.start("bad")
     store.finish("bad", 429)                       # failed requests feed no stage
-    got = scrape(metrics_port, "ray_raypd_router_pair_transfer_seconds")
     r = ("router", "router-h")
+    pair = (("decode", "decode-1"), ("prefill", "prefill-2"), r)
+    got = scrape(metrics_port, 'router="router-h"',
+                 need=("ray_raypd_router_pair_transfer_seconds_total", pair))
     for stage in ("route", "prefill_queue", "prefill_compute", "staging", "transfer"):
         assert got[("ray_raypd_router_stage_seconds_count", (r, ("stage", stage)))] == 1, stage
     assert got[("ray_raypd_router_stage_seconds_bucket",
                 (("le", "0.025"), r, ("stage", "transfer")))] == 1
-    pair = (("decode", "decode-1"), ("prefill", "prefill-2"), r)
     assert got[("ray_raypd_router_pair_transfer_bytes_total", pair)] == 2_000_000
     assert got[("ray_raypd_router_pair_transfer_seconds_total", pair)] == pytest.approx(0.02)
     assert {n for n, _ in got} <= set(PROMETHEUS_NAMES)
 
 
 def test_lease_releases_are_counted_by_reason(metrics_port):
-    ray.get(LeaseProbe.remote().record.remote())
-    got = scrape(metrics_port, 'reason="expired"')
+    probe = LeaseProbe.remote()          # kept alive until its metrics were scraped
+    ray.get(probe.record.remote())
     p = (("node", "n"), ("role", "prefill"), ("worker_id", "prefill-9"))
+    got = scrape(metrics_port, 'worker_id="prefill-9"',
+                 need=("ray_raypd_lease_releases_total", (*p[:1], ("reason", "expired"), *p[1:])))
     by = {reason: got.get(("ray_raypd_lease_releases_total", (*p[:1], ("reason", reason),
                                                                *p[1:])))
           for reason in ("acked", "aborted", "expired")}

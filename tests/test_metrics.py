@@ -73,18 +73,6 @@ def test_engine_stats_feed_every_engine_metric(tiny_loaded):
 
 
 # ---- export through Ray's metrics agent ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def metrics_port():
-    """A fresh local Ray whose metrics agent serves on a known port, exporting every second."""
-    if ray.is_initialized():
-        ray.shutdown()
-    port = free_port()
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
-    yield port
-    ray.shutdown()
-
-
 @ray.remote(num_cpus=0)
 class MetricsProbe:
     """Stands in for a worker actor: records what a prefill and a decode worker would."""
@@ -107,30 +95,37 @@ class MetricsProbe:
         return ray.get_runtime_context().get_node_id()
 
 
-def scrape(port: int, want: str, timeout: float = 20.0) -> dict[tuple, float]:
-    """{(sample name, sorted raypd labels): value} once `want` appears in the export."""
+def scrape(port: int, want: str, timeout: float = 20.0, need: tuple | None = None
+           ) -> dict[tuple, float]:
+    """{(sample name, sorted raypd labels): value} once `want` appears in the export (and, with
+    `need`, once that sample key is among them: the Ray instance is shared, so another module's
+    workers may have put `want` there first)."""
+    keep = ("role", "worker_id", "node", "finish_reason", "le", "router", "status", "policy",
+            "reason", "target", "stage", "prefill", "decode")
     deadline = time.monotonic() + timeout
     while True:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        if want in text or time.monotonic() > deadline:
-            break
+        out = {}
+        if want in text:
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    if s.name.startswith("ray_raypd_"):
+                        labels = tuple(sorted((k, v) for k, v in s.labels.items() if k in keep))
+                        out[(s.name, labels)] = s.value
+            if need is None or need in out:
+                return out
+        if time.monotonic() > deadline:
+            return out
         time.sleep(0.3)
-    keep = ("role", "worker_id", "node", "finish_reason", "le", "router", "status", "policy",
-            "reason", "target", "stage", "prefill", "decode")
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.startswith("ray_raypd_"):
-                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k in keep))
-                out[(s.name, labels)] = s.value
-    return out
 
 
 def test_worker_metrics_reach_the_ray_metrics_port_tagged(metrics_port):
-    node = ray.get(MetricsProbe.remote().record.remote())
-    got = scrape(metrics_port, 'finish_reason="length"')
+    probe = MetricsProbe.remote()        # kept alive until its metrics were scraped
+    node = ray.get(probe.record.remote())
     p = (("node", node), ("role", "prefill"), ("worker_id", "prefill-7"))
     d = (("node", "node-x"), ("role", "decode"), ("worker_id", "decode-7"))
+    got = scrape(metrics_port, 'worker_id="decode-7"',
+                 need=("ray_raypd_requests_finished_total", (("finish_reason", "length"), *d)))
     assert got[("ray_raypd_queue_depth", p)] == 5
     assert got[("ray_raypd_running_requests", p)] == 2
     assert got[("ray_raypd_kv_blocks_used", p)] == 10
@@ -156,8 +151,8 @@ def test_router_metrics_reach_the_ray_metrics_port(metrics_port):
     m.record_request(429)
     m.record_decision("locality", "prefix_hit", "prefill")
     m.set_in_flight(2)
-    got = scrape(metrics_port, 'router="router-test"')
     r = ("router", "router-test")
+    got = scrape(metrics_port, 'router="router-test"', need=("ray_raypd_router_in_flight", (r,)))
     assert got[("ray_raypd_router_requests_total", (r, ("status", "200")))] == 1
     assert got[("ray_raypd_router_requests_total", (r, ("status", "429")))] == 1
     assert got[("ray_raypd_router_request_seconds_count", (r, ("status", "200")))] == 1

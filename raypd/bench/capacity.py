@@ -118,7 +118,9 @@ def measure_tpot(model: str, loaded, kv_dtype: str, n: int, context: int, block_
 def run_capacity(model: str = "smollm2", kv_dtype: str = "auto", budget_gb: float = 1.0,
                  block_size: int = 16, shared_frac: float = 0.5, contexts: list[int] | None = None,
                  concurrencies: list[int] | None = None, tpot_contexts: list[int] | None = None,
-                 threads: int | None = None) -> dict:
+                 threads: int | None = None,
+                 budgets_gb: tuple[float, ...] = (0.25, 0.5, 1, 2, 4, 8)) -> dict:
+    """`budgets_gb`: the budgets of the concurrency-vs-budget curve."""
     import torch
 
     from raypd.replay.report import evidence_from_devices
@@ -150,7 +152,7 @@ def run_capacity(model: str = "smollm2", kv_dtype: str = "auto", budget_gb: floa
                       for s in SCHEMES}
     max_conc = {s: [max_concurrency(s, budget, c, shared(c), **args) for c in contexts]
                 for s in SCHEMES}
-    budgets_gb = [0.25, 0.5, 1, 2, 4, 8]
+    budgets_gb = list(budgets_gb)
     vs_budget = {s: [max_concurrency(s, int(b * 2**30), mid, shared(mid), **args)
                      for b in budgets_gb] for s in SCHEMES}
     tpot = []
