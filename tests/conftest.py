@@ -57,6 +57,14 @@ def metrics_port(ray_session):
     yield RAY_METRICS_PORT
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test on the shared Ray (or its metrics port) is an integration test: `scripts/test.sh
+    --fast` leaves those out, with the e2e runs and the SmolLM2 and `ray up` checks."""
+    for item in items:
+        if {"ray_session", "metrics_port"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
 def pytest_sessionfinish(session, exitstatus):
     import ray
     if ray.is_initialized():

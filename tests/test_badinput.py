@@ -79,6 +79,7 @@ def test_the_catalogue_has_60_cases_over_http_grpc_traces_and_configs():
     assert set(kinds) == {"http", "grpc", "trace", "config"}
 
 
+@pytest.mark.integration
 def test_every_case_gets_its_answer_and_leaves_the_server_sound(served):
     result = run_catalogue(served)
     assert result["skipped"] == 0
@@ -87,6 +88,7 @@ def test_every_case_gets_its_answer_and_leaves_the_server_sound(served):
     assert result["wrong_status"] == 0 and result["server_broken"] == 0
 
 
+@pytest.mark.integration
 def test_bench_badinput_command_writes_the_counts(served, tmp_path):
     from raypd.cli import main
     some = [c for c in load_catalogue() if c["name"] in
@@ -103,6 +105,7 @@ def test_bench_badinput_command_writes_the_counts(served, tmp_path):
     assert (doc["cases"], doc["clean"], doc["wrong_status"], doc["server_broken"]) == (4, 4, 0, 0)
 
 
+@pytest.mark.integration
 def test_keys_bind_tenants_cached_prefixes_stay_inside_one(served):
     from raypd.bench.badinput import http_request
     prompt = [7 + i for i in range(40)]          # token ids: 2 full blocks

@@ -27,6 +27,7 @@ def _finite(result: dict, keys: list[str]) -> None:
             (key, result[key])
 
 
+@pytest.mark.e2e
 def test_bench_transfer_reports_every_key_and_halves_bytes_with_a_half_prefix_hit():
     r = run_bench_transfer(model="tiny", sizes_mib=(1,), ttft_prompt_tokens=256,
                            transports=("shm",))
@@ -39,6 +40,7 @@ def test_bench_transfer_reports_every_key_and_halves_bytes_with_a_half_prefix_hi
     assert r["delta_skipped_blocks"] == r["delta_transferred_blocks"] == 8
 
 
+@pytest.mark.e2e
 def test_bench_disagg_reports_every_key_for_both_setups():
     r = run_bench_disagg(model="tiny", workload=TINY_LOAD, rounds=1, router_baseline=False)
     _finite(r, ["tpot_p99_disagg_s", "tpot_p99_coloc_s", "tpot_p99_ratio", "throughput_ratio",

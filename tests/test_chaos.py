@@ -6,7 +6,7 @@ import pytest
 
 from raypd.bench.chaos import FAULT_KINDS, run_chaos_bench
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.e2e]
 
 
 def test_chaos_each_fault_once_loses_nothing_and_leaks_nothing():

@@ -15,6 +15,7 @@ from conftest import ROOT, shared_dir
 ARTIFACTS = os.environ.get("RAYPD_TEST_ARTIFACTS", str(ROOT / "out" / "test-artifacts"))
 
 
+@pytest.mark.e2e
 @pytest.mark.cluster
 def test_ray_up_serves_the_shared_trace_and_ray_down_leaves_nothing():
     if os.geteuid() != 0:

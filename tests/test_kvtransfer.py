@@ -107,6 +107,7 @@ def actors(ray_cluster):
     ray.kill(decode)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "cuda_ipc"])
 def test_pull_transport_moves_pages_bit_exactly_between_actors(actors, transport, dtype):
@@ -127,6 +128,7 @@ def test_pull_transport_moves_pages_bit_exactly_between_actors(actors, transport
     assert (handle.transfer_id, "acked") in released
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_rdt_moves_pages_bit_exactly_between_actors(actors, dtype):
     prefill, decode = actors

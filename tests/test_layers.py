@@ -87,3 +87,16 @@ def test_a_layer_loads_without_what_it_must_not_need(package, absent):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"{package} loaded {out.stdout.strip()}"
+
+
+def test_production_hosts_carry_no_fault_injection():
+    """Fault injection wraps the hosts (workers/faults.py); the actors a cluster runs by
+    default have none of its hooks."""
+    from workers.decode_host import DecodeHost
+    from workers.faults import FaultyDecodeHost, FaultyPrefillHost
+    from workers.prefill_host import PrefillHost
+    faults = ("inject_fault", "arm_corruption", "inject_transfer_faults", "inject_pull_delay",
+              "stall_next_step", "fail_next_steps", "crash_loop", "transfers_seen")
+    for host in (PrefillHost, DecodeHost):
+        assert not [f for f in faults if hasattr(host, f)], host
+    assert all(hasattr(FaultyPrefillHost, f) or hasattr(FaultyDecodeHost, f) for f in faults)

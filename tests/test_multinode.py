@@ -28,6 +28,7 @@ def two_nodes():
     cluster.shutdown()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("transport", ["object_store", "grpc"])
 def test_prefill_and_decode_on_different_nodes(two_nodes, transport, tiny_loaded):
     prompts = [random_prompt(n, seed=300 + n) for n in (7, 33, 50)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 import ray
 
 from raypd.cli.run import add_run_parser
@@ -20,6 +21,7 @@ def _run(argv: list[str]) -> int:
     return args.func(args)
 
 
+@pytest.mark.e2e
 def test_run_replays_the_builtin_trace_and_writes_the_report(tmp_path, capsys):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(CONFIG)
