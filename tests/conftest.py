@@ -21,11 +21,17 @@ assert "ray" not in sys.modules, "set Ray's environment before ray is imported"
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 
+RAY_DEFAULT_PORTS = {6379, 8076, 8265, 10001, 52365, 52366}   # Ray's own, if left random
+
+
 def _free_port() -> int:
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
 
 
 RAY_METRICS_PORT = _free_port()   # the shared Ray's metrics agent (exports every second)

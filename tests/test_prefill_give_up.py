@@ -63,11 +63,13 @@ def test_a_short_prefill_is_staged_before_the_next_prefill_step(hosts):
     adm = d.admit(RequestInput("a", tuple(random_prompt(40, 4)), SamplingParams(max_tokens=2),
                                time.time() + 60))
     gate, state = threading.Event(), {"hold_next": False, "holding": False}
+    held = threading.Event()                  # the next step started, and waits on `gate`
     real_step = p.engine.step
 
     def held_step():
         if state.pop("hold_next", False):
             state["holding"] = True
+            held.set()
             gate.wait(60)
             state["holding"] = False
         outputs = real_step()
@@ -79,7 +81,9 @@ def test_a_short_prefill_is_staged_before_the_next_prefill_step(hosts):
         p.engine.add_request(random_prompt(40, 5), SamplingParams(max_tokens=3))
     try:
         result = p.prefill(adm.request, adm.plan)
-        assert state["holding"]               # answered while the next step still runs
+        # answered, though the next step is held (the gate opens only below); that step does
+        # run (it may start a moment after the answer reached this thread)
+        assert held.wait(10) and state["holding"]
     finally:
         gate.set()
     assert result.handle is not None
