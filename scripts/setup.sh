@@ -13,8 +13,12 @@ want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "raypd: installing dependencies (torch 2.13.0 CPU, ray, transformers, ...)" >&2
   "$ROOT/.venv/bin/python" -m pip install -q --upgrade pip >&2
-  # no bytecode compiled at install (half the time; each module compiles once when imported)
-  "$ROOT/.venv/bin/python" -m pip install -q --no-compile -e "$ROOT[dev]" >&2
+  # Bytecode: compiled on first import (half the install time) where Python may write it;
+  # with PYTHONDONTWRITEBYTECODE set, compiled here, or every process that imports a module
+  # (every Ray worker) would compile it again.
+  nocompile=--no-compile
+  [ -n "${PYTHONDONTWRITEBYTECODE:-}" ] && nocompile=
+  "$ROOT/.venv/bin/python" -m pip install -q $nocompile -e "$ROOT[dev]" >&2
   echo "$want" > "$stamp"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"
