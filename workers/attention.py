@@ -179,14 +179,18 @@ def _blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
-                    meta: AttentionMetadata, scale: float, window: int | None = None
-                    ) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    kv_written: bool = False) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] of this step's tokens -> [T, H, D].
 
-    Writes k/v into layer `layer_idx` of the pool first, then attends; `window` (tokens) limits
-    each query to the most recent keys of a sliding-window layer."""
+    Writes k/v into layer `layer_idx` of the pool first (unless `kv_written`: the caller wrote
+    them, workers/kernels.py rope_and_cache), then attends; `window` (tokens) limits each query
+    to the most recent keys of a sliding-window layer."""
     k_cache, v_cache = meta.kv_cache[layer_idx]              # [num_blocks, bs, Hkv, D] each
-    if meta.kv_scales is not None:
+    if kv_written:
+        assert meta.kv_scales is None, "a quantized pool is written here, never by the caller"
+        kv = LayerKV(k_cache, v_cache)
+    elif meta.kv_scales is not None:
         k_scales, v_scales = meta.kv_scales[layer_idx]        # [num_blocks, Hkv] each
         write_quantized(k_cache, k_scales, meta.slot_mapping, k, meta.kv_quant)
         write_quantized(v_cache, v_scales, meta.slot_mapping, v, meta.kv_quant)

@@ -29,13 +29,21 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("fused_ops.cpp"))   # one library
 # -ffast-math: reassociated (vectorized) sums and glibc's vector expf; the kernel holds no
 # infinities or NaNs (masked keys are outside its loops), so finite-math is safe
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fPIC", "-shared"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fPIC", "-shared", "-fopenmp"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
-            ctypes.c_double, _i64, ctypes.c_int]
+            ctypes.c_double, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+MAX_GROUP = 16   # query heads per KV head the kernel takes
+
+
+def force_portable() -> bool:
+    """`RAYPD_KERNEL_ISA=portable`: the kernel's plain-loop path even where the CPU has
+    AVX512-BF16 (tests compare the two)."""
+    return os.environ.get("RAYPD_KERNEL_ISA", "") == "portable"
 
 
 def _cpu_features() -> str:
@@ -68,7 +76,7 @@ def build(cache: Path) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C++ compiler (c++ or g++, or $CXX)")
-    src = SOURCE.read_bytes()
+    src = b"\0".join(s.read_bytes() for s in SOURCES)
     key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), cc[1].encode(),
                                      _cpu_features().encode()])).hexdigest()[:16]
     lib = cache / "native" / f"raypd_paged_decode_{key}.so"
@@ -78,8 +86,8 @@ def build(cache: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".tmp", dir=lib.parent)
     os.close(fd)
     try:
-        out = subprocess.run([*cc[0], *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
-                             text=True, timeout=300)
+        out = subprocess.run([*cc[0], *CFLAGS, "-o", tmp, *map(str, SOURCES)],
+                             capture_output=True, text=True, timeout=300)
         if out.returncode != 0:
             raise RuntimeError(f"{' '.join(cc[0])} failed: {out.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)      # atomic: a concurrent build's rename wins, both are whole
@@ -96,12 +104,25 @@ def _module():
         return None
     from workers.model_loader import cache_dir
     try:
-        fn = ctypes.CDLL(str(build(cache_dir()))).raypd_paged_decode
+        lib = ctypes.CDLL(str(build(cache_dir())))
+        fn = lib.raypd_paged_decode
+        isa = lib.raypd_decode_isa
     except (OSError, RuntimeError, ValueError, AttributeError,
             subprocess.SubprocessError) as e:   # ValueError: $CXX unparsable
         log.warning("raypd: native decode attention unavailable (%s); using PyTorch ops", e)
         return None
     fn.argtypes, fn.restype = ARGTYPES, ctypes.c_int
+    isa.argtypes, isa.restype = [_i64, ctypes.c_int], ctypes.c_int
+    fn.isa = isa
+    fn.add_rms_norm = lib.raypd_add_rms_norm
+    fn.add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_double, ctypes.c_int]
+    fn.rope_and_cache = lib.raypd_rope_and_cache
+    fn.rope_and_cache.argtypes = [_ptr] * 6 + [_i64] * 5 + [ctypes.c_int]
+    fn.silu_mul = lib.raypd_silu_mul
+    fn.silu_mul.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_int]
+    for f in (fn.add_rms_norm, fn.silu_mul):
+        f.restype = None
+    fn.rope_and_cache.restype = ctypes.c_int
     return fn
 
 
@@ -123,7 +144,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not (q.dim() == 3 and k_cache.dim() == 4 and k_cache.is_contiguous()
             and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
             and v_cache.shape == k_cache.shape and k_cache.shape[3] == D and 0 < D <= 512
-            and k_cache.shape[2] > 0 and H % k_cache.shape[2] == 0 and tables.dim() == 2 and tables.shape[0] == B
+            and k_cache.shape[2] > 0 and H % k_cache.shape[2] == 0
+            and H // k_cache.shape[2] <= MAX_GROUP and tables.dim() == 2 and tables.shape[0] == B
             and lens.shape == (B,)):
         raise ValueError(f"paged_decode: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)} (contiguous, same dtype), block_tables "
@@ -133,11 +155,70 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty_like(q)
     if fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
           lens.data_ptr(), out.data_ptr(), B, H, D, bs, h_kv, tables.shape[1], num_blocks,
-          float(scale), int(window or 0), DTYPE_CODES[q.dtype]):
+          float(scale), int(window or 0), DTYPE_CODES[q.dtype], torch.get_num_threads(),
+          int(force_portable())):
         raise ValueError("paged_decode: a context length outside its block table, or a block "
                          "outside the pool")
     return out
 
 
-def decode_kernel_name(device: torch.device) -> str:
-    return "native-cpu" if device.type == "cpu" and _module() is not None else "torch"
+def decode_kernel_name(device: torch.device, dtype: torch.dtype | None = None,
+                       head_dim: int = 64) -> str:
+    """Which decode attention runs: native-cpu-avx512bf16 (bf16 pools on a CPU with
+    AVX512-BF16), native-cpu (the kernel's portable loops), or torch."""
+    fn = _module() if device.type == "cpu" else None
+    if fn is None:
+        return "torch"
+    if dtype == torch.bfloat16 and fn.isa(head_dim, int(force_portable())) == 2:
+        return "native-cpu-avx512bf16"
+    return "native-cpu"
+
+
+# ---- fused small operations of the compact model (bf16 on the CPU; workers/fused_ops.cpp) ----
+def fused_ops_apply(dtype: torch.dtype, device: torch.device, hidden: int) -> bool:
+    """Whether the compact model's fused ops run for weights of `dtype` on `device`."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and hidden <= 8192 \
+        and _module() is not None
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """h += delta (in place, when given), then RMSNorm(h) * weight: [T, D] bf16, contiguous."""
+    assert h.is_contiguous() and h.dtype == torch.bfloat16 and weight.is_contiguous()
+    if delta is not None:
+        delta = delta.contiguous()
+        assert delta.shape == h.shape and delta.dtype == h.dtype
+    x = torch.empty_like(h)
+    _module().add_rms_norm(x.data_ptr(), h.data_ptr(), 0 if delta is None else delta.data_ptr(),
+                           weight.data_ptr(), h.shape[0], h.shape[1], float(eps),
+                           torch.get_num_threads())
+    return x
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   num_heads: int, num_kv_heads: int) -> None:
+    """Rotate qkv's q and k heads in place ([T, H + 2 Hkv, D] bf16) by cos/sin ([T, 1, D]) and
+    write each token's k and v into the pool at its slot."""
+    t, heads, d = qkv.shape
+    assert heads == num_heads + 2 * num_kv_heads and qkv.is_contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype == qkv.dtype == cos.dtype == sin.dtype
+    cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    assert slots.numel() == t
+    if _module().rope_and_cache(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), t,
+                                num_heads, num_kv_heads, d,
+                                k_cache.numel() // (num_kv_heads * d), torch.get_num_threads()):
+        raise ValueError("rope_and_cache: a slot outside the pool")
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 I] (gate, up) -> silu(gate) * up, bf16."""
+    gate_up = gate_up.contiguous()
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+    _module().silu_mul(out.data_ptr(), gate_up.data_ptr(), t, two_i // 2,
+                       torch.get_num_threads())
+    return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers import kernels
 from workers.attention import AttentionMetadata, paged_attention
 from workers.layers import Linear, RotaryEmbedding, rms_norm, silu_and_mul
 from workers.lora import LoRABatch
@@ -62,6 +63,32 @@ class _Layer(nn.Module):
         y = getattr(self, name)(x)
         return y if lora is None else lora.apply(y, x, self.layer_idx, name)
 
+    def forward_fused(self, h: torch.Tensor, delta: torch.Tensor | None,
+                      cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                      lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with workers/fused_ops.cpp (bf16 on the CPU): `h` is the residual
+        stream and `delta` the previous layer's output still to be added to it (added here, in
+        the same pass as this layer's first RMSNorm). Returns (h, this layer's delta)."""
+        t = h.shape[0]
+        x = kernels.add_rms_norm(h, delta, self.ln1, self.eps)
+        qkv = self._proj("qkv", x, lora).view(t, self.num_heads + 2 * self.num_kv_heads,
+                                              self.head_dim)
+        written = meta.kv_scales is None
+        if written:     # q and k rotated in place, k and v written into their slots
+            k_cache, v_cache = meta.kv_cache[self.layer_idx]
+            kernels.rope_and_cache(qkv, *cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                   self.num_heads, self.num_kv_heads)
+            qk = qkv[:, :self.num_heads + self.num_kv_heads]
+        else:
+            qk = RotaryEmbedding.apply(qkv[:, :self.num_heads + self.num_kv_heads], cos_sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        o = paged_attention(q, k, v, self.layer_idx, meta, self.scale, self.window,
+                            kv_written=written)
+        x = kernels.add_rms_norm(h, self._proj("o", o.reshape(t, self.q_size), lora), self.ln2,
+                                 self.eps)
+        return h, self._proj("down", kernels.silu_mul(self._proj("gate_up", x, lora)), lora)
+
     def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         t = h.shape[0]
@@ -103,6 +130,10 @@ class CompactLlama(nn.Module):
         self.lm_head = Linear(self.embed if head is w else head.detach().to(device))
         self.rope = RotaryEmbedding(config, self.layers[0].head_dim, max_positions, w.dtype,
                                     device)
+        # bf16 on the CPU: the small ops fused (workers/fused_ops.cpp); float32 keeps torch's
+        # own ops, which match transformers bit for bit
+        self.fused = kernels.fused_ops_apply(w.dtype, torch.device(device),
+                                             config.hidden_size)
 
     @staticmethod
     def unsupported(config) -> str | None:
@@ -123,6 +154,11 @@ class CompactLlama(nn.Module):
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         h = self.embed[input_ids]
         cos_sin = self.rope.tables(positions)
+        if self.fused:
+            delta = None
+            for layer in self.layers:
+                h, delta = layer.forward_fused(h, delta, cos_sin, meta, lora)
+            return kernels.add_rms_norm(h, delta, self.norm, self.eps)
         for layer in self.layers:
             h = layer(h, cos_sin, meta, lora)
         return rms_norm(h, self.norm, self.eps)

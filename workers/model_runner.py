@@ -133,7 +133,8 @@ class ModelRunner:
             if self.compact is None:
                 self._hook_stock_projections()
         self.last_forward_s = 0.0   # the model's share of the last execute()
-        self.attention_kernel = decode_kernel_name(self.device)   # builds it once, up front
+        self.attention_kernel = decode_kernel_name(   # builds it once, up front
+            self.device, self.kv_cache.dtype, self.head_dim)
         if self.kv_quant:   # the native kernel reads float pools; quantized ones dequantize in torch
             self.attention_kernel = f"torch-dequant-{self.kv_quant}"
         self.graphs = None   # CUDA graphs of decode steps (cuda only; never built on the CPU)

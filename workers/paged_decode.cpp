@@ -1,12 +1,21 @@
 // Decode attention that reads the paged KV pool in place (no gathered copy of the context).
-// One query token per sequence; for each (sequence, KV head) the G query heads of its group
-// score every context token, softmax in float32, then accumulate V. Invariants: k_cache and
-// v_cache are [num_blocks, block_size, kv_heads, head_dim] contiguous; block_tables[b] covers
-// context_lens[b] tokens; window > 0 keeps only the last `window` keys.
-// Plain C++ with a C ABI (no torch headers, so it builds in a second or two; workers/kernels.py
-// loads it with ctypes and hands it the tensors' data pointers). bf16 is carried as its raw
-// 16 bits; float -> bf16 rounds to nearest even, as torch does. Serial, as the torch-extension
-// build of this kernel was (at::parallel_for ran serially there: it was built without OpenMP).
+// One query token per sequence. Work items are (sequence, KV head, context split): each reads
+// its keys and values block by block, once, for all G query heads of its KV head (GQA), with
+// an online softmax (running max and sum in float32), so no score row is kept; the splits of a
+// long context (when there are fewer items than threads) are merged at the end. Threads:
+// OpenMP over the items, `nthreads` of them.
+// Dot products: AVX512-BF16 (vdpbf16ps: bf16 pairs into float32) for bf16 pools where the CPU
+// has it, chosen at run time; elsewhere (float32 pools, other CPUs, or isa = 1: the portable
+// path forced) plain loops the compiler vectorizes, rows converted to float32 first.
+// Invariants: k_cache and v_cache are [num_blocks, block_size, kv_heads, head_dim] contiguous;
+// block_tables[b] covers context_lens[b] tokens; window > 0 keeps only the last `window` keys.
+// Plain C++ with a C ABI (no torch headers; workers/kernels.py loads it with ctypes and hands it
+// the tensors' data pointers). bf16 is carried as its raw 16 bits; float -> bf16 rounds to
+// nearest even, as torch does.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -17,26 +26,24 @@ namespace {
 
 struct bf16 { uint16_t x; };
 
-template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
-template <> inline float to_f<bf16>(bf16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+inline float bf16_to_f(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
 }
 
-template <typename T> inline T from_f(float f) { return static_cast<T>(f); }
-template <> inline bf16 from_f<bf16>(float f) {
+inline uint16_t f_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return bf16{0x7FC0};
+  if (std::isnan(f)) return 0x7FC0;
   u += ((u >> 16) & 1u) + 0x7FFFu;   // round to nearest even
-  return bf16{static_cast<uint16_t>(u >> 16)};
+  return static_cast<uint16_t>(u >> 16);
 }
 
-// a row of D values as float32; bf16 goes through integer shifts (the loop vectorizes)
-template <typename T> inline void row_to_f(const T* src, float* dst, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+template <typename T> inline void row_to_f(const T* src, float* dst, int64_t D);
+template <> inline void row_to_f<float>(const float* src, float* dst, int64_t D) {
+  std::memcpy(dst, src, D * sizeof(float));
 }
 template <> inline void row_to_f<bf16>(const bf16* src, float* dst, int64_t D) {
   const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
@@ -45,59 +52,230 @@ template <> inline void row_to_f<bf16>(const bf16* src, float* dst, int64_t D) {
   std::memcpy(dst, bits, D * sizeof(float));
 }
 
+constexpr int64_t MAX_G = 16;     // query heads per KV head handled in registers / stack
+constexpr int64_t MAX_D = 512;
+
+struct Shape {
+  int64_t H, D, bs, Hkv, W, G, row;   // row: elements between consecutive tokens of a block
+  float scale;
+};
+
+// One item's partial result: for each of its G query heads, the running max `m`, the running
+// sum of exp(score - m) `l`, and acc = sum of exp(score - m) * v (G x D).
+struct Partial {
+  float m[MAX_G], l[MAX_G];
+  float* acc;
+};
+
+// A run of tokens [t0, t1) of sequence b, KV head h: online softmax into `p` (portable).
+template <typename T>
+void attend_portable(const T* qp, const T* kp, const T* vp, const int64_t* table,
+                     const Shape& s, int64_t b, int64_t h, int64_t t0, int64_t t1, Partial& p) {
+  const int64_t G = s.G, D = s.D;
+  float qf[MAX_G * MAX_D / 4 + 64];
+  std::vector<float> qv;
+  float* q = qf;
+  if (G * D > static_cast<int64_t>(sizeof(qf) / sizeof(float))) { qv.resize(G * D); q = qv.data(); }
+  for (int64_t g = 0; g < G; ++g) {
+    row_to_f(qp + (b * s.H + h * G + g) * D, q + g * D, D);
+    for (int64_t d = 0; d < D; ++d) q[g * D + d] *= s.scale;
+  }
+  float kf[MAX_D], vf[MAX_D];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t slot = table[b * s.W + t / s.bs] * s.bs + t % s.bs;
+    row_to_f(kp + slot * s.row + h * D, kf, D);
+    row_to_f(vp + slot * s.row + h * D, vf, D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float sc = 0.f;
+      for (int64_t d = 0; d < D; ++d) sc += qg[d] * kf[d];
+      float* ag = p.acc + g * D;
+      if (sc > p.m[g]) {                 // a new max: rescale what was summed so far
+        const float c = std::exp(p.m[g] - sc);
+        p.l[g] *= c;
+        for (int64_t d = 0; d < D; ++d) ag[d] *= c;
+        p.m[g] = sc;
+      }
+      const float e = std::exp(sc - p.m[g]);
+      p.l[g] += e;
+      for (int64_t d = 0; d < D; ++d) ag[d] += e * vf[d];
+    }
+  }
+}
+
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+// lane i of the result = the sum of v[i]'s 16 lanes (15 adds and 30 shuffles for 16 sums)
+AVX512_BF16 inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int j = 0; j < 8; ++j)
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int j = 0; j < 2; ++j)
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                       _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// e^x for x <= 0 (a softmax's shifted scores): 2^n * e^(f ln 2), |f| <= 1/2, Taylor to the
+// 7th power (relative error below 2e-7); very negative x gives 0
+AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The same for bf16 with AVX512-BF16, 16 tokens at a time (a block of 16, or what a block
+// holds of the run): each token's key is scored against the G query heads with vdpbf16ps
+// (bf16 pairs into float32), the 16 scores of a head reduced at once, softmaxed as one vector;
+// then the 16 values are accumulated per 16 lanes of head_dim, the G accumulators in
+// registers. D a multiple of 32.
+AVX512_BF16
+void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const int64_t* table,
+                        const Shape& s, int64_t b, int64_t h, int64_t t0, int64_t t1,
+                        Partial& p) {
+  const int64_t G = s.G, D = s.D, DK = D / 32;   // 32 bf16 per 512-bit register
+  __m512bh q[MAX_G][MAX_D / 32];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < DK; ++j)
+      q[g][j] = (__m512bh)_mm512_loadu_si512(qp + (b * s.H + h * G + g) * D + j * 32);
+  alignas(64) float prob[MAX_G][16];
+  const bf16* krow[16];
+  const bf16* vrow[16];
+  int64_t t = t0;
+  while (t < t1) {
+    const int64_t blk = t / s.bs;
+    const int64_t n = std::min<int64_t>({16, t1 - t, (blk + 1) * s.bs - t});
+    const int64_t base = table[b * s.W + blk] * s.bs + t % s.bs;
+    for (int64_t i = 0; i < n; ++i) {
+      krow[i] = kp + (base + i) * s.row + h * D;
+      vrow[i] = vp + (base + i) * s.row + h * D;
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 dots[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        __m512 a = _mm512_setzero_ps();
+        if (i < n)
+          for (int64_t j = 0; j < DK; ++j)
+            a = _mm512_dpbf16_ps(a, q[g][j], (__m512bh)_mm512_loadu_si512(krow[i] + j * 32));
+        dots[i] = a;
+      }
+      __m512 sc = _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(s.scale));
+      const float mx = std::max(p.m[g], _mm512_mask_reduce_max_ps(valid, sc));
+      if (mx > p.m[g]) {                 // a new max: rescale what was summed so far
+        const float c = p.l[g] > 0.f ? std::exp(p.m[g] - mx) : 0.f;
+        p.l[g] *= c;
+        const __m512 cv = _mm512_set1_ps(c);
+        float* ag = p.acc + g * D;
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(ag + d, _mm512_mul_ps(_mm512_loadu_ps(ag + d), cv));
+        p.m[g] = mx;
+      }
+      const __m512 e = _mm512_maskz_mov_ps(valid,
+                                           exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
+      p.l[g] += _mm512_reduce_add_ps(e);
+      _mm512_store_ps(prob[g], e);
+    }
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 acc[MAX_G];
+      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_loadu_ps(p.acc + g * D + d);
+      for (int64_t i = 0; i < n; ++i) {
+        const __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(vrow[i] + d)));
+        for (int64_t g = 0; g < G; ++g)
+          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(prob[g][i]), v, acc[g]);
+      }
+      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(p.acc + g * D + d, acc[g]);
+    }
+    t += n;
+  }
+}
+
+bool has_avx512_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
 // q, out: [B, H, D]; k_cache, v_cache: [num_blocks, bs, Hkv, D]; block_tables: [B, W] int64;
 // context_lens: [B] int64; all contiguous
 template <typename T>
-void run(const T* __restrict__ qp, const T* __restrict__ kp, const T* __restrict__ vp,
-         const int64_t* __restrict__ tp, const int64_t* __restrict__ lp, T* __restrict__ op,
-         int64_t B, int64_t H, int64_t D, int64_t bs, int64_t Hkv, int64_t W, float scale,
-         int64_t window) {
-  const int64_t G = H / Hkv;
-  const int64_t row = Hkv * D;  // elements between consecutive tokens of a block
-  std::vector<float> qf(G * D), acc(G * D), scores;
-  for (int64_t item = 0; item < B * Hkv; ++item) {
-    const int64_t b = item / Hkv, h = item % Hkv;
+void run(const T* qp, const T* kp, const T* vp, const int64_t* tp, const int64_t* lp, T* op,
+         int64_t B, const Shape& s, int64_t window, int nthreads, bool fast) {
+  const int64_t items = B * s.Hkv;
+  // split long contexts while there are fewer items than threads (at least 4 blocks a split)
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b]);
+  int64_t splits = 1;
+  if (nthreads > 1 && items < 2 * nthreads)
+    splits = std::max<int64_t>(1, std::min<int64_t>((2 * nthreads + items - 1) / items,
+                                                     max_len / (4 * s.bs)));
+  const int64_t G = s.G, D = s.D;
+  std::vector<float> acc(items * splits * G * D, 0.f);
+  std::vector<Partial> parts(items * splits);
+  for (int64_t i = 0; i < items * splits; ++i) {
+    parts[i].acc = acc.data() + i * G * D;
+    std::fill(parts[i].m, parts[i].m + G, -FLT_MAX);
+    std::fill(parts[i].l, parts[i].l + G, 0.f);
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t w = 0; w < items * splits; ++w) {
+    const int64_t item = w / splits, k = w % splits;
+    const int64_t b = item / s.Hkv, h = item % s.Hkv;
     const int64_t len = lp[b];
     const int64_t first = window > 0 && len > window ? len - window : 0;
-    const int64_t n = len - first;
-    scores.assign(G * n, 0.f);
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d)
-        qf[g * D + d] = to_f(qp[(b * H + h * G + g) * D + d]) * scale;
-    for (int64_t t = first; t < len; ++t) {
-      const T* kr = kp + (tp[b * W + t / bs] * bs + t % bs) * row + h * D;
-      float kf[512];
-      row_to_f(kr, kf, D);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qf.data() + g * D;
-        float s = 0.f;
-        for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
-        scores[g * n + (t - first)] = s;
+    const int64_t per = (len - first + splits - 1) / splits;
+    const int64_t t0 = first + k * per, t1 = std::min(len, t0 + per);
+    if (t0 >= t1) continue;
+    if constexpr (sizeof(T) == 2) {
+      if (fast) {
+        attend_bf16_avx512(qp, kp, vp, tp, s, b, h, t0, t1, parts[w]);
+        continue;
       }
     }
+    attend_portable(qp, kp, vp, tp, s, b, h, t0, t1, parts[w]);
+  }
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t b = item / s.Hkv, h = item % s.Hkv;
     for (int64_t g = 0; g < G; ++g) {
-      float* sg = scores.data() + g * n;
-      float m = -FLT_MAX;   // no infinities anywhere: masked keys are outside the loops
-      for (int64_t i = 0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
-      float sum = 0.f;
-      for (int64_t i = 0; i < n; ++i) { sg[i] = std::exp(sg[i] - m); sum += sg[i]; }
-      const float inv = 1.f / sum;
-      for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
-    }
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t t = first; t < len; ++t) {
-      const T* vr = vp + (tp[b * W + t / bs] * bs + t % bs) * row + h * D;
-      float vf[512];
-      row_to_f(vr, vf, D);
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * n + (t - first)];
-        float* ag = acc.data() + g * D;
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
+      float mx = -FLT_MAX;
+      for (int64_t k = 0; k < splits; ++k) mx = std::max(mx, parts[item * splits + k].m[g]);
+      float l = 0.f, c[64];
+      for (int64_t k = 0; k < splits && k < 64; ++k) {
+        const Partial& p = parts[item * splits + k];
+        c[k] = p.l[g] > 0.f ? std::exp(p.m[g] - mx) : 0.f;
+        l += p.l[g] * c[k];
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* o = op + (b * s.H + h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float v = 0.f;
+        for (int64_t k = 0; k < splits && k < 64; ++k)
+          v += parts[item * splits + k].acc[g * D + d] * c[k];
+        if constexpr (sizeof(T) == 2)
+          reinterpret_cast<uint16_t*>(o)[d] = f_to_bf16(v * inv);
+        else
+          o[d] = v * inv;
       }
     }
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d)
-        op[(b * H + h * G + g) * D + d] = from_f<T>(acc[g * D + d]);
   }
 }
 
@@ -115,22 +293,29 @@ static bool in_bounds(const int64_t* tp, const int64_t* lp, int64_t B, int64_t b
   return true;
 }
 
+// Which dot-product path a bf16 pool of this head_dim takes: 2 AVX512-BF16, 1 portable.
+extern "C" int raypd_decode_isa(int64_t D, int force_portable) {
+  return !force_portable && D % 32 == 0 && D <= MAX_D && has_avx512_bf16() ? 2 : 1;
+}
+
 // dtype: 0 float32, 1 bfloat16. The caller (workers/kernels.py) checks shapes, contiguity and
-// dtypes; head_dim <= 512 and H a multiple of Hkv. Returns 0, or 1 (nothing computed) when a
-// context length or a block it reads is outside its table or the pool.
+// dtypes; head_dim <= 512, H a multiple of Hkv and H / Hkv <= 16. Returns 0, or 1 (nothing
+// computed) when a context length or a block it reads is outside its table or the pool.
 extern "C" int raypd_paged_decode(const void* q, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, const int64_t* context_lens,
                                   void* out, int64_t B, int64_t H, int64_t D, int64_t bs,
                                   int64_t Hkv, int64_t W, int64_t num_blocks, double scale,
-                                  int64_t window, int dtype) {
+                                  int64_t window, int dtype, int nthreads, int force_portable) {
   if (!in_bounds(block_tables, context_lens, B, bs, W, num_blocks)) return 1;
+  const Shape s{H, D, bs, Hkv, W, H / Hkv, Hkv * D, static_cast<float>(scale)};
+  nthreads = std::max(1, nthreads);
   if (dtype == 1)
     run(static_cast<const bf16*>(q), static_cast<const bf16*>(k_cache),
         static_cast<const bf16*>(v_cache), block_tables, context_lens, static_cast<bf16*>(out),
-        B, H, D, bs, Hkv, W, static_cast<float>(scale), window);
+        B, s, window, nthreads, raypd_decode_isa(D, force_portable) == 2);
   else
     run(static_cast<const float*>(q), static_cast<const float*>(k_cache),
         static_cast<const float*>(v_cache), block_tables, context_lens,
-        static_cast<float*>(out), B, H, D, bs, Hkv, W, static_cast<float>(scale), window);
+        static_cast<float*>(out), B, s, window, nthreads, false);
   return 0;
 }

@@ -115,6 +115,39 @@ def _memory_read_gbps(device: torch.device = CPU) -> float:
     return _median(once, 5)
 
 
+def _attn_decode_gbps(engine: LLMEngine, batch: int, context: int, repeats: int = 20) -> dict:
+    """The decode attention kernel alone on the engine's own pool (layer 0): `batch` sequences
+    of `context` tokens in scattered blocks; KV bytes read (K and V of every context token
+    once) per second, median of `repeats` calls after one warm-up. None where the attention
+    is not the native kernel (a GPU, a quantized pool)."""
+    from workers import kernels
+    k_cache, v_cache = engine.runner.kv_cache[0]
+    if k_cache.device.type != "cpu" or k_cache.dtype not in kernels.DTYPE_CODES:
+        return {"attn_decode_gbps": None}
+    num_blocks, bs, n_kv, head_dim = k_cache.shape
+    width = -(-context // bs)
+    if batch * width > num_blocks:
+        return {"attn_decode_gbps": None}
+    g = torch.Generator().manual_seed(0)
+    tables = torch.randperm(num_blocks, generator=g)[:batch * width].view(batch, width)
+    lens = torch.full((batch,), context, dtype=torch.int64)
+    heads = engine.info.num_heads
+    q = torch.randn(batch, heads, head_dim, generator=g).to(k_cache.dtype)
+    if kernels.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, None) is None:
+        return {"attn_decode_gbps": None}
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        kernels.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, None)
+        times.append(time.perf_counter() - t0)
+    read = 2 * batch * context * n_kv * head_dim * k_cache.element_size()
+    return {"attn_decode_gbps": read / statistics.median(times) / 1e9,
+            "attn_decode_ms_per_layer": 1e3 * statistics.median(times),
+            "attn_decode_shape": {"batch": batch, "context": context,
+                                  "threads": torch.get_num_threads()},
+            "attention_kernel": engine.runner.attention_kernel}
+
+
 def _matmul_peak_gflops(dtype: torch.dtype, device: torch.device = CPU) -> float:
     """The engine's Linear on a 2048 x 2048 x 2048 product in `dtype` (8192 on a GPU), median
     of 5."""
@@ -238,6 +271,8 @@ def run_shape_bench(model: str, dtype: str = "auto", device: str = "auto",
         out[f"decode_bound_ms_b{b}"] = 1e3 * bound_s
         out[f"decode_bound_tok_s_b{b}"] = b / bound_s
         out[f"decode_vs_bound_b{b}"] = tok_s / (b / bound_s)
+    out.update(_attn_decode_gbps(engine, min(16, max(decode_batches)),
+                                 decode_prompt + decode_new // 2))
     out["cuda_graph_replays"] = engine.get_stats()["cuda_graph_replays"]
     engine.check_invariants()
     return out
@@ -317,6 +352,7 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
             s for *_, steps in runs for s in steps)
         kv_bytes = b * (plen + new / 2) * engine.kv_bytes_per_token
         out[f"decode_bound_ms_b{b}"] = 1e3 * (weight_bytes + kv_bytes) / (read_gbps * 1e9)
+    out.update(_attn_decode_gbps(engine, 16, plen + new // 2))
     out["decode_ratio_b16"] = out["engine_decode_tok_s_b16"] / out["hf_decode_tok_s_b16"]
     out["decode_step_ms"] = out["decode_step_ms_b16"]
     out["decode_bound_ms"] = out["decode_bound_ms_b16"]

@@ -1,0 +1,100 @@
+"""The native paged decode attention (workers/paged_decode.cpp) against a plain float64 PyTorch
+reference: GQA ratios 1, 3, 4, 8; head_dim 64 and 128; context lengths around a block's edges
+and a few thousand; block tables that are not contiguous; sliding windows; one thread and two
+(a long context is split between them); the AVX512-BF16 path and the portable one forced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers import kernels
+
+BS = 16
+LENS = [1, BS - 1, BS, BS + 1, 3000]
+
+pytestmark = pytest.mark.skipif(kernels._module() is None,
+                                reason="the native kernel could not be built (no C++ compiler)")
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale, window):
+    """Each row attends to its own tokens (its block table's first lens[b]), in float64."""
+    b, h, d = q.shape
+    n_kv = k_cache.shape[2]
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        slots = torch.arange(n)
+        blocks = tables[i][slots // BS]
+        k = k_cache[blocks, slots % BS].double()              # [n, Hkv, D]
+        v = v_cache[blocks, slots % BS].double()
+        first = max(0, n - window) if window else 0
+        k, v = k[first:], v[first:]
+        qi = q[i].double().view(n_kv, h // n_kv, d)            # [Hkv, G, D]
+        scores = torch.einsum("kgd,tkd->kgt", qi, k) * scale
+        probs = torch.softmax(scores, dim=-1)
+        out[i] = torch.einsum("kgt,tkd->kgd", probs, v).reshape(h, d)
+    return out
+
+
+def case(n_kv, group, head_dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max(LENS) // BS)
+    num_blocks = len(LENS) * width + 7
+    k_cache = torch.randn(num_blocks, BS, n_kv, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, BS, n_kv, head_dim, generator=g).to(dtype)
+    lens = torch.tensor(LENS)
+    # a shuffled pool: each row's blocks are scattered, not contiguous
+    tables = torch.randperm(num_blocks, generator=g)[:len(LENS) * width].view(len(LENS), width)
+    q = torch.randn(len(LENS), n_kv * group, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, lens
+
+
+@pytest.mark.parametrize("isa", ["fast", "portable"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("n_kv, group", [(4, 1), (3, 3), (2, 4), (1, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_matches_the_reference(monkeypatch, dtype, n_kv, group, head_dim, window,
+                                            threads, isa):
+    if isa == "portable":
+        monkeypatch.setenv("RAYPD_KERNEL_ISA", "portable")
+    q, k_cache, v_cache, tables, lens = case(n_kv, group, head_dim, dtype)
+    scale = head_dim ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, scale, window)
+    finally:
+        torch.set_num_threads(before)
+    want = reference(q, k_cache, v_cache, tables, lens, scale, window)
+    # float32: summation order only; bf16: the output's own rounding (2^-8 relative) on top
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+def test_the_kernel_names_the_path_it_takes(monkeypatch):
+    cpu = torch.device("cpu")
+    fast = kernels._module().isa(64, 0) == 2
+    assert kernels.decode_kernel_name(cpu, torch.bfloat16) == \
+        ("native-cpu-avx512bf16" if fast else "native-cpu")
+    assert kernels.decode_kernel_name(cpu, torch.float32) == "native-cpu"
+    monkeypatch.setenv("RAYPD_KERNEL_ISA", "portable")
+    assert kernels.decode_kernel_name(cpu, torch.bfloat16) == "native-cpu"
+
+
+def test_fast_and_portable_paths_give_the_same_tokens(monkeypatch, tiny_loaded):
+    """The whole engine in bfloat16, greedy: the AVX512-BF16 path and the portable one agree
+    token for token (the portable path is what a CPU without AVX512-BF16 runs)."""
+    from conftest import make_engine, random_prompt
+
+    from workers.model_loader import load_model
+    from workers.request import SamplingParams
+    loaded = load_model("tiny", "bfloat16")
+    prompts = [random_prompt(n, seed=n) for n in (5, 17, 40, 90)]
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    fast = [r.output_token_ids for r in make_engine(loaded).generate(prompts, greedy)]
+    monkeypatch.setenv("RAYPD_KERNEL_ISA", "portable")
+    portable = [r.output_token_ids for r in make_engine(loaded).generate(prompts, greedy)]
+    assert fast == portable
