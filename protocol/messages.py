@@ -5,8 +5,10 @@ Torch-free and Ray-free plain data, imported by the router and by both worker ro
     router -> D   admit(RequestInput)              -> Admission (AdmittedRequest + TransferPlan)
     router -> P   prefill(AdmittedRequest, plan)   -> PrefillResult (first token, sampler state,
                                                       staged handle, per-page checksums)
-    router -> D   stream(PrefillResult)            -> D pulls, verifies, decodes: TokenDelta...,
-                                                      RequestDone
+    router -> D   land(PrefillResult)              -> D pulls, verifies and decodes; the tokens
+                                                      come back on D's one delta stream
+    D -> router   deltas()  (one per D, all requests) -> StepDeltas: RequestDelta... (tokens,
+                                                      text; RequestDone at the end)
 
 The request is tokenized, validated and hashed once (by D at admission); the AdmittedRequest
 travels from then on. D computes the TransferPlan (which of the prompt's blocks P sends into
@@ -205,6 +207,29 @@ class RequestDone:
     text: str = ""
     token_ids: tuple[int, ...] = ()
     lifecycle: RequestLifecycle | None = None
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one request got in one engine step of a decode worker: its new tokens and their
+    text; with `done`, the request ended (its RequestDone; lifecycle None: it was aborted);
+    with `error`, the engine step that ran it failed (StepFailed)."""
+
+    worker_request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    done: RequestDone | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StepDeltas:
+    """One message of a decode worker's delta stream (`DecodeHost.deltas`): the deltas of
+    every request that got tokens since the last message (one engine step's, or a few when
+    the reader was slower than the steps), in order."""
+
+    worker_id: str
+    deltas: tuple[RequestDelta, ...]
 
 
 @dataclass(frozen=True)

@@ -83,10 +83,11 @@ class Flight:
     predicted_hit_tokens: int = 0   # the router's predicted prefix hit on the chosen P
     clock: AttemptClock | None = None   # the attempt's clock (cleanup waits count as waiting)
     admitted: Any = None            # the AdmittedRequest, once a decode worker tokenized it
+    inbox: Any = None               # this attempt's deltas from D (router/streams.py)
 
     def new_attempt(self, epoch: int, attempt_id: str) -> None:
         self.epoch, self.attempt_id = epoch, attempt_id
-        self.decode = self.prefill = self.transfer_id = None
+        self.decode = self.prefill = self.transfer_id = self.inbox = None
 
 
 class DeliveredTokens:

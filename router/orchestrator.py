@@ -8,8 +8,9 @@ step:
      when what it lacks is short, or when there are no prefill workers: colocated mode);
   2. P.prefill: the policy picks the prefill worker P (prefix locality vs load); P prefills and
      stages exactly the plan's pages;
-  3. D.stream: D pulls (for RDT this process routes P's tensor to D), verifies and lands the
-     pages, and streams tokens back; P's ack goes out after the first token.
+  3. D.land: D pulls (for RDT this process routes P's tensor to D), verifies and lands the
+     pages; its tokens come back on D's delta stream (router/streams.py: one message per
+     engine step for all of D's requests); P's ack goes out after the first token.
 A prefill or transfer that fails is retried on another prefill worker (D keeps its
 reservation); only when none is left does D prefill it itself. A dead decode worker fails the
 attempt: both sides are released and the request runs again under a new epoch. Every block held
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import queue
 import threading
 import time
 import uuid
@@ -39,6 +41,7 @@ from protocol.errors import (
     RequestAborted,
     RequestError,
     RoutingRejected,
+    StepFailed,
     TransferFailed,
     TransferRejected,
     WorkerFailed,
@@ -57,6 +60,7 @@ from protocol.messages import (
     Admission,
     AdmittedRequest,
     PrefillResult,
+    RequestDelta,
     RequestDone,
     RequestInput,
     RequestResult,
@@ -69,6 +73,7 @@ from router.flight import AttemptClock, DeliveredTokens, Flight, HandoffReleases
 from router.policies import Locality, RoutingRequest, make_policy
 from router.prefix_index import ApproxPrefixIndex
 from router.request_traces import TraceStore  # trace hook
+from router.streams import DeltaStreams, WorkerGone
 from router.transfer_rates import TransferRates
 from router.worker_view import REPORT_INTERVAL_S, note_decode, note_prefill
 
@@ -142,6 +147,7 @@ class Orchestrator:
                            on_released=self._worker_released,
                            on_restarted=self._worker_restarted)
         self.releases = HandoffReleases(self.ledger, self.fleet.worker_id)
+        self.streams = DeltaStreams(lambda wid: wid in self.fleet.state)   # tokens from D
         self.fleet.start()
 
     def _worker_released(self, worker_id: str, released) -> None:
@@ -282,22 +288,25 @@ class Orchestrator:
     def _run(self, flight: Flight, request: RequestInput | AdmittedRequest,
              on_delta: Callable[[TokenDelta], None]) -> RequestResult:
         clock = flight.clock = AttemptClock()
-        admission = self._admit(flight, request, clock)
-        if admission.local:
-            items = self._open_stream(flight, None, clock)
-        else:
-            items = self._prefill_and_stream(flight, admission, clock)
-        overhead_ms, round_trips = clock.overhead_ms(), clock.round_trips
-        done = RequestDone()
         try:
-            for item in items:
-                if isinstance(item, RequestDone):
-                    done = item
-                else:
-                    self.traces.tokens(flight.request_id, len(item.token_ids))  # trace hook
-                    on_delta(item)
+            admission = self._admit(flight, request, clock)
+            if admission.local:
+                items = self._open_stream(flight, None, clock)
+            else:
+                items = self._prefill_and_stream(flight, admission, clock)
+            overhead_ms, round_trips = clock.overhead_ms(), clock.round_trips
+            done = RequestDone()
+            try:
+                for item in items:
+                    if isinstance(item, RequestDone):
+                        done = item
+                    else:
+                        self.traces.tokens(flight.request_id, len(item.token_ids))  # trace hook
+                        on_delta(item)
+            finally:
+                self.releases.settle_ack(flight)
         finally:
-            self.releases.settle_ack(flight)
+            self._close_inbox(flight)
         if flight.aborted or done.lifecycle is None:
             raise _aborted(flight)
         lc = replace(done.lifecycle, handoff_round_trips=round_trips,
@@ -340,16 +349,26 @@ class Orchestrator:
             except RoutingRejected:
                 order = live                 # the view may be stale: ask them all
             for d in order:
+                did = self.fleet.worker_id(d)
+                # its tokens may come as soon as it is admitted (a local prefill): the inbox
+                # is open before
+                inbox = self.streams.open(d, did, flight.attempt_id)
                 try:
                     adm: Admission = _unwrap(lambda d=d, r=request: clock.get(
                         d.admit.remote(r, local_max)))
                 except ray.exceptions.RayActorError:
+                    self.streams.close(did, flight.attempt_id)
                     continue                 # died or restarting: the reporter will notice
+                except BaseException:
+                    self.streams.close(did, flight.attempt_id)
+                    raise
                 request = flight.admitted = adm.request   # tokenized once: later tries
                 # (another decode worker, a retry) pass this on
                 self._block_size = request.block_size
-                if adm.admitted:
-                    flight.decode = d
+                if not adm.admitted:
+                    self.streams.close(did, flight.attempt_id)
+                else:
+                    flight.decode, flight.inbox = d, inbox
                     self.traces.admitted(flight.request_id, self.fleet.worker_id(d, "?"), adm.local)  # trace hook
                     if not adm.local:
                         self.ledger.hold(adm.decode_worker, RESERVED,
@@ -448,32 +467,47 @@ class Orchestrator:
                                          f"failed: {cause or e}") from e
 
     def _open_stream(self, flight: Flight, result: PrefillResult | None, clock: AttemptClock):
-        """Start D's stream (landing `result`'s pages first); returns an iterator over its
-        items whose first item has arrived."""
+        """Land `result`'s pages on D (round trip 3; none when D prefills it itself), then
+        return an iterator over the request's TokenDeltas and its RequestDone from D's delta
+        stream (router/streams.py), its first item already arrived."""
         d, rid = flight.decode, flight.attempt_id
         timeout = max(1.0, self._deadline_left(flight))
-        with contextlib.ExitStack() as stack:
-            if result is not None and result.handle is not None and self.cfg.transport == "rdt":
-                stack.enter_context(self._rdt_exclusive(flight.prefill, d))
-                send = flight.prefill.kv_send.options(tensor_transport=self.cfg.rdt_backend)
-                pages = send.remote(result.handle.transfer_id)
-                gen = d.stream.remote(flight.request_id, flight.epoch, result, pages,
-                                      sent_at=time.time(), timeout=timeout)
-            else:
-                gen = d.stream.remote(flight.request_id, flight.epoch, result, timeout=timeout)
-            first = _unwrap(lambda: clock.first(gen, timeout=timeout))
         if result is not None:
-            did = self.fleet.worker_id(d, "?")
+            with contextlib.ExitStack() as stack:
+                if result.handle is not None and self.cfg.transport == "rdt":
+                    stack.enter_context(self._rdt_exclusive(flight.prefill, d))
+                    send = flight.prefill.kv_send.options(tensor_transport=self.cfg.rdt_backend)
+                    pages = send.remote(result.handle.transfer_id)
+                    landed = d.land.remote(flight.request_id, flight.epoch, result, pages,
+                                           sent_at=time.time())
+                else:
+                    landed = d.land.remote(flight.request_id, flight.epoch, result)
+                _unwrap(lambda: clock.get(landed, timeout=timeout))
+            did = self.fleet.worker_id(d)
             self.traces.transferred(flight.request_id, did)  # trace hook: D landed the pages
             self.ledger.release(did, RESERVED, rid, FILLED)
             if result.handle is not None:    # off the critical path: settled at the end
                 flight.ack = flight.prefill.ack.remote(result.handle.transfer_id)
+        inbox = flight.inbox
+        waited = time.perf_counter()
+        first = _next_delta(inbox, timeout)
+        clock.waited_s += time.perf_counter() - waited
 
         def items():
-            yield first
-            for ref in gen:
-                yield ray.get(ref)
+            delta = first
+            while True:
+                if delta.token_ids or delta.text:
+                    yield TokenDelta(delta.token_ids, delta.text)
+                if delta.done is not None:
+                    yield delta.done
+                    return
+                delta = _next_delta(inbox, max(1.0, self._deadline_left(flight)))
         return items()
+
+    def _close_inbox(self, flight: Flight) -> None:
+        if flight.inbox is not None:
+            self.streams.close(self.fleet.worker_id(flight.decode), flight.attempt_id)
+            flight.inbox = None
 
     def _deadline_left(self, flight: Flight) -> float:
         return self.cfg.request_timeout_s if flight.deadline is None else \
@@ -525,6 +559,7 @@ class Orchestrator:
         """Stop the load reporter. With `wait_s`, also wait (that long at most) until it has
         made its last Ray call: a Ray call after ray.shutdown() would start a new local Ray."""
         self.fleet.close(wait_s)
+        self.streams.close_all(wait_s)
 
 
 class _NoMetrics:
@@ -541,6 +576,23 @@ def _unwrap(call: Callable[[], Any]) -> Any:
         if isinstance(e.cause, RequestError):
             raise e.cause from None
         raise
+
+
+def _next_delta(inbox: Any, timeout: float) -> RequestDelta:
+    """The next delta of a request's inbox; a dead worker's as Ray's RayActorError (the attempt
+    fails and runs again elsewhere), a failed step's as StepFailed, none in time as Ray's
+    GetTimeoutError."""
+    try:
+        item = inbox.get(timeout=timeout)
+    except queue.Empty:
+        raise ray.exceptions.GetTimeoutError(
+            f"no token from the decode worker in {timeout:.0f} s") from None
+    if isinstance(item, WorkerGone):
+        raise ray.exceptions.RayActorError(error_msg=f"the decode worker's stream broke: "
+                                                     f"{item.reason}")
+    if item.error is not None:
+        raise StepFailed(item.error)
+    return item
 
 
 def _aborted(flight: Flight) -> RequestAborted:

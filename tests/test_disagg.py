@@ -140,8 +140,8 @@ def _stage_without_pull(cluster: PDCluster, prompt: list[int], rid: str):
 
 
 def _land(d, rid: str, pre):
-    """D's third round trip: land the staged pages and take the first streamed item."""
-    return ray.get(next(d.stream.remote(rid, 0, pre)))
+    """D's third round trip: land the staged pages."""
+    return ray.get(d.land.remote(rid, 0, pre))
 
 
 def test_abort_mid_transfer_releases_both_sides():

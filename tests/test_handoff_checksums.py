@@ -56,12 +56,11 @@ def test_decode_verifies_with_the_prefill_workers_algorithm(host, corrupt):
     handle = TransferHandle("t", rid, "rdt", "p", "n", plan.block_hashes, shape,
                             dtype_name(kv.dtype), pages.nbytes)
     result = PrefillResult(rid, 0, plan.digest, 5, handle, sums, time.time(), 60.0, "p0")
-    stream = host.stream(rid, 0, result, pages=pages)
     if corrupt:
         with pytest.raises(TransferRejected) as err:
-            next(stream)
+            host.land(rid, 0, result, pages=pages)
         assert err.value.reason == "corrupt"
     else:
-        next(stream)
+        host.land(rid, 0, result, pages=pages)
         full = list(plan.dest_block_ids)[:40 // 16]    # decoding may write the partial block
         assert torch.equal(kv[:, :, full], pages[:, :, :len(full)])

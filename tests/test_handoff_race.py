@@ -77,7 +77,7 @@ def test_abort_during_pull_never_writes_into_reused_blocks(host):
 
     def pull() -> None:
         try:
-            next(host.stream("a", 0, result))
+            host.land("a", 0, result)
             outcome.append("landed")
         except Exception as e:
             outcome.append(e)

@@ -1,31 +1,37 @@
 """DecodeHost, the decode worker actor: admits a request decode-first (tokenizes, validates and
 hashes it once, reserves blocks for the whole prompt taking its own prefix hit, plans the
 transfer), pulls P's staged pages into a private buffer, lands them only if its reservation
-still owns the blocks and every checksum matches, then decodes with continuous batching and
-streams tokens back. Short uncached prompts (or no prefill workers) it prefills itself.
+still owns the blocks and every checksum matches, then decodes with continuous batching. Short
+uncached prompts (or no prefill workers) it prefills itself.
+
+Tokens leave through one stream per worker (`deltas`, a Ray streaming generator the router
+reads once): each message carries the new tokens and text of every request that got some since
+the last one (one engine step's, or a few), so a token costs no Ray call of its own.
+Detokenization runs in that stream's thread, not in the engine loop.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import asdict
 
 import ray
 
 from kvtransfer.endpoint import KVConsumer
-from protocol.errors import RequestError
 from protocol.ledger import ABORTED
 from protocol.messages import (
     Admission,
     AdmittedRequest,
     PrefillResult,
+    RequestDelta,
     RequestDone,
     RequestInput,
-    TokenDelta,
-    worker_request_id,
+    StepDeltas,
 )
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import StepOutput
-from workers.host import DONE, EngineHost
+from workers.host import EngineHost
 from workers.kv_handoff import DecodeHandoff, Reservation
 
 
@@ -34,7 +40,11 @@ class DecodeHost(EngineHost):
 
     def __init__(self, *args, **kw) -> None:
         self._finished: dict[str, RequestDone] = {}  # request_id -> result, until streamed
-        self._stops: dict[str, tuple[str, ...]] = {}  # request_id -> stop strings (streaming)
+        # the delta stream: (worker request id, new token ids, ended, error) in order, and each
+        # open request's detokenizer (made at admission, with its stop strings)
+        self._outbox: deque[tuple[str, tuple[int, ...], bool, str | None]] = deque()
+        self._outbox_cv = threading.Condition()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
         super().__init__(*args, **kw)
         self.consumer = KVConsumer(self.transport_name, **self._transport_cfg)
         self.handoff = DecodeHandoff(self.engine, self.worker_id, self.ledger)
@@ -44,7 +54,8 @@ class DecodeHost(EngineHost):
         return len(self.handoff.reservations)
 
     def _housekeeping(self) -> None:
-        self.handoff.expire()
+        for rid in self.handoff.expire():     # the router gave up on them (or died)
+            self._post(rid, (), True)
 
     def stats(self) -> dict:
         d = super().stats()
@@ -79,8 +90,7 @@ class DecodeHost(EngineHost):
             hits = self.engine.match_prefix(req)     # matched once per admission
             uncached = req.num_tokens - len(hits) * self.engine.cfg.block_size
             if uncached <= local_prefill_max_tokens:
-                self._stops[req.request_id] = req.sampling.stop
-                self._open_queue(req.request_id)
+                self._open_stream(req)
                 req.lifecycle.decode_worker = self.worker_id
                 self.engine.add_request(request=req, prompt=None)
                 self._work.set()
@@ -90,8 +100,7 @@ class DecodeHost(EngineHost):
             if plan is None:
                 return Admission(admitted, self.worker_id, False,
                                  free_blocks=self.engine.num_free_blocks)
-            self._stops[req.request_id] = req.sampling.stop
-            self._open_queue(req.request_id)
+            self._open_stream(req)
             return Admission(admitted, self.worker_id, True, decode_cached_blocks=plan.first_block,
                              plan=plan, free_blocks=self.engine.num_free_blocks,
                              reserved_blocks=len(self.engine.block_table(req.request_id)))
@@ -146,43 +155,80 @@ class DecodeHost(EngineHost):
     def abort(self, request_id: str) -> bool:
         with self._lock:
             if self.handoff.cancel(request_id, ABORTED):
-                q = self._queues.get(request_id)
-                if q is not None:
-                    q.put(DONE)
-                return True
-        return super().abort(request_id)
+                done = True
+            else:
+                done = self.engine.abort(request_id)
+        self._post(request_id, (), True)          # its stream ends (lifecycle None: aborted)
+        return done
 
-    def stream(self, request_id: str, epoch: int = 0, prefill: PrefillResult | None = None,
-               pages=None, sent_at: float | None = None, timeout: float = 600.0):
-        """With `prefill`: land its pages first (raises TransferRejected / TransferError before
-        the first item; the reservation then waits for another transfer). Then yield
-        TokenDelta items as tokens are produced and a final RequestDone (whose lifecycle is
-        None when the request was aborted)."""
-        rid = worker_request_id(request_id, epoch)
-        if prefill is not None:
-            self._fill(prefill, pages, sent_at)
-        q = self._queues.get(rid)
-        if q is None:
-            raise RequestError(f"unknown request {rid} on {self.worker_id}")
-        detok = IncrementalDetokenizer(self.engine.tokenizer, self._stops.pop(rid, ()))
-        try:
-            while (item := self._next(q, timeout)) is not DONE:
-                yield TokenDelta(tuple(item), detok.add(item))
-        finally:
-            self._queues.pop(rid, None)
-        result = self._finished.pop(rid, RequestDone())
-        if result.lifecycle is not None and (rest := detok.finish(result.text)):
-            yield TokenDelta((), rest)
-        yield result
+    def land(self, request_id: str, epoch: int, prefill: PrefillResult, pages=None,
+             sent_at: float | None = None) -> None:
+        """Land `prefill`'s pages into the request's reservation (raises TransferRejected /
+        TransferError, and the reservation then waits for another transfer). Its first token
+        and the rest go out on the delta stream."""
+        assert prefill.epoch == epoch and prefill.request_id == request_id
+        self._fill(prefill, pages, sent_at)
+
+    # ---- the delta stream --------------------------------------------------------------------
+    def _open_stream(self, req) -> None:
+        """Under the lock, at admission: the request's tokens will go out on the stream."""
+        self._detok[req.request_id] = IncrementalDetokenizer(self.engine.tokenizer,
+                                                             req.sampling.stop)
+
+    def _post(self, rid: str, token_ids: tuple[int, ...], ended: bool,
+              error: str | None = None) -> None:
+        with self._outbox_cv:
+            self._outbox.append((rid, token_ids, ended, error))
+            self._outbox_cv.notify()
 
     def _deliver(self, out: StepOutput) -> None:
+        r = out.request
         if out.finished:
-            r = out.request
+            self.metrics.observe_finished(r.lifecycle)
             self._finished[r.request_id] = RequestDone(r.output_text, tuple(r.output_token_ids),
                                                        r.lifecycle)
-        super()._deliver(out)
+        if out.new_token_ids or out.finished:
+            self._post(r.request_id, tuple(out.new_token_ids), out.finished)
 
+    def _fail_requests(self, msg: str) -> None:
+        for rid in list(self._detok):
+            if rid not in self.engine.requests:
+                self._post(rid, (), True, msg)
 
+    def take_deltas(self, timeout: float) -> StepDeltas:
+        """Every request's deltas posted since the last call (waiting up to `timeout` for
+        one), detokenized; empty when none came."""
+        with self._outbox_cv:
+            if not self._outbox:
+                self._outbox_cv.wait(timeout)
+            items, self._outbox = list(self._outbox), deque()
+        merged: dict[str, list] = {}
+        for rid, tokens, ended, error in items:     # a request's items, in order, merged
+            m = merged.setdefault(rid, [[], False, None])
+            m[0].extend(tokens)
+            m[1] = m[1] or ended
+            m[2] = m[2] or error
+        out = []
+        for rid, (tokens, ended, error) in merged.items():
+            detok = self._detok.get(rid)
+            if detok is None:                      # ended already (an abort after its end)
+                continue
+            text = detok.add(tokens) if tokens else ""
+            done = None
+            if ended:
+                self._detok.pop(rid, None)
+                done = self._finished.pop(rid, RequestDone())
+                if done.lifecycle is not None:
+                    text += detok.finish(done.text)
+            out.append(RequestDelta(rid, tuple(tokens), text, done, error))
+        return StepDeltas(self.worker_id, tuple(out))
+
+    def deltas(self, wait_s: float = 1.0):
+        """The worker's delta stream (a Ray streaming generator, read by the router): a
+        StepDeltas whenever requests got tokens, an empty one at least every `wait_s` (so the
+        reader learns the worker is alive)."""
+        while not self._stop:
+            yield self.take_deltas(wait_s)
 
 
 def decode_actor_class(host: type = DecodeHost, **options):

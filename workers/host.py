@@ -153,12 +153,16 @@ class EngineHost:
         print(msg, file=sys.stderr, flush=True)
         self._step_failures += 1
         self.engine.abort_running()
-        # the step's requests, and any it finished before raising (their output is lost);
-        # a caller that already has its end stops there and never reads this
+        self._fail_requests(msg)
+        return []
+
+    def _fail_requests(self, msg: str) -> None:
+        """After a failed step: the step's requests, and any it finished before raising (their
+        output is lost), end with StepFailed; a caller that already has its end stops there
+        and never reads this."""
         for rid, q in list(self._queues.items()):
             if rid not in self.engine.requests:
                 q.put(StepFailed(msg))
-        return []
 
     def _housekeeping(self) -> None:
         """Periodic work under the lock (lease expiry on prefill workers)."""
