@@ -141,8 +141,9 @@ def test_serve_flags_become_overrides(tmp_path):
     args = parser.parse_args(["serve", "--model", "tiny", "--served-model-name", "mini",
                               "--prefill", "0", "--decode", "2", "--transport", "object_store",
                               "--policy", "cache_aware", "--port", "0", "--api-key", "k",
-                              "--address", "auto"])
+                              "--address", "auto", "--dtype", "float32"])
     cfg = load_config(LOCAL, overrides_from_args(args))
+    assert cfg.model.dtype == "float32" and cfg.to_pd_config().engine["dtype"] == "float32"
     assert cfg.served_model_name == "mini" and cfg.model.name == "tiny"
     assert (cfg.workers.prefill.count, cfg.workers.decode.count) == (0, 2)
     assert (cfg.transfer.transport, cfg.router.policy) == ("object_store", "cache_aware")

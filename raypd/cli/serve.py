@@ -22,6 +22,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE",
                    help="YAML config (default: built-in defaults = configs/local.yaml)")
     p.add_argument("--model", help="model.name: smollm2, tiny or a local HF folder")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                   help="model.dtype: the weights' dtype (auto: bfloat16 where the hardware "
+                   "multiplies it natively, as AVX512-BF16/AMX CPUs and GPUs from Ampere on "
+                   "do; else the checkpoint's own)")
     p.add_argument("--kv-dtype", help="model.kv_dtype: auto, float32, bfloat16, int8, fp8 "
                    "(a quantized dtype must not have failed its recorded kv-quality gate)")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
@@ -50,7 +54,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
     """Command-line flags as dotted config keys (None: not given)."""
     g = lambda name: getattr(args, name, None)  # noqa: E731
-    return {"model.name": g("model"), "model.kv_dtype": g("kv_dtype"),
+    return {"model.name": g("model"), "model.dtype": g("dtype"),
+            "model.kv_dtype": g("kv_dtype"),
             "model.served_model_name": g("served_model_name"),
             "ray.address": g("address"), "server.host": g("host"), "server.port": g("port"),
             "server.grpc_port": g("grpc_port"), "server.api_key": g("api_key"),
