@@ -62,6 +62,7 @@ class EngineSection:
     kv_tier2_gb: float = _opt(0.0, min=0)      # host tier for evicted blocks per worker (0: off)
     kv_tier2_dir: str | None = None             # its mmap file's folder (CPU pools; temp dir)
     max_num_batched_tokens: int = _opt(2048, min=1)
+    max_step_ms: float | None = _opt(None, gt=0)   # mixed steps' prefill sized to stay under it
     max_num_seqs: int = _opt(64, min=1)
     enable_prefix_caching: bool = True
     threads_per_worker: int = _opt(1, min=1)   # torch threads in each worker actor
@@ -155,7 +156,7 @@ class RaypdConfig:
                     num_blocks=e.num_blocks, kv_cache_gb=e.kv_cache_gb,
                     kv_tier2_gb=e.kv_tier2_gb, kv_tier2_dir=e.kv_tier2_dir,
                     max_num_batched_tokens=e.max_num_batched_tokens,
-                    max_num_seqs=e.max_num_seqs, max_model_len=m.max_model_len,
+                    max_step_ms=e.max_step_ms, max_num_seqs=e.max_num_seqs, max_model_len=m.max_model_len,
                     enable_prefix_caching=e.enable_prefix_caching, model_impl=e.model_impl,
                     lora_adapters=dict(m.lora_adapters), max_loras=e.max_loras,
                     device=e.device, cuda_graphs=e.cuda_graphs)

@@ -43,6 +43,7 @@ def test_every_section_reaches_the_pd_config(tmp_path):
     cfg = load_config(write(tmp_path, """
 model: {name: tiny, dtype: float32, kv_dtype: bfloat16, served_model_name: small, max_model_len: 1024}
 engine: {block_size: 32, num_blocks: 100, max_num_batched_tokens: 256, max_num_seqs: 8,
+         max_step_ms: 25,
          enable_prefix_caching: false, threads_per_worker: 2, device: cpu, cuda_graphs: false}
 workers:
   prefill: {count: 2, resources: {prefill: 1}}
@@ -62,7 +63,7 @@ ray: {address: auto}
     assert pd.engine == dict(model="tiny", dtype="float32", kv_dtype="bfloat16", block_size=32,
                              num_blocks=100, kv_cache_gb=1.0, kv_tier2_gb=0.0,
                              kv_tier2_dir=None, max_num_batched_tokens=256,
-                             max_num_seqs=8, max_model_len=1024, enable_prefix_caching=False,
+                             max_step_ms=25, max_num_seqs=8, max_model_len=1024, enable_prefix_caching=False,
                              model_impl="auto", lora_adapters={}, max_loras=4,
                              device="cpu", cuda_graphs=False)
     assert (pd.num_prefill, pd.num_decode, pd.threads_per_actor) == (2, 3, 2)

@@ -28,6 +28,7 @@ from workers.random_model import build_random, is_random
 from workers.request import Request, RequestStatus, SamplingParams
 from workers.sampler import sample
 from workers.scheduler import Scheduler, SchedulerConfig
+from workers.step_budget import StepBudget
 
 KV_DTYPES = ("auto", *DTYPES, *QUANT_FORMATS)
 
@@ -44,6 +45,7 @@ class EngineConfig:
     kv_tier2_gb: float = 0.0            # host tier for evicted blocks (0: off; workers/kv_tier2.py)
     kv_tier2_dir: str | None = None     # its memory-mapped file's folder (CPU pools; temp dir)
     max_num_batched_tokens: int = 2048
+    max_step_ms: float | None = None    # TPOT target: mixed steps' prefill sized under it (off)
     max_num_seqs: int = 64
     max_model_len: int | None = None    # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
@@ -67,6 +69,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.kv_tier2_gb < 0:
             raise ValueError(f"kv_tier2_gb must be >= 0, got {self.kv_tier2_gb}")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ValueError(f"max_step_ms must be > 0 (or None: off), got {self.max_step_ms}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.model_impl not in MODEL_IMPLS:
@@ -116,9 +120,11 @@ class LLMEngine:
                                  tier2_slots=tier2_slots)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=cfg.block_size,
                                  kv_bytes_per_token=self.kv_bytes_per_token)
+        self.step_budget = StepBudget(cfg.max_step_ms, cfg.max_num_batched_tokens,
+                                      min_chunk=cfg.block_size)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                                    cfg.max_loras), self.kv, self.stats,
-                                   self._busy_loras)
+                                   self._busy_loras, self.step_budget)
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size,
                                   kv_dtype if is_quantized(kv_dtype) else DTYPES[kv_dtype],
                                   cfg.model_impl, self.max_model_len, self.loras, cfg.max_loras,
@@ -248,6 +254,10 @@ class LLMEngine:
         self.stats.busy_s += now - t0
         self.stats.steps += 1
         observe_prefill_cost(self.kv.costs, chunks, now - t0)
+        decodes = [ch.request for ch in chunks if not ch.request.is_prefill]
+        self.step_budget.observe(len(decodes), sum(r.num_tokens for r in decodes),
+                                 sum(ch.num_new_tokens for ch in chunks) - len(decodes),
+                                 now - t0)
         self.stats.observe_utilization(*self.scheduler.stored_tokens())
         for ch in chunks:
             ch.request.num_computed_tokens += ch.num_new_tokens
@@ -472,7 +482,9 @@ class LLMEngine:
                  attention_kernel=self.runner.attention_kernel,
                  device=self.device.type, device_name=device_name(self.device),
                  cuda_graphs=self.runner.graphs is not None,
-                 cuda_graph_replays=self.runner.graphs.replays if self.runner.graphs else 0)
+                 cuda_graph_replays=self.runner.graphs.replays if self.runner.graphs else 0,
+                 max_step_ms=self.cfg.max_step_ms,
+                 step_budget_capped_steps=self.step_budget.capped_steps)
         lora = self.runner.lora
         d.update((lora.stats if lora is not None else LoRAStats()).to_dict(),
                  lora_resident=list(lora.resident) if lora is not None else [])

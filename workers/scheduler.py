@@ -22,6 +22,7 @@ from kvcache.manager import KVCacheManager
 from protocol.lifecycle import EngineStats
 from workers.model_runner import ScheduledChunk
 from workers.request import Request, RequestStatus
+from workers.step_budget import StepBudget
 
 
 @dataclass
@@ -33,8 +34,11 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, stats: EngineStats,
-                 busy_loras: Callable[[], set[str]] | None = None) -> None:
+                 busy_loras: Callable[[], set[str]] | None = None,
+                 step_budget: StepBudget | None = None) -> None:
         self.cfg = cfg
+        # under a step-time target, the prefill tokens a step with decodes may take
+        self.step_budget = step_budget
         # adapters that will run in coming steps: the running requests' and, on a decode
         # worker, those of reservations awaiting their KV (the engine knows those)
         self.busy_loras = busy_loras or (lambda: {r.lora_name for r in self.running})
@@ -59,9 +63,21 @@ class Scheduler:
         preempted = False
         stalled = False
         i = 0
+        decodes = decode_ctx = 0       # decodes come first: the prefill cap is known after them
+        prefill_left: int | None = None
+
+        def prefill_cap() -> int:
+            nonlocal prefill_left
+            if prefill_left is None:
+                prefill_left = budget if self.step_budget is None else \
+                    self.step_budget.prefill_tokens(decodes, decode_ctx)
+            return prefill_left
+
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.is_prefill and (n := min(n, prefill_cap())) <= 0:
+                break
             while not self._allocate(req, req.num_computed_tokens + n):
                 if len(self.running) == 1:   # alone and still cannot grow
                     if self._blocks_held_elsewhere():
@@ -76,6 +92,11 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING or req in self.out_of_blocks or stalled:
                 break
+            if req.is_prefill:
+                prefill_left -= n
+            else:
+                decodes += 1
+                decode_ctx += req.num_tokens
             chunks.append(ScheduledChunk(req, n, self.kv.block_table(req.request_id)))
             budget -= n
             i += 1
@@ -89,7 +110,9 @@ class Scheduler:
             hits = self.kv.match_prefix(req.namespace_root, req.block_hashes, req.all_token_ids,
                                         req.num_tokens - 1)
             num_cached = len(hits) * self.kv.block_size
-            n = min(req.num_tokens - num_cached, budget)
+            n = min(req.num_tokens - num_cached, budget, prefill_cap())
+            if n <= 0:
+                break
             new = self.kv.allocate_slots(req.request_id, num_cached + n, hits)
             if new is None:
                 break
@@ -102,6 +125,7 @@ class Scheduler:
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n, self.kv.block_table(req.request_id)))
             budget -= n
+            prefill_left -= n
         assert not (stalled and chunks), "only a request running alone stalls"
         self.stalled = stalled
         used = self.kv.pool.num_used_blocks

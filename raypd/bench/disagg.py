@@ -37,6 +37,7 @@ import ray
 
 from cluster.pd import PDCluster, PDConfig
 from protocol.messages import TokenDelta
+from raypd.bench.server_overhead import measure_server_overhead
 from raypd.bench.transfer import random_prompt
 from router.orchestrator import FlowConfig
 from router.percentiles import percentile
@@ -66,6 +67,10 @@ class Workload:
 FULL = Workload()
 QUICK = Workload(window_s=20.0, num_short=10, short_at_start=4, short_output=(64, 128),
                  num_long=3, first_long_s=2.0)
+
+
+# the HTTP phase (raypd/bench/server_overhead.py) of a quick run
+QUICK_HTTP = {"concurrency": 4, "requests_n": 8, "max_tokens": 32}
 
 
 @dataclass(frozen=True)
@@ -306,6 +311,7 @@ def run_bench_disagg(quick: bool = False, model: str = "smollm2",
                                         pin=cfg.num_prefill == 0))
         router_run = _run_once(setups["coloc"], jobs, warmup(2), pin=False) \
             if router_baseline else None
+        overhead = measure_server_overhead(model, **(QUICK_HTTP if quick else {}), seed=seed)
     finally:
         if started:
             ray.shutdown()
@@ -318,6 +324,7 @@ def run_bench_disagg(quick: bool = False, model: str = "smollm2",
         "itl_p99_ratio": d["itl_p99_s"] / c["itl_p99_s"],
         "ttft_p50_disagg_s": d["ttft_p50_s"], "ttft_p99_disagg_s": d["ttft_p99_s"],
         "ttft_p50_coloc_s": c["ttft_p50_s"], "ttft_p99_coloc_s": c["ttft_p99_s"],
+        "server_overhead_ms_per_token": overhead["server_overhead_ms_per_token"],
         "output_tokens_disagg": d["output_tokens"], "output_tokens_coloc": c["output_tokens"],
         "wall_s_disagg": d["wall_s"], "wall_s_coloc": c["wall_s"],
         "definitions": {
@@ -338,7 +345,7 @@ def run_bench_disagg(quick: bool = False, model: str = "smollm2",
         "workload": {**asdict(w), "seed": seed, "requests": len(jobs),
                      "long_requests": sum(j.kind == "long" for j in jobs)},
         "model": model, "quick": quick,
-        "disagg": d, "coloc": c,
+        "disagg": d, "coloc": c, "server_overhead": overhead,
     }
     if router_run is not None:
         r = _pool([router_run])
