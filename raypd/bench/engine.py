@@ -92,6 +92,69 @@ def _median(f, repeats: int) -> float:
     return statistics.median(f() for _ in range(repeats))
 
 
+class _TimedKernels:
+    """workers/kernels.py's native library with every call timed (the bench swaps it in for
+    `kernels._module` while it counts; attributes that are not calls pass through)."""
+
+    CALLS = ("add_rms_norm", "rope_and_cache", "silu_mul")
+
+    def __init__(self, lib) -> None:
+        self._lib, self.seconds = lib, 0.0
+
+    def _timed(self, f):
+        def call(*args):
+            t0 = time.perf_counter()
+            try:
+                return f(*args)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return call
+
+    def __call__(self, *args):
+        return self._timed(self._lib)(*args)
+
+    def __getattr__(self, name: str):
+        f = getattr(self._lib, name)
+        return self._timed(f) if name in self.CALLS else f
+
+
+def _python_overhead_ms(engine: LLMEngine, prompts: list[list[int]], steps: int = 12) -> dict:
+    """Decode steps of `prompts` (all prefilled first): the median step time, the time inside
+    kernels per step (torch's operators by the profiler's self time, which excludes Python;
+    the native kernels timed around each ctypes call), and the rest: `python_overhead_ms`
+    (scheduling, block tables, metadata, sampling bookkeeping, the interpreter between ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers import kernels
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=2 * steps + 2, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
+        engine.step()
+    plain = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        plain.append(time.perf_counter() - t0)
+    module = kernels._module
+    lib = module()
+    timed = _TimedKernels(lib) if lib is not None else None
+    if timed is not None:
+        kernels._module = lambda: timed
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine.step()
+    finally:
+        kernels._module = module
+    while engine.has_unfinished():
+        engine.step()
+    torch_ms = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3 / steps
+    native_ms = (timed.seconds if timed else 0.0) * 1e3 / steps
+    step_ms = 1e3 * statistics.median(plain)
+    return {"step_ms": step_ms, "torch_ops_ms": torch_ms, "native_kernels_ms": native_ms,
+            "python_overhead_ms": step_ms - torch_ms - native_ms}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -353,6 +416,10 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
         kv_bytes = b * (plen + new / 2) * engine.kv_bytes_per_token
         out[f"decode_bound_ms_b{b}"] = 1e3 * (weight_bytes + kv_bytes) / (read_gbps * 1e9)
     out.update(_attn_decode_gbps(engine, 16, plen + new // 2))
+    for b in (1, 16):   # step time minus the time inside kernels
+        split = _python_overhead_ms(engine, [prompt(plen) for _ in range(b)])
+        out[f"python_overhead_ms_b{b}"] = split["python_overhead_ms"]
+        out[f"step_split_b{b}"] = split
     out["decode_ratio_b16"] = out["engine_decode_tok_s_b16"] / out["hf_decode_tok_s_b16"]
     out["decode_step_ms"] = out["decode_step_ms_b16"]
     out["decode_bound_ms"] = out["decode_bound_ms_b16"]
