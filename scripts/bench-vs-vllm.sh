@@ -72,8 +72,12 @@ wait_healthy() {   # port, seconds, log
 }
 
 client() {   # label, port, name, backend, args, result file
+  local ids=()
+  # llama-cpp-python's server answers 400 unless an x-request-id header is a UUID; vLLM's
+  # client sends prefix + index: a UUID prefix one digit short (indices 0-9: N1 <= 10)
+  [ "$1" = llamacpp ] && ids=(--request-id-prefix 00000000-0000-4000-8000-00000000000)
   # shellcheck disable=SC2086
-  HF_HUB_OFFLINE=1 "$VENV/bin/vllm" bench serve --backend $4 --base-url "http://127.0.0.1:$2" \
+  HF_HUB_OFFLINE=1 "$VENV/bin/vllm" bench serve "${ids[@]}" --backend $4 --base-url "http://127.0.0.1:$2" \
     --model "$HF_DIR" --tokenizer "$HF_DIR" --served-model-name "$SERVED" --seed 0 --ignore-eos \
     --request-rate inf $5 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
     --save-result --result-dir "$WORK" --result-filename "$6" > "$WORK/${6%.json}.log" 2>&1 \

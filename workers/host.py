@@ -23,15 +23,37 @@ from dataclasses import asdict, replace
 from typing import Any
 
 import ray
+import torch
 
 from protocol.errors import StepFailed
 from protocol.ledger import HandoffLedger, Hold
 from protocol.messages import HoldRelease, LoadReport
 from protocol.step_rates import StepRates
+from workers.device import serial_openmp_here
 from workers.engine import EngineConfig, LLMEngine, StepOutput
 from workers.metrics import WorkerMetrics
 
 DONE = object()   # the last item of a request's output queue
+
+
+class EngineLock:
+    """The engine lock (reentrant). A thread other than the engine loop that takes it runs its
+    torch work on one OpenMP thread (workers/device.py serial_openmp_here): only the loop's
+    team is ever in parallel regions, so libgomp keeps spinning between them."""
+
+    def __init__(self, serial_callers: bool = True) -> None:
+        self._lock = threading.RLock()
+        self._serial_callers = serial_callers
+        self.loop_thread: threading.Thread | None = None
+
+    def __enter__(self) -> EngineLock:
+        if self._serial_callers and threading.current_thread() is not self.loop_thread:
+            serial_openmp_here()
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
 
 
 class EngineHost:
@@ -41,12 +63,20 @@ class EngineHost:
 
     def __init__(self, worker_id: str, engine_cfg: dict, transport: str = "object_store",
                  transport_cfg: dict | None = None, lease_s: float = 30.0) -> None:
-        cfg = EngineConfig(**engine_cfg)
+        # in a worker process, torch threads are the loop thread's alone (workers/device.py
+        # serial_openmp_here): this thread builds the engine on one. A host built in a test's
+        # own process leaves that process's threads alone.
+        in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+        if in_actor:
+            serial_openmp_here()
+        # in an actor the loop thread sets the torch threads (its own team); elsewhere as given
+        self._loop_threads = engine_cfg.get("num_threads") if in_actor else None
+        cfg = EngineConfig(**({**engine_cfg, "num_threads": None} if in_actor else engine_cfg))
         self.worker_id = worker_id
         self.engine = LLMEngine(cfg)
         self.transport_name = transport
         self._transport_cfg = {"worker_id": worker_id, **(transport_cfg or {})}
-        self._lock = threading.RLock()
+        self._lock = EngineLock(serial_callers=in_actor)
         # callers waiting for the engine lock (`_call_lock`): the loop lets them in before its
         # next step (the lock is not fair: the loop would win it back, and a prompt that
         # arrived during a step could miss the next one while a later one made it)
@@ -82,6 +112,9 @@ class EngineHost:
         """Step the engine while there is work. A step that raises fails its own requests
         (`_fail_step`) and the loop goes on; if the loop itself breaks, the process exits so
         that Ray restarts the actor and the router retries its requests elsewhere."""
+        self._lock.loop_thread = threading.current_thread()
+        if self._loop_threads:
+            torch.set_num_threads(self._loop_threads)   # this thread's team: the only one
         try:
             while not self._stop:
                 self._work.wait(timeout=0.1)
