@@ -168,6 +168,19 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
       vrow[i] = vp + (base + i) * s.row + h * D;
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+    if (t + n < t1) {   // the next tile's rows on their way while this one computes: blocks are
+      const int64_t t2 = t + n;                     // scattered, no hardware prefetcher finds them
+      const int64_t m = std::min<int64_t>({16, t1 - t2, (t2 / s.bs + 1) * s.bs - t2});
+      const int64_t nb = table[b * s.W + t2 / s.bs] * s.bs + t2 % s.bs;
+      for (int64_t i = 0; i < m; ++i) {
+        const char* kr = reinterpret_cast<const char*>(kp + (nb + i) * s.row + h * D);
+        const char* vr = reinterpret_cast<const char*>(vp + (nb + i) * s.row + h * D);
+        for (int64_t c = 0; c < D * 2; c += 64) {
+          _mm_prefetch(kr + c, _MM_HINT_T0);
+          _mm_prefetch(vr + c, _MM_HINT_T0);
+        }
+      }
+    }
     for (int64_t g = 0; g < G; ++g) {
       __m512 dots[16];
       for (int64_t i = 0; i < 16; ++i) {
