@@ -73,6 +73,7 @@ def test_step_metadata_is_one_host_to_device_copy(tiny_loaded, tiny_reference):
                                                     c.all_token_ids, c.num_tokens - 1))
     c.num_computed_tokens = 32
     chunks.append(ScheduledChunk(c, c.num_tokens - 32, engine.kv.block_table(c.request_id)))
+    runner.one_decode_group = False    # the torch path's length groups: two here
     before = ModelRunner.h2d_copies
     ids, pos, meta, rows, _ = runner.prepare(chunks)
     assert ModelRunner.h2d_copies - before == 1
@@ -80,6 +81,8 @@ def test_step_metadata_is_one_host_to_device_copy(tiny_loaded, tiny_reference):
     tensors = [ids, pos, rows, meta.slot_mapping, meta.prefills[0].block_table,
                *(t for g in meta.decode_groups for t in (g.block_tables, g.context_lens))]
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    runner.one_decode_group = True     # the native kernel reads each row's own context
+    assert len(runner.prepare(chunks)[2].decode_groups) == 1
     assert all(t.device == runner.device for t in tensors)
     assert [g.needs_mask for g in meta.decode_groups] == [False, False]   # one row each
 
