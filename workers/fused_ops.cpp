@@ -10,22 +10,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 namespace {
 
-inline float ld(const uint16_t* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t bf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7FC0;
-  u += ((u >> 16) & 1u) + 0x7FFFu;
-  return static_cast<uint16_t>(u >> 16);
-}
+inline float ld(const uint16_t* p, int64_t i) { return raypd_bf16::bf16_to_f(p[i]); }
+inline uint16_t bf(float f) { return raypd_bf16::f_to_bf16(f); }
 
 constexpr int64_t PARALLEL_MIN_TOKENS = 32;
 

@@ -30,6 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("fused_ops.cpp"))   # one library
+HEADERS = (Path(__file__).with_name("bf16.h"),)                   # part of its build key
 # -ffast-math: reassociated (vectorized) sums and glibc's vector expf; the kernel holds no
 # infinities or NaNs (masked keys are outside its loops), so finite-math is safe
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fPIC", "-shared", "-fopenmp"]
@@ -76,7 +77,7 @@ def build(cache: Path) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C++ compiler (c++ or g++, or $CXX)")
-    src = b"\0".join(s.read_bytes() for s in SOURCES)
+    src = b"\0".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
     key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), cc[1].encode(),
                                      _cpu_features().encode()])).hexdigest()[:16]
     lib = cache / "native" / f"raypd_paged_decode_{key}.so"

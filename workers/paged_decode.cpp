@@ -22,24 +22,14 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
 struct bf16 { uint16_t x; };
 
-inline float bf16_to_f(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t f_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7FC0;
-  u += ((u >> 16) & 1u) + 0x7FFFu;   // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
+using raypd_bf16::bf16_to_f;
+using raypd_bf16::f_to_bf16;
 
 template <typename T> inline void row_to_f(const T* src, float* dst, int64_t D);
 template <> inline void row_to_f<float>(const float* src, float* dst, int64_t D) {
