@@ -254,10 +254,11 @@ class LLMEngine:
         self.stats.busy_s += now - t0
         self.stats.steps += 1
         observe_prefill_cost(self.kv.costs, chunks, now - t0)
-        decodes = [ch.request for ch in chunks if not ch.request.is_prefill]
-        self.step_budget.observe(len(decodes), sum(r.num_tokens for r in decodes),
-                                 sum(ch.num_new_tokens for ch in chunks) - len(decodes),
-                                 now - t0)
+        if self.step_budget.on:   # off (the default): nothing to derive on the hot path
+            decodes = [ch.request for ch in chunks if not ch.request.is_prefill]
+            self.step_budget.observe(len(decodes), sum(r.num_tokens for r in decodes),
+                                     sum(ch.num_new_tokens for ch in chunks) - len(decodes),
+                                     now - t0)
         self.stats.observe_utilization(*self.scheduler.stored_tokens())
         for ch in chunks:
             ch.request.num_computed_tokens += ch.num_new_tokens

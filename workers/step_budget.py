@@ -46,10 +46,14 @@ class StepBudget:
         self._since_fit = 0
         self.capped_steps = 0     # steps whose prefill the target held below the full budget
 
+    @property
+    def on(self) -> bool:
+        return self.target_s is not None
+
     def observe(self, decodes: int, decode_ctx_tokens: int, prefill_tokens: int,
                 seconds: float) -> None:
         """One finished step (off: nothing is kept)."""
-        if self.target_s is None:
+        if not self.on:
             return
         self.samples.append(StepSample(decodes, decode_ctx_tokens, prefill_tokens, seconds))
         self._since_fit += 1
@@ -62,7 +66,7 @@ class StepBudget:
 
     def prefill_tokens(self, decodes: int, decode_ctx_tokens: int) -> int:
         """Prefill tokens a step with these decodes may compute."""
-        if self.target_s is None or decodes == 0 or self.coef is None:
+        if not self.on or decodes == 0 or self.coef is None:
             return self.full
         base, per_seq, per_tok, per_ctx = self.coef
         left = self.target_s - (base + per_seq * decodes + per_ctx * decode_ctx_tokens)
