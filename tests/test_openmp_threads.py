@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from workers.device import _omp_set_num_threads, serial_openmp_here
+from workers.device import libgomp, serial_openmp_here
 from workers.host import EngineLock
 
-pytestmark = pytest.mark.skipif(_omp_set_num_threads() is None, reason="torch without libgomp")
+pytestmark = pytest.mark.skipif(libgomp() is None, reason="torch without libgomp")
 
 
 def _in_thread(fn):
@@ -24,15 +24,7 @@ def _in_thread(fn):
 
 
 def _omp_max_threads() -> int:
-    import ctypes
-    from pathlib import Path
-    for path in [*sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*")),
-                 "libgomp.so.1"]:
-        try:
-            return ctypes.CDLL(str(path)).omp_get_max_threads()
-        except (OSError, AttributeError):
-            continue
-    raise AssertionError("no libgomp")
+    return libgomp().omp_get_max_threads()
 
 
 def test_serial_here_sets_only_the_calling_thread():

@@ -140,16 +140,16 @@ _serial = threading.local()
 
 
 @functools.cache
-def _omp_set_num_threads():
-    """libgomp's omp_set_num_threads as torch loaded it, or None (another OpenMP, or none)."""
+def libgomp() -> ctypes.CDLL | None:
+    """libgomp as torch loaded it (its bundled copy first), or None (another OpenMP, or none)."""
     lib_dir = Path(torch.__file__).parent / "lib"
     for path in [*sorted(lib_dir.glob("libgomp*.so*")), "libgomp.so.1"]:
         try:
-            fn = ctypes.CDLL(str(path)).omp_set_num_threads
+            lib = ctypes.CDLL(str(path))
+            lib.omp_set_num_threads.argtypes, lib.omp_set_num_threads.restype = [ctypes.c_int], None
+            return lib
         except (OSError, AttributeError):
             continue
-        fn.argtypes, fn.restype = [ctypes.c_int], None
-        return fn
     return None
 
 
@@ -159,7 +159,6 @@ def serial_openmp_here() -> None:
     if getattr(_serial, "done", False):
         return
     torch.get_num_threads()
-    fn = _omp_set_num_threads()
-    if fn is not None:
-        fn(1)
+    if (lib := libgomp()) is not None:
+        lib.omp_set_num_threads(1)
     _serial.done = True
