@@ -24,6 +24,7 @@ from cluster.pd import PDConfig
 from ingress.limits import IngressLimits
 from ingress.request_checks import RequestLimits
 from router.orchestrator import FlowConfig
+from workers.kv_gate import MAX_PPL_DELTA_PCT, NOISE_FLOOR_MULTIPLE
 
 BUILTIN_MODELS = ("smollm2", "tiny")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -46,9 +47,10 @@ class ModelSection:
     name: str = "smollm2"                       # smollm2, tiny, or a local HF folder
     dtype: str = _opt("auto", choices=DTYPES)
     kv_dtype: str = _opt("auto", choices=KV_DTYPES)
-    # `raypd serve` refuses a quantized kv_dtype whose recorded `bench kv-quality` gate fails these
-    kv_gate_max_ppl_delta_pct: float = _opt(1.0, min=0)
-    kv_gate_min_greedy_agreement: float = _opt(0.95, min=0, max=1)
+    # `raypd serve` serves a quantized kv_dtype only when its recorded `bench kv-quality` gate
+    # (this revision, these weights) passes these (workers/kv_gate.py says why the defaults)
+    kv_gate_max_ppl_delta_pct: float = _opt(MAX_PPL_DELTA_PCT, min=0)
+    kv_gate_noise_floor_multiple: float = _opt(NOISE_FLOOR_MULTIPLE, min=1)
     served_model_name: str | None = None        # the name clients send (default: `name`)
     max_model_len: int | None = _opt(None, min=1)   # default: the model's context
     lora_adapters: dict[str, str] = _opt({})    # LoRA name -> PEFT folder; each is a model id

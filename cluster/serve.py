@@ -126,13 +126,22 @@ def start_server(cfg: RaypdConfig, host: str | None = None, port: int | None = N
 
 
 def check_kv_quality_gate(cfg: RaypdConfig) -> dict | None:
-    """The recorded kv-quality gate of a quantized model.kv_dtype (None: float pool or never
-    measured); raises ValueError (a clear CLI error) when the recorded gate fails the config's
-    model.kv_gate_* thresholds."""
-    from workers.kv_gate import GateThresholds, check_kv_gate
+    """The recorded kv-quality gate of a quantized model.kv_dtype for this model revision and
+    the weights dtype the workers load (None: a float pool, not gated). Raises ValueError (a
+    clear CLI error) when it was never measured, naming the `raypd bench kv-quality` command
+    that measures it, or when its figures fail the config's model.kv_gate_* thresholds: a
+    quantized pool is never served unmeasured."""
+    import torch
+
+    from workers.kv_gate import check_kv_gate, gate_thresholds, resolve_weights_dtype
+    from workers.kv_quant import is_quantized
     m = cfg.model
-    return check_kv_gate(m.name, m.kv_dtype, GateThresholds(m.kv_gate_max_ppl_delta_pct,
-                                                            m.kv_gate_min_greedy_agreement))
+    if not is_quantized(m.kv_dtype):
+        return None
+    on_gpu = cfg.engine.device == "cuda" or (cfg.engine.device == "auto"
+                                             and cfg.workers.num_gpus > 0)
+    weights = resolve_weights_dtype(m.name, m.dtype, torch.device("cuda" if on_gpu else "cpu"))
+    return check_kv_gate(m.name, m.kv_dtype, weights, gate_thresholds(m))
 
 
 def model_limits(cfg: RaypdConfig, backend: Any) -> ModelLimits:
@@ -177,9 +186,12 @@ def serve_forever(cfg: RaypdConfig, log_level: str = "info") -> int:
     started_ray = backend = grpc = app = None
     gate = check_kv_quality_gate(cfg)
     if gate is not None:
-        print(f"raypd: kv_dtype {cfg.model.kv_dtype} quality gate ({gate['evidence']}): "
-              f"ppl_delta_pct {gate['ppl_delta_pct']:.3f}, greedy_agreement "
-              f"{gate['greedy_agreement']:.3f}, mean_kl {gate['mean_kl']:.2e}",
+        floor = gate["noise_floor"]
+        print(f"raypd: kv_dtype {cfg.model.kv_dtype} passed its quality gate "
+              f"({gate['evidence']}, {gate['dtype']} weights): teacher-forced agreement "
+              f"{gate['teacher_forced_agreement']:.4f} (bf16 floor "
+              f"{floor['teacher_forced_agreement']:.4f}), mean_kl {gate['mean_kl']:.2e} (floor "
+              f"{floor['mean_kl']:.2e}), ppl_delta_pct {gate['ppl_delta_pct']:.3f}",
               file=sys.stderr, flush=True)
     gone = threading.Event()
     try:

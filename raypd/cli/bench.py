@@ -88,33 +88,46 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kv_quality(args: argparse.Namespace) -> int:
+    """Measure, print (and --json) the gate figures; exit 1 when the format fails its gate."""
+    if args.noise_floor_multiple < 1:
+        raise ValueError(f"--noise-floor-multiple must be >= 1 (1: no worse than bf16 itself), "
+                         f"got {args.noise_floor_multiple}")
+    if args.max_ppl_delta_pct < 0 or args.text_tokens < 2:
+        raise ValueError("--max-ppl-delta-pct must be >= 0 and --text-tokens >= 2")
     quick = args.quick
     from raypd.bench.kv_quality import run_kv_quality
+    from workers.kv_gate import GateThresholds
     result = run_kv_quality(
         model=args.model, kv_dtype=args.kv_dtype, dtype=args.dtype,
         text_tokens=256 if quick else args.text_tokens, chunk=64 if quick else 256,
         prompts=4 if quick else 32, prompt_tokens=32 if quick else 64,
         max_tokens=8 if quick else 64, threads=args.threads,
-        thresholds=_gate_thresholds(args.max_ppl_delta_pct, args.min_greedy_agreement),
+        thresholds=GateThresholds(max_ppl_delta_pct=args.max_ppl_delta_pct,
+                                  noise_floor_multiple=args.noise_floor_multiple),
         record=not quick)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")
-    return 0
+    return 0 if result["gate_passed"] else 1
 
 
 def add_bench_kv_quality_parser(bsub) -> None:
     from workers.kv_gate import GateThresholds
-    p = bsub.add_parser("kv-quality", help="quantized KV pool vs full precision: perplexity, "
-                        "greedy agreement, KL; records the gate `raypd serve` enforces")
+    p = bsub.add_parser("kv-quality", help="quantized KV pool vs full precision, teacher-forced "
+                        "(agreement, mean / p99 KL, perplexity) against the noise floor of a "
+                        "bf16 pool; records the gate `raypd serve` enforces; exit 1: gate failed")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--kv-dtype", default="int8", choices=["int8", "fp8"])
-    p.add_argument("--dtype", default="auto", help="weights: auto | float32 | bfloat16")
-    p.add_argument("--text-tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the weights' dtype (the gate is recorded per weights dtype)")
+    p.add_argument("--text-tokens", type=int, default=2048,
+                   help="tokens of the text scored teacher-forced (capped by the context)")
     p.add_argument("--max-ppl-delta-pct", type=float, default=GateThresholds.max_ppl_delta_pct)
-    p.add_argument("--min-greedy-agreement", type=float,
-                   default=GateThresholds.min_greedy_agreement)
+    p.add_argument("--noise-floor-multiple", type=float,
+                   default=GateThresholds.noise_floor_multiple,
+                   help="logit-error multiple of the bf16 noise floor a format may reach "
+                   "(KL limits: its square; see workers/kv_gate.py NOISE_FLOOR_MULTIPLE)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny settings (smoke test, not recorded)")
     p.add_argument("--json", metavar="PATH")
@@ -224,9 +237,3 @@ def add_bench_transfer_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the JSON here")
     p.set_defaults(func=cmd_bench_transfer)
     return p
-
-
-
-def _gate_thresholds(max_ppl_delta_pct: float, min_greedy_agreement: float):
-    from workers.kv_gate import GateThresholds
-    return GateThresholds(max_ppl_delta_pct, min_greedy_agreement)
