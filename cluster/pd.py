@@ -16,6 +16,7 @@ import ray
 
 from ingress.backend import RouterView
 from kvtransfer.base import TRANSPORT_NAMES
+from router.kv_timeline import HIT_WINDOW_S
 from router.orchestrator import FlowConfig, Orchestrator
 
 
@@ -184,6 +185,12 @@ class PDCluster:
 
     def request_traces(self):
         return self.orchestrator.traces
+
+    def kv_timeline(self, since: float | None = None, max_points: int | None = None,
+                    window_s: float = HIT_WINDOW_S, t0: float | None = None) -> dict:
+        """What every worker's KV pool held over time (router/kv_timeline.py)."""
+        return self.orchestrator.fleet.timeline.to_dict(since=since, t0=t0, window_s=window_s,
+                                                        max_points=max_points)
 
     def report_params(self) -> dict:
         """The fixed parameters a report records."""

@@ -59,3 +59,7 @@ class OperatedBackend(Backend, Protocol):
 
     def request_traces(self) -> Any:
         """The router's TraceStore of the last requests' handoff timelines."""
+
+    def kv_timeline(self, since: float | None = None, max_points: int | None = None,
+                    window_s: float = 10.0) -> dict:
+        """The router's KV timeline as JSON (router/kv_timeline.KVTimeline.to_dict)."""

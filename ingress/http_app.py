@@ -3,14 +3,14 @@
     app = build_app(cluster, IngressSettings(model_name="smollm2"))
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not), GET /v1/models
-(scope inference); GET /api/stats, GET /admin/status, POST /admin/scale (scope admin: a JSON
-body, bounded counts), GET /metrics (admin when `protect_metrics`), GET /health,
-GET /dashboard. The body is read here within `server.limits` (413 / 408 / 400), parsed by
+(scope inference); GET /api/stats, GET /api/kv_timeline, GET /admin/status, POST /admin/scale
+(scope admin: a JSON body, bounded counts), GET /metrics (admin when `protect_metrics`),
+GET /health, GET /dashboard. The body is read here within `server.limits` (413 / 408 / 400), parsed by
 openai_protocol.py, run by http_jobs.py and answered by http_answers.py.
 
 The backend is typed by ingress/backend.py (`Backend`: run_request, abort, stats; the
-operations routes use `OperatedBackend`'s router_view, scale, report_params, request_traces);
-this package never imports cluster/ or workers/, so no torch.
+operations routes use `OperatedBackend`'s router_view, scale, report_params, request_traces,
+kv_timeline); this package never imports cluster/ or workers/, so no torch.
 """
 
 from __future__ import annotations
@@ -161,6 +161,10 @@ class HttpIngress:
         self.authorize(request, "admin")
         return await self.ops.api_stats(dict(request.query_params))
 
+    async def api_kv_timeline(self, request: Request) -> Response:
+        self.authorize(request, "admin")
+        return await self.ops.api_kv_timeline(dict(request.query_params))
+
     async def admin_scale(self, request: Request) -> Response:
         self.authorize(request, "admin")
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -206,6 +210,8 @@ def build_app(backend: Any, settings: IngressSettings, *,
                       methods=["GET"])
     app.add_api_route("/metrics", route("metrics", ing.render_metrics), methods=["GET"])
     app.add_api_route("/api/stats", route("stats", ing.api_stats), methods=["GET"])
+    app.add_api_route("/api/kv_timeline", route("kv_timeline", ing.api_kv_timeline),
+                      methods=["GET"])
     async def dashboard() -> Response:
         return await ing.ops.dashboard()
 

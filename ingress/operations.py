@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections import deque
@@ -27,6 +28,7 @@ from ingress.stats import (
     worker_stats,
 )
 from protocol.messages import RequestResult
+from router.kv_timeline import HIT_WINDOW_S
 
 HEALTH_TIMEOUT_S = 10.0
 RECENT_REQUESTS = 200          # finished requests kept for /api/stats and the dashboard timeline
@@ -162,6 +164,22 @@ class Operations:
             STATS_TIMEOUT_S + HEALTH_TIMEOUT_S)
         return JSONResponse(doc, headers={"Cache-Control": "no-store"})
 
+    # ---- /api/kv_timeline ----
+    async def api_kv_timeline(self, query: dict) -> Response:
+        """The router's KV timeline (router/kv_timeline.py): ?since=UNIX_S (samples from then),
+        ?max_points=N (2..5000, default 600 per worker), ?window_s=S (the hit-rate window)."""
+        if not isinstance(self.backend, OperatedBackend):
+            raise IngressError(501, "this backend keeps no KV timeline", code="not_supported")
+        unknown = sorted(set(query) - {"since", "max_points", "window_s"})
+        if unknown:
+            raise IngressError(400, f"{unknown[0]}: unknown parameter (expected since, "
+                               "max_points, window_s)", param=unknown[0])
+        since = _number(query, "since", float, None, 0.0, math.inf)
+        max_points = _number(query, "max_points", int, TIMELINE_MAX_POINTS, 2, 5000)
+        window_s = _number(query, "window_s", float, HIT_WINDOW_S, 1e-3, 86400.0)
+        doc = self.backend.kv_timeline(since=since, max_points=max_points, window_s=window_s)
+        return JSONResponse({"now": time.time(), **doc}, headers={"Cache-Control": "no-store"})
+
     # ---- /admin/scale ----
     async def admin_scale(self, body: dict, max_workers: int) -> Response:
         """{"prefill": N, "decode": M, "wait": false} -> the backend's scale(); answers the
@@ -204,3 +222,21 @@ class Operations:
 
     def close(self) -> None:
         self.aux.shutdown(wait=False, cancel_futures=True)
+
+
+TIMELINE_MAX_POINTS = 600       # per worker, what the dashboard draws
+
+
+def _number(query: dict, name: str, kind: type, default: Any, lo: float, hi: float) -> Any:
+    """Query parameter `name` as int or float in [lo, hi], else a 400 naming it."""
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        v = kind(raw)
+    except ValueError:
+        v = None
+    if v is None or not (lo <= v <= hi):   # NaN fails both comparisons
+        raise IngressError(400, f"{name}: must be a{'n integer' if kind is int else ' number'}"
+                           f" in [{lo:g}, {hi:g}], got {raw!r}", param=name)
+    return v

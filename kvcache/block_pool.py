@@ -63,6 +63,11 @@ class BlockPool:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no request references (reusable, evicted first when room is needed)."""
+        return len(self._evictable)
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 

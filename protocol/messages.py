@@ -255,6 +255,26 @@ class HoldRelease:
 
 
 @dataclass(frozen=True)
+class KVCounters:
+    """A worker's cumulative KV-lifecycle counters since its incarnation started, as of its
+    last step (the router's KV timeline turns their increases into rates and markers).
+
+    Invariant: each is monotone within one incarnation; a restarted worker starts from zero."""
+
+    prompt_tokens: int = 0         # prompt tokens of admitted requests (prefix queries)
+    reused_tokens: int = 0         # of those, served from the prefix cache
+    evictions: int = 0             # cached blocks evicted for room
+    preemptions: int = 0           # running requests preempted (their KV freed, recomputed later)
+    tier2_demotions: int = 0       # blocks copied into tier 2 on eviction
+    tier2_reloads: int = 0         # tier-2 blocks reloaded for a prefix hit
+    transfers: int = 0             # KV transfers offered (prefill) or received (decode)
+    transfers_rejected: int = 0    # transfers a decode worker refused (checksum, epoch, ...)
+
+    def __post_init__(self) -> None:
+        assert all(v >= 0 for v in vars(self).values()), self
+
+
+@dataclass(frozen=True)
 class LoadReport:
     """What a worker reports to the router's policies and prefix index, as of its last step.
 
@@ -268,8 +288,10 @@ class LoadReport:
     num_requests: int = 0
     active_blocks: int = 0
     cached_blocks: int = 0
-    free_blocks: int = 0
+    free_blocks: int = 0               # allocatable now: free + evictable
+    evictable_blocks: int = 0          # cached, referenced by no request (in free_blocks too)
     total_blocks: int = 0
+    block_size: int = 0                # tokens a block holds
     queued_s: float | None = None      # seconds of prefill work queued + running (by the fit)
     prefill_fit: PrefillFit | None = None
     decode_fit: DecodeFit | None = None
@@ -281,6 +303,7 @@ class LoadReport:
     loras_resident: tuple[str, ...] = ()   # LoRA adapters loaded now (routing affinity)
     lora_load_s: float = 0.0           # measured mean adapter load time (0: none loaded yet)
     lora_slots: int = 0                # adapters that fit at once (0: no adapters served)
+    kv: KVCounters = field(default_factory=KVCounters)   # cumulative, for the KV timeline
     events: tuple[KVEvent, ...] = ()   # KV events since the last report
     released: tuple[HoldRelease, ...] = field(default=())   # handoff holds let go since then
     reported_at: float = 0.0           # worker clock when the snapshot was taken

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from protocol.messages import HoldRelease, LoadReport
+from router.kv_timeline import KVTimeline
 from router.policies import WorkerState
 from router.prefix_index import ApproxPrefixIndex, PrefixIndex
 from router.worker_view import REPORT_INTERVAL_S, apply_load_report
@@ -58,6 +59,7 @@ class Fleet:
         self._report_refs: dict[Any, Any] = {}   # worker -> report still on its way
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
+        self.timeline = KVTimeline()              # every report's pool, for reports and /api
 
     def start(self) -> None:
         """One refresh now, then the reporter thread."""
@@ -71,6 +73,11 @@ class Fleet:
         """Every worker of a role (healthy or not, draining or not)."""
         with self.lock:
             return list(self._workers[role])
+
+    def role_of(self, worker_id: str) -> str:
+        """"prefill" or "decode" ("?": not a member)."""
+        w = self._by_id.get(worker_id)
+        return next((r for r in ROLES if w in self._workers[r]), "?")
 
     def worker_id(self, worker: Any, default: str = "?") -> str:
         """The id of a worker actor handle."""
@@ -170,6 +177,7 @@ class Fleet:
             self._on_restarted(wid)
         if wid not in self.state:         # removed meanwhile
             return
+        self.timeline.record(self.role_of(wid), rep)
         if isinstance(self.index, PrefixIndex):
             self.index.apply(wid, rep.events)
         if rep.busy_for_s > self.hang_timeout_s:   # alive, but its engine is stuck

@@ -62,7 +62,11 @@ LAYOUT_AUDIT_JS = r"""
                   detail: `x ${r.left.toFixed(0)}..${r.right.toFixed(0)} outside ` +
                           `${q.left.toFixed(0)}..${q.right.toFixed(0)}`});
     }
-    if (!clipped && r.right > vw + 1)
+    // inside a box that scrolls sideways it is that box (checked itself) that must fit
+    let scroller = e.parentElement;
+    while (scroller && scroller !== document.body && !scrolls(scroller))
+      scroller = scroller.parentElement;
+    if (!clipped && (!scroller || scroller === document.body) && r.right > vw + 1)
       out.push({kind: "overflow", element: name(e), container: "viewport",
                 detail: `right ${r.right.toFixed(0)} > ${vw}`});
     // text cut off inside an element that hides its overflow

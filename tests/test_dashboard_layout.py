@@ -116,3 +116,90 @@ def test_report_html_has_the_stage_breakdown_and_nothing_overflows(report_html, 
         assert problems == [], problems
         shot = b.screenshot(ARTIFACTS / "report-1280x800.png")
     assert shot.stat().st_size > 20_000
+
+
+PHONE = (390, 844)
+
+
+def test_kv_timeline_api_serves_every_worker_and_refuses_bad_parameters(server):
+    doc = requests.get(server.url + "/api/kv_timeline", headers=AUTH, timeout=30).json()
+    assert [w["worker_id"] for w in doc["workers"]] == ["prefill-0", "decode-0"]
+    for w in doc["workers"]:
+        assert w["t"] and w["total_blocks"] == 256 and w["block_size"] > 0
+        n = len(w["t"])
+        assert all(len(w[k]) == n for k in ("blocks_used", "blocks_cached", "blocks_free",
+                                            "hit_rate"))
+        for i in range(n):   # every block is referenced, cached or free
+            assert w["blocks_used"][i] + w["blocks_cached"][i] + w["blocks_free"][i] == \
+                w["total"][i]
+    assert requests.get(server.url + "/api/kv_timeline", timeout=30).status_code == 401
+    for q, param in (("max_points=1", "max_points"), ("window_s=nan", "window_s"),
+                     ("since=soon", "since"), ("points=3", "points")):
+        r = requests.get(f"{server.url}/api/kv_timeline?{q}", headers=AUTH, timeout=30)
+        assert r.status_code == 400, q
+        assert param in r.json()["error"]["message"], r.json()
+
+
+def test_dashboard_kv_timeline_grows_and_fits_a_phone(server, report_html, tmp_path):
+    with browser(tmp_path) as b:
+        b.open(server.url + f"/dashboard#key={KEY}", *PHONE)   # a phone
+        b.wait("document.querySelectorAll('#kv-cards svg[data-points]').length === 2")
+        n0 = {w: b.eval(f"+document.querySelector('#kv-cards svg[data-worker=\"{w}\"]')"
+                        ".dataset.points") for w in ("prefill-0", "decode-0")}
+        # the timeline grows while the page is open (a request makes the workers step)
+        requests.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": "tiny", "prompt": "grow the timeline", "max_tokens": 4})
+        b.wait("+document.querySelector('#kv-cards svg[data-worker=\"decode-0\"]')"
+               f".dataset.points > {n0['decode-0']} || "
+               f"{n0['decode-0']} >= 300", timeout_s=30)
+        doc = requests.get(server.url + "/api/kv_timeline", headers=AUTH, timeout=30).json()
+        for w in doc["workers"]:        # the pool size shown is the worker's
+            v = b.eval(f"document.querySelector('[data-worker=\"{w['worker_id']}\"]"
+                       "[data-field=\"kv.total_blocks\"]').dataset.value")
+            assert int(v) == w["total_blocks"] == 256
+        problems = b.layout_problems()
+        assert problems == [], problems
+        b.eval("document.querySelector('#kv-timeline').scrollIntoView()")
+        shot = b.screenshot(ARTIFACTS / "dashboard-390x844-kv.png")
+    with browser(tmp_path / "wide") as b:       # a fresh profile for each browser
+        b.open(server.url + f"/dashboard#key={KEY}", W, H)
+        b.wait("document.querySelectorAll('#kv-cards svg[data-points]').length === 2")
+        problems = b.layout_problems()
+        assert problems == [], problems
+        b.eval("document.querySelector('#kv-timeline').scrollIntoView()")
+        wide = b.screenshot(ARTIFACTS / "dashboard-1280x800-kv.png")
+    assert shot.stat().st_size > 10_000 and wide.stat().st_size > 10_000
+
+
+def test_report_first_screen_answers_was_it_good_with_the_json_figures(report_html, tmp_path):
+    import json
+    report = json.loads((report_html.parent / "report.json").read_text())
+    tl = report["kv_timeline"]
+    assert [w["worker_id"] for w in tl["workers"]] == ["prefill-0", "decode-0"]
+    assert all(w["t"] for w in tl["workers"])
+    assert report["kv_story"]["boundary"] and report["kv_story"]["reuse"]["t"]
+    for size, name in (((W, H), "report-1280x800-first-screen.png"),
+                       (PHONE, "report-390x844-first-screen.png")):
+        with browser(tmp_path / name) as b:     # a fresh profile for each browser
+            b.open(report_html.as_uri(), *size)
+            first = b.eval("document.querySelector('#verdict').getBoundingClientRect().top")
+            assert first < 120            # the answer comes first, before any parameters
+            shown = b.eval("Object.fromEntries([...document.querySelectorAll('#verdict "
+                           ".tile')].map(t => [t.dataset.field, t.dataset.value]))")
+            assert float(shown["throughput_tok_s"]) == pytest.approx(report["throughput_tok_s"])
+            assert float(shown["goodput"]) == pytest.approx(report["goodput"])
+            assert float(shown["ttft_s.p50"]) == pytest.approx(report["ttft_s"]["p50"])
+            assert float(shown["peak_kv_share"]) == pytest.approx(
+                report["kv_story"]["peak_kv_share"])
+            assert int(shown["requests_failed"]) == report["requests_failed"]
+            evidence = b.eval("[...document.querySelectorAll('#verdict .tile .ev')]"
+                              ".map(e => e.textContent)")
+            assert evidence and set(evidence) == {report["evidence_level"]}
+            order = b.eval("[...document.querySelectorAll('h2')].map(h => h.textContent)")
+            assert order.index("Was it good?") < order.index("KV cache over time") < \
+                order.index("Parameters") < len(order) - 1   # raw keys last
+            assert order[-1].startswith("All figures")
+            problems = b.layout_problems()
+            assert problems == [], problems
+            shot = b.screenshot(ARTIFACTS / name)
+            assert shot.stat().st_size > 10_000

@@ -53,6 +53,9 @@ class DecodeHost(EngineHost):
     def _num_reserved(self) -> int:
         return len(self.handoff.reservations)
 
+    def _transfer_counts(self) -> tuple[int, int]:
+        return self.consumer.stats().transfers, sum(self.handoff.rejected.values())
+
     def _housekeeping(self) -> None:
         for rid in self.handoff.expire():     # the router gave up on them (or died)
             self._post(rid, (), True)

@@ -27,7 +27,7 @@ import torch
 
 from protocol.errors import StepFailed
 from protocol.ledger import HandoffLedger, Hold
-from protocol.messages import HoldRelease, LoadReport
+from protocol.messages import HoldRelease, KVCounters, LoadReport
 from protocol.step_rates import StepRates
 from workers.device import serial_openmp_here
 from workers.engine import EngineConfig, LLMEngine, StepOutput
@@ -293,10 +293,11 @@ class EngineHost:
         snap = LoadReport(self.worker_id, queued_tokens=queued, running_tokens=running,
                           num_requests=len(waiting) + len(running_reqs) + self._num_reserved(),
                           active_blocks=used, cached_blocks=cached, free_blocks=free,
-                          total_blocks=total,
+                          evictable_blocks=e.kv.pool.num_evictable_blocks,
+                          total_blocks=total, block_size=e.cfg.block_size,
                           queued_s=queued_s, prefill_fit=pfit, decode_fit=dfit,
                           decode_batch=len(decoding), decode_step_s=step_s,
-                          kv_bytes_per_token=int(e.kv_bytes_per_token),
+                          kv_bytes_per_token=int(e.kv_bytes_per_token), kv=self._kv_counters(),
                           incarnation=self.incarnation, reported_at=time.monotonic(),
                           lora_slots=e.cfg.max_loras if e.cfg.lora_adapters else 0,
                           **e.lora_load_report())
@@ -306,6 +307,20 @@ class EngineHost:
 
     def _num_reserved(self) -> int:
         return 0
+
+    def _kv_counters(self) -> KVCounters:
+        """Under the engine lock: the cumulative KV-lifecycle counters a load report carries."""
+        e = self.engine
+        t2 = e.kv.pool.tier2_stats
+        transfers, rejected = self._transfer_counts()
+        return KVCounters(prompt_tokens=e.stats.prompt_tokens, reused_tokens=e.stats.reused_tokens,
+                          evictions=e.kv.pool.evictions, preemptions=e.stats.preemptions,
+                          tier2_demotions=t2.tier2_demotions, tier2_reloads=t2.tier2_hits,
+                          transfers=transfers, transfers_rejected=rejected)
+
+    def _transfer_counts(self) -> tuple[int, int]:
+        """(KV transfers this worker took part in, transfers it refused); none here."""
+        return 0, 0
 
     def load_report(self) -> LoadReport:
         """KV events and ledger releases since the last report plus the load the router's

@@ -128,6 +128,9 @@ class PrefillHost(EngineHost):
     def expire_leases(self) -> list[str]:
         return self.producer.expire()
 
+    def _transfer_counts(self) -> tuple[int, int]:
+        return self.producer.stats().offered, 0
+
     def stats(self) -> dict:
         d = super().stats()
         d.update({f"transfer_{k}": v for k, v in asdict(self.producer.stats()).items()})

@@ -191,6 +191,38 @@ def run_capacity(model: str = "smollm2", kv_dtype: str = "auto", budget_gb: floa
     }
 
 
+CURVES_FILE = "capacity_curves.json"   # in raypd's cache: the last run per (model, KV dtype)
+CURVE_KEYS = ("model", "kv_dtype", "block_size", "shared_frac", "bytes_per_token",
+              "bytes_per_block", "contexts", "concurrencies", "fixed_concurrency",
+              "fixed_context", "peak_bytes_vs_context", "peak_bytes_vs_concurrency", "evidence")
+
+
+def _curves_path():
+    from workers.model_loader import cache_dir
+    return cache_dir() / CURVES_FILE
+
+
+def record_curves(r: dict) -> None:
+    """Keep the growth curves of a `bench capacity` run for the run reports of the same model
+    and KV dtype (the last run wins)."""
+    path = _curves_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[f"{r['model']}|{r['kv_dtype']}"] = {k: r[k] for k in CURVE_KEYS}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def recorded_curves(model: str, kv_dtype: str | None) -> dict | None:
+    """The growth curves `raypd bench capacity` recorded for this model and KV dtype, if any."""
+    try:
+        return json.loads(_curves_path().read_text()).get(f"{model}|{kv_dtype}")
+    except (OSError, ValueError):
+        return None
+
+
 def render_html(r: dict) -> str:
     import matplotlib
     matplotlib.use("Agg")

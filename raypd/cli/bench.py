@@ -136,12 +136,13 @@ def add_bench_kv_quality_parser(bsub) -> None:
 
 def cmd_bench_capacity(args: argparse.Namespace) -> int:
     quick = args.quick
-    from raypd.bench.capacity import render_html, run_capacity
+    from raypd.bench.capacity import record_curves, render_html, run_capacity
     r = run_capacity(args.model, args.kv_dtype, args.budget_gb, args.block_size,
                      args.shared_frac,
                      contexts=[256, 512, 1024] if quick else None,
                      concurrencies=[1, 4, 16, 64] if quick else None,
                      tpot_contexts=[256] if quick else None, threads=args.threads)
+    record_curves(r)       # run reports of this model draw them beside their growth
     text = json.dumps(r, indent=2)
     print(json.dumps(r["headline"], indent=2))
     if args.json:

@@ -88,11 +88,13 @@ def load_items(args: argparse.Namespace) -> list:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from raypd.bench.capacity import recorded_curves
     from raypd.replay.report import build_report, print_summary
     from raypd.replay.submit import (
         SubmitOptions,
         replay,
         request_traces,
+        server_kv_timeline,
         server_model,
         server_stats,
         write_reports,
@@ -113,6 +115,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     before = server_stats(opts.url, opts.api_key)
     result = replay(items, opts, model)
     after = server_stats(opts.url, opts.api_key)
+    timeline = server_kv_timeline(opts.url, result.started_at, opts.api_key)
     traces = request_traces(opts.url, result.records, opts.api_key)
     params = {"model": model, "url": opts.url, "trace": str(args.trace),
               "requests": len(items), "rate": opts.rate,
@@ -127,7 +130,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
                           slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                           concurrency=opts.concurrency,
                           stats_source=(after or {}).get("source"),
-                          stage_breakdown=stage_breakdown(traces) if traces else None)
+                          stage_breakdown=stage_breakdown(traces) if traces else None,
+                          kv_timeline=timeline,
+                          capacity_curves=recorded_curves(model, params.get("kv_dtype")))
     write_reports(report, result.records, args.out, args.html, args.outputs)
     if args.perfetto:
         write_chrome_trace(traces, args.perfetto)

@@ -1,6 +1,7 @@
-"""The replay report: latency percentiles, goodput, KV figures per worker, and a diagnosis that
-applies the KV lifecycle decision table to what was measured; as JSON, a short text summary,
-and a self-contained HTML page with plots.
+"""The replay report: latency percentiles, goodput, KV figures per worker, the KV cache's
+timeline and story (raypd/replay/kv_story.py), and a diagnosis that applies the KV lifecycle
+decision table to what was measured; as JSON and a short text summary (the HTML page is
+report_html.py).
 
 Decision table (each rule names the figures that triggered it; thresholds below):
   cache near full and evicting/preempting as contexts grow  -> capacity bound
@@ -15,15 +16,12 @@ Decision table (each rule names the figures that triggered it; thresholds below)
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import math
 import statistics
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from raypd.replay.kv_story import kv_story
 from router.percentiles import percentiles
 
 # ---- decision-table thresholds -------------------------------------------------------------
@@ -269,10 +267,14 @@ def build_report(records: Sequence, *, params: dict, wall_s: float,
                  slo_ttft_s: float = 2.0, slo_tpot_s: float = 0.25,
                  concurrency: int | None = None, stats_source: str | None = None,
                  evidence_level: str | None = None,
-                 stage_breakdown: dict | None = None) -> dict:
+                 stage_breakdown: dict | None = None,
+                 kv_timeline: dict | None = None,
+                 capacity_curves: dict | None = None) -> dict:
     """The report dict (JSON-ready) of one replay's RequestRecords and the server's per-worker
     stats before and after it; `stage_breakdown` (router/request_traces.stage_breakdown of the
-    replayed requests' handoff traces) goes in as is."""
+    replayed requests' handoff traces) goes in as is; `kv_timeline` (the router's, its times
+    from the replay's start: kv_story.rebase) as `kv_timeline`, and what it tells with the
+    records as `kv_story`; `capacity_curves`: `raypd bench capacity`'s for the model, if run."""
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -349,6 +351,8 @@ def build_report(records: Sequence, *, params: dict, wall_s: float,
               "stats_source": stats_source,
               "diagnosis": diagnose(m, records, per_actor, params.get("kv_gates")),
               "stage_breakdown": stage_breakdown,
+              "kv_timeline": kv_timeline,
+              "kv_story": kv_story(kv_timeline, records, capacity_curves),
               "evidence_level": evidence_level,
               "devices": devices,
               "device_names": sorted({a["device_name"] for a in per_actor
@@ -408,6 +412,15 @@ def summary_lines(report: dict) -> list[str]:
         f"KV transfer: {_num(r['transfer_bytes'])} bytes"
         + (f" in {r['transfer_s']:.2f} s" if r.get("transfer_s") is not None else ""),
     ]
+    st = r.get("kv_story") or {}
+    if st.get("peak_kv_share") is not None:
+        ev = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in (st.get("events") or {}).items()
+                       if v)
+        lines.append(f"KV timeline: fullest pool {st['closest_to_edge']} peaked at "
+                     f"{st['peak_kv_share']:.0%}"
+                     + (f" (headroom {st['headroom_requests']} requests of the mean length)"
+                        if st.get("headroom_requests") is not None else "")
+                     + (f"; events: {ev}" if ev else ""))
     if r.get("stage_breakdown"):
         lines.append("handoff stages p50/p99: " + ", ".join(
             f"{s} {_ms(p, 'p50').removesuffix(' ms')}/{_ms(p, 'p99')}"
@@ -427,164 +440,3 @@ def print_summary(report: dict, files: Sequence[Any] = ()) -> None:
         print(line)
     if files:
         print("wrote " + ", ".join(str(f) for f in files))
-
-
-# ---- HTML ----------------------------------------------------------------------------------
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    return ("<img alt='plot' src='data:image/png;base64,"
-            + base64.b64encode(buf.getvalue()).decode() + "'>")
-
-
-def _plots(report: dict, records: Sequence) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return ["<p>(plots need matplotlib: pip install matplotlib)</p>"]
-    ok = [r for r in records if r.ok]
-    out = []
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    slo = report["slo"]
-    for ax, (name, vals, line) in zip(axes, [
-            ("TTFT (s)", [r.ttft_s for r in ok], slo["ttft_s"]),
-            ("TPOT (s)", [r.tpot_s for r in ok], slo["tpot_s"]),
-            ("E2E (s)", [r.e2e_s for r in ok], None)], strict=True):
-        v = sorted(x for x in vals if x is not None)
-        if v:
-            ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post")
-        if line is not None:
-            ax.axvline(line, color="red", linestyle="--", linewidth=1, label="SLO")
-            ax.legend(loc="lower right")
-        ax.set_xlabel(name)
-        ax.set_ylabel("share of requests")
-        ax.set_title(f"CDF of {name.split()[0]}")
-        ax.grid(alpha=0.3)
-    out.append(_png(fig))
-    plt.close(fig)
-    itl = [x for r in ok for x in r.itl_s]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 3.4))
-    if itl:
-        axes[0].hist(itl, bins=50)
-    axes[0].set_xlabel("inter-token latency (s)")
-    axes[0].set_ylabel("chunks")
-    axes[0].set_title("ITL histogram")
-    xs = [r.prompt_tokens for r in ok if r.ttft_s is not None]
-    ys = [r.ttft_s for r in ok if r.ttft_s is not None]
-    cs = [r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0
-          for r in ok if r.ttft_s is not None]
-    sc = axes[1].scatter(xs, ys, c=cs, cmap="viridis", vmin=0, vmax=1, s=12)
-    fig.colorbar(sc, ax=axes[1], label="cached share of prompt")
-    axes[1].set_xlabel("prompt tokens")
-    axes[1].set_ylabel("TTFT (s)")
-    axes[1].set_title("TTFT vs prompt length and cache hit")
-    out.append(_png(fig))
-    plt.close(fig)
-    rs = sorted(records, key=lambda r: r.sent_s)
-    fig, ax = plt.subplots(figsize=(13, max(3.0, min(12.0, 0.03 * len(rs) + 2))))
-    for i, r in enumerate(rs):
-        ax.hlines(i, r.scheduled_s, r.sent_s, color="lightgray", linewidth=1)
-        first = r.first_token_s if r.first_token_s is not None else r.end_s
-        ax.hlines(i, r.sent_s, first, color="tab:orange" if r.ok else "tab:red", linewidth=1.5)
-        if r.ok:
-            ax.hlines(i, first, r.end_s, color="tab:blue", linewidth=1.5)
-    ax.set_xlabel("seconds from the start of the replay")
-    ax.set_ylabel("request (by send time)")
-    ax.set_title("timeline: queued at client (gray), waiting for the first token (orange), "
-                 "decoding (blue), failed (red)")
-    out.append(_png(fig))
-    plt.close(fig)
-    return out
-
-
-def _pairs(d: dict, columns: int = 3) -> str:
-    """A one-row record as name / value pairs, in side-by-side columns (fits any width)."""
-    items = list(d.items())
-    if not items:
-        return "<p>(none)</p>"
-    per = -(-len(items) // columns)
-
-    def cell(v: Any) -> str:
-        if isinstance(v, float):
-            v = f"{v:.4g}"
-        elif isinstance(v, dict | list):
-            v = ", ".join(f"{k}: {x}" for k, x in v.items()) if isinstance(v, dict) else \
-                ", ".join(map(str, v))
-        return html.escape("" if v is None else str(v))
-    tables = []
-    for i in range(0, len(items), per):
-        rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{cell(v)}</td></tr>"
-                       for k, v in items[i:i + per])
-        tables.append(f"<table>{rows}</table>")
-    return f"<div class='pairs'>{''.join(tables)}</div>"
-
-
-def _table(rows: Sequence[dict], cols: Sequence[str] | None = None) -> str:
-    if not rows:
-        return "<p>(none)</p>"
-    cols = list(cols or dict.fromkeys(k for r in rows for k in r))
-
-    def cell(v: Any) -> str:
-        if isinstance(v, float):
-            v = f"{v:.4g}"
-        return html.escape("" if v is None else str(v))
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c))}</td>" for c in cols) + "</tr>"
-                   for r in rows)
-    return f"<div class='scroll'><table><tr>{head}</tr>{body}</table></div>"
-
-
-def render_html(report: dict, records: Sequence) -> str:
-    r = report
-    metrics = []
-    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
-        metrics.append({"metric": key, **{k: r[key][k] for k in ("p50", "p90", "p99", "mean",
-                                                                  "n")}})
-    flat = {k: v for k, v in r.items() if not isinstance(v, dict | list)}
-    diag = "".join(f"<li><b>{html.escape(d['finding'])}</b><br><code>"
-                   f"{html.escape(str(d['because']))}</code></li>" for d in r["diagnosis"])
-    summary = html.escape("\n".join(summary_lines(r)))
-    style = ("body{font-family:sans-serif;margin:24px;max-width:1300px}"
-             "table{border-collapse:collapse;margin:8px 0}"
-             "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:right}"
-             "th{background:#f0f0f0}img{max-width:100%}"
-             "pre{background:#f7f7f7;padding:8px;white-space:pre-wrap;overflow-wrap:anywhere}"
-             ".scroll{overflow-x:auto;max-width:100%}"
-             ".pairs{display:flex;flex-wrap:wrap;gap:0 24px;align-items:flex-start}"
-             ".pairs td:first-child{text-align:left;color:#555}"
-             ".pairs td{overflow-wrap:anywhere;max-width:360px}")
-    parts = [
-        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>raypd report</title>",
-        f"<style>{style}</style></head><body>",
-        f"<h1>raypd replay report <small>({html.escape(r['evidence_level'])})</small></h1>",
-        f"<pre>{summary}</pre>",
-        "<h2>Parameters</h2>", _pairs(r["params"]),
-        "<h2>Latency</h2>", _table(metrics),
-        "<h2>Handoff stages <small>(per request, from the router's traces)</small></h2>",
-        _table(_stage_rows(r.get("stage_breakdown"))),
-        "<h2>Figures</h2>", _pairs(flat),
-        "<h2>Diagnosis</h2>", f"<ul>{diag}</ul>",
-        "<h2>Plots</h2>", *_plots(r, records),
-        "<h2>Per worker (KV usage)</h2>", _table(r["per_actor"]),
-        "<h2>Failures (first 20)</h2>", _table(r["errors"]),
-        "</body></html>",
-    ]
-    return "\n".join(parts)
-
-
-def _stage_rows(breakdown: dict | None) -> list[dict]:
-    """One row per stage: p50 / p90 / p99 / mean in ms and how many requests had it."""
-    rows = []
-    for stage, p in (breakdown or {}).items():
-        ms = {k: None if p.get(k) is None else round(p[k] * 1e3, 3)
-              for k in ("p50", "p90", "p99", "mean")}
-        rows.append({"stage": stage, **{f"{k} ms": v for k, v in ms.items()}, "n": p.get("n")})
-    return rows
-
-
-def write_html(report: dict, records: Sequence, path: str | Path) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(render_html(report, records), encoding="utf-8")

@@ -19,6 +19,8 @@ from raypd.replay.submit import SubmitOptions, replay
 DEFAULT_REQUESTS = 100
 DEFAULT_RATE = 1.0              # arrivals / s of the built-in trace
 DEFAULT_OUT_DIR = Path("raypd-report")
+REPORT_TIMELINE_POINTS = 400    # per worker in report.json's kv_timeline
+REPORT_TIMELINE_LEAD_S = 2.0    # the timeline starts this long before the replay (the baseline)
 
 
 class RecordingBackend:
@@ -46,6 +48,7 @@ def run_job(cfg, items, opts: SubmitOptions, trace_path: Path, *, block_tokens: 
     from cluster.pd import PDCluster
     from cluster.serve import API_KEY_ENV, connect_ray, start_server
     from protocol.sampling import SamplingParams
+    from raypd.bench.capacity import recorded_curves
     from raypd.replay.report import build_report
     from raypd.replay.trace_views import write_chrome_trace
     from router.request_traces import stage_breakdown
@@ -70,6 +73,9 @@ def run_job(cfg, items, opts: SubmitOptions, trace_path: Path, *, block_tokens: 
               f"{handle.url}", file=sys.stderr, flush=True)
         result = replay(items, opts, cfg.served_model_name)
         after = cluster.stats()
+        timeline = cluster.kv_timeline(since=result.started_at - REPORT_TIMELINE_LEAD_S,
+                                       t0=result.started_at,
+                                       max_points=REPORT_TIMELINE_POINTS)
         traces = [t for r in result.records if r.ok
                   and (t := cluster.orchestrator.traces.get(r.request_id)) is not None]
         for r in result.records:
@@ -99,7 +105,10 @@ def run_job(cfg, items, opts: SubmitOptions, trace_path: Path, *, block_tokens: 
                               stats_before=before, stats_after=after,
                               slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
                               concurrency=opts.concurrency, stats_source="in-process",
-                              stage_breakdown=stage_breakdown(traces) if traces else None)
+                              stage_breakdown=stage_breakdown(traces) if traces else None,
+                              kv_timeline=timeline,
+                              capacity_curves=recorded_curves(cfg.model.name,
+                                                              params["kv_dtype"]))
         if perfetto:
             write_chrome_trace(traces, perfetto)
         return report, result.records

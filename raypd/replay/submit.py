@@ -351,6 +351,19 @@ def server_stats(url: str, api_key: str | None = None) -> dict | None:
 
 
 # ---- output files --------------------------------------------------------------------------
+def server_kv_timeline(url: str, started_at: float, api_key: str | None = None,
+                       lead_s: float = 2.0, max_points: int = 400) -> dict | None:
+    """The server's KV timeline from `lead_s` before the replay's start, its times in seconds
+    from that start; None when the server keeps none (an older raypd, another server)."""
+    from raypd.replay.kv_story import rebase
+    try:
+        doc = json.loads(_get(f"{url.rstrip('/')}/api/kv_timeline?since={started_at - lead_s}"
+                              f"&max_points={max_points}", api_key))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return rebase(doc, started_at) if isinstance(doc, dict) and "workers" in doc else None
+
+
 def request_traces(url: str, records: Sequence[RequestRecord],
                    api_key: str | None = None) -> list:
     """The server's handoff traces of the replayed requests that succeeded (GET
@@ -380,7 +393,7 @@ def write_outputs(records: Sequence[RequestRecord], path: str | Path) -> None:
 
 def write_reports(report: dict, records: Sequence[RequestRecord], out: str | Path,
                   html: str | Path | None = None, outputs: str | Path | None = None) -> None:
-    from raypd.replay.report import write_html
+    from raypd.replay.report_html import write_html
     p = Path(out)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(report, indent=2) + "\n")
