@@ -56,3 +56,26 @@ def test_rebase_moves_every_time_to_the_replay_start():
     moved = rebase(tl, 51.0)["workers"][0]
     assert moved["t"] == [-1.0, 0.0, 1.0]
     assert moved["events"]["evictions"] == [[0.0, 1], [1.0, 1]]
+
+
+def test_bench_capacity_curves_are_recorded_per_model_and_kv_dtype_for_reports(
+        tmp_path, monkeypatch):
+    from raypd.bench.capacity import CURVE_KEYS, record_curves, recorded_curves
+    from raypd.replay.report import build_report
+    from raypd.replay.report_html import render_html
+    monkeypatch.setenv("RAYPD_CACHE_DIR", str(tmp_path))
+    r = {k: None for k in CURVE_KEYS} | {
+        "model": "tiny", "kv_dtype": "float32", "concurrencies": [1, 4],
+        "peak_bytes_vs_concurrency": {"paged": [1 << 20, 4 << 20],
+                                      "paged_prefix": [1 << 20, 2 << 20]},
+        "fixed_context": 1024, "evidence": "cpu-measured", "headline": {}}
+    assert recorded_curves("tiny", "float32") is None
+    record_curves(r)
+    got = recorded_curves("tiny", "float32")
+    assert got["peak_bytes_vs_concurrency"]["paged"] == [1 << 20, 4 << 20]
+    assert recorded_curves("tiny", "int8") is None          # another KV dtype: not these
+    recs = [record(0, 100, 28, 0, 0.0), record(1, 100, 28, 50, 0.5)]
+    rep = build_report(recs, params={"model": "tiny"}, wall_s=2.0,
+                       kv_timeline=timeline({"decode-0": [10, 60, 20]}), capacity_curves=got)
+    assert rep["kv_story"]["capacity_curves"]["fixed_context"] == 1024
+    assert "bench capacity</code>'s paged curves for this model" in render_html(rep, recs)
