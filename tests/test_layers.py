@@ -96,7 +96,8 @@ def test_production_hosts_carry_no_fault_injection():
     from workers.faults import FaultyDecodeHost, FaultyPrefillHost
     from workers.prefill_host import PrefillHost
     faults = ("inject_fault", "arm_corruption", "inject_transfer_faults", "inject_pull_delay",
-              "stall_next_step", "fail_next_steps", "crash_loop", "transfers_seen")
+              "stall_next_step", "fail_next_steps", "crash_loop", "transfers_seen",
+              "fault_counts")
     for host in (PrefillHost, DecodeHost):
         assert not [f for f in faults if hasattr(host, f)], host
     assert all(hasattr(FaultyPrefillHost, f) or hasattr(FaultyDecodeHost, f) for f in faults)

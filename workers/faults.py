@@ -11,14 +11,15 @@ Faults, and where they apply:
     arm_corruption()           the same for the next staging, with an id to follow it by
     inject_fault("drop_ack", n) P ignores its next n acks (the lease has to end them)
     inject_transfer_faults(n)  D's next n pulls fail
-    inject_pull_delay(s, n)    D's next n pulls start s seconds late (slower than a lease)
-Each fault counts when it is applied, not when it is armed.
+    inject_pull_delay(s, n, tag) D's next n pulls start s seconds late (slower than a lease)
+Each fault counts when it is applied, not when it is armed (`fault_counts()`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter, deque
 from typing import Any
 
 from kvtransfer.base import TransferError
@@ -132,9 +133,13 @@ class FaultyPrefillHost(EngineFaults, PrefillHost):
                 return "dropped"
         return super().ack(transfer_id)
 
+    def fault_counts(self) -> dict[str, int]:
+        """Faults applied so far by this incarnation (no engine lock: answers mid-step)."""
+        return {"corrupt_injected": self.corrupt_injected, "acks_dropped": self.acks_dropped}
+
     def stats(self) -> dict:
         d = super().stats()
-        d.update(corrupt_injected=self.corrupt_injected, acks_dropped=self.acks_dropped)
+        d.update(self.fault_counts())
         return d
 
 
@@ -145,8 +150,9 @@ class FaultyDecodeHost(EngineFaults, DecodeHost):
     def __init__(self, *args: Any, **kw: Any) -> None:
         self._init_engine_faults()
         self._faults_left = 0                  # pulls to fail
-        self._pull_delay = (0.0, 0)            # (seconds, pulls) to delay
-        self.pull_delays_applied = 0
+        self._pull_delays: deque[tuple[float, str]] = deque()   # (seconds, tag): next pulls
+        self.pull_delays_applied: Counter[str] = Counter()       # tag -> pulls delayed
+        self._count_lock = threading.Lock()    # the counts (read without the engine lock)
         self.transfer_faults_applied = 0
         # (prefill worker, worker request id): transfers whose pages reached verification
         # here, and of those the ones refused as corrupt
@@ -158,12 +164,17 @@ class FaultyDecodeHost(EngineFaults, DecodeHost):
         """Make the next `n` transfers into this worker fail (for failure-policy tests)."""
         self._faults_left = n
 
-    def inject_pull_delay(self, seconds: float, n: int = 1) -> None:
-        """`n` more pulls start late, by the longest delay asked for so far (a pull slower
-        than the lease)."""
+    def inject_pull_delay(self, seconds: float, n: int = 1, tag: str = "delay") -> None:
+        """The next `n` pulls not yet delayed start `seconds` late (a pull slower than the
+        lease); each counts under `tag` in `fault_counts()` once it is applied."""
         with self._lock:
-            delay, left = self._pull_delay
-            self._pull_delay = (max(delay, seconds) if left else seconds, left + n)
+            self._pull_delays.extend([(seconds, tag)] * n)
+
+    def fault_counts(self) -> dict[str, int]:
+        """Faults applied so far by this incarnation (no engine lock: answers mid-pull)."""
+        with self._count_lock:
+            return {**{f"pull_delays_{t}": n for t, n in self.pull_delays_applied.items()},
+                    "transfer_faults_applied": self.transfer_faults_applied}
 
     def transfers_seen(self, transfers: list[tuple[str, str]]
                        ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -175,10 +186,11 @@ class FaultyDecodeHost(EngineFaults, DecodeHost):
 
     def _before_pull(self) -> None:
         with self._lock:
-            delay, n = self._pull_delay
-            self._pull_delay = (delay, max(0, n - 1))
-            self.pull_delays_applied += n > 0
-        if n > 0:
+            delay, tag = self._pull_delays.popleft() if self._pull_delays else (0.0, "")
+        if tag:
+            with self._count_lock:
+                self.pull_delays_applied[tag] += 1
+        if delay > 0:
             time.sleep(delay)
         if self._faults_left > 0:
             self._faults_left -= 1
@@ -198,7 +210,7 @@ class FaultyDecodeHost(EngineFaults, DecodeHost):
 
     def stats(self) -> dict:
         d = super().stats()
-        d.update(pull_delays_applied=self.pull_delays_applied,
-                 transfer_faults_applied=self.transfer_faults_applied)
+        d.update(self.fault_counts(),
+                 pull_delays_applied=sum(self.pull_delays_applied.values()))
         return d
 

@@ -1,10 +1,12 @@
 """`raypd bench chaos`: replay requests on 2 prefill + 2 decode workers while injecting faults;
 count what completed, what failed with an explicit error, what was lost, and leaked blocks.
 
-Fault kinds (each injected `kills` times, spread over the replay by progress):
+Fault kinds (each injected `kills` times, spread over the replay by progress; each counts once
+it was applied, and one asked for that never was fails the run):
   kill      a prefill worker mid-prefill (its next step stalls, then it dies) or a decode
             worker mid-pull (its next pull stalls, then it dies); Ray restarts it
-  corrupt   a prefill worker flips bytes of its next staged copy after checksumming it
+  corrupt   a prefill worker flips bytes of its next staged copy after checksumming it (armed
+            again until a corrupted copy reaches a decode worker)
   delay     a decode worker's next pull starts after the lease has ended
   drop_ack  a prefill worker ignores its next ack (the lease has to free the pages)
   abort     the client hangs up on a request that is streaming
@@ -134,43 +136,119 @@ class _Replay:
                                max(0.0, until - time.monotonic()))
 
 
+def _counts(actor) -> dict[str, int] | None:
+    try:
+        return ray.get(actor.fault_counts.remote(), timeout=10)
+    except Exception:
+        return None      # down (killed, restarting): what it had applied died with it
+
+
+def _call(method, *args) -> bool:
+    """Call an actor method; False when the actor is down."""
+    try:
+        ray.get(method.remote(*args), timeout=10)
+        return True
+    except Exception:
+        return False
+
+
+def _wait_applied(actor, key: str, before: int, replay: _Replay, timeout_s: float) -> bool:
+    """Whether `actor`'s fault count `key` rose above `before` (the fault was applied) before
+    `timeout_s` passed or every request ended."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        c = _counts(actor)
+        if c is not None and c.get(key, 0) > before:
+            return True
+        if replay.finished >= len(replay.prompts):
+            return False
+        time.sleep(0.05)
+    return False
+
+
 def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, n: int,
             lease_s: float, log: dict) -> None:
-    """One fault of `kind`; counts what was really injected in `log`."""
-    orch = cluster.orchestrator
+    """One fault of `kind`; it counts in `log` only once it was applied (a kill once the
+    worker came back as a new process, a delay once a pull was delayed, a dropped ack once an
+    ack was dropped, a corruption once a corrupted copy reached a decode worker); one that
+    never was goes to log["not_injected"]."""
     prefill, decode = list(cluster.prefill), list(cluster.decode)
+    landed = False
     if kind == "kill":
         role = "prefill" if n % 2 == 0 else "decode"
         victim = rng.choice(prefill if role == "prefill" else decode)
-        try:     # make the kill land mid-prefill / mid-pull
-            if role == "prefill":
+        wid = cluster.orchestrator.fleet.worker_id(victim)
+        try:
+            pid = ray.get(victim.info.remote(), timeout=10)["pid"]
+            if role == "prefill":      # make the kill land mid-prefill / mid-pull
                 ray.get(victim.stall_next_step.remote(1.0), timeout=5)
             else:
-                ray.get(victim.inject_pull_delay.remote(1.0, 1), timeout=5)
+                ray.get(victim.inject_pull_delay.remote(1.0, 1, "kill"), timeout=5)
         except Exception:
-            pass
+            pid = None
         time.sleep(0.3)
-        with _TALLY:
-            log["killed"].append(orch.fleet.worker_id(victim))
         ray.kill(victim, no_restart=False)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:   # restarted (model loaded) and answering again
             try:
-                ray.get(victim.ping.remote(), timeout=5)
+                landed = ray.get(victim.info.remote(), timeout=5)["pid"] != pid
                 break
             except Exception:
                 time.sleep(0.2)
+        if landed and pid is not None:
+            with _TALLY:
+                log["killed"].append(wid)
     elif kind == "corrupt":
-        # armed on every prefill worker: the next staging anywhere takes it (a fixed victim
-        # may get no request for a while when routing keeps prefixes elsewhere)
+        landed = _corrupt_until_pulled(cluster, replay, lease_s, log)
+    elif kind == "delay":
+        d = rng.choice(decode)
+        c = _counts(d)
+        if c is not None and _call(d.inject_pull_delay, lease_s + 0.5, 1, "delay"):
+            landed = _wait_applied(d, "pull_delays_delay", c.get("pull_delays_delay", 0),
+                                   replay, 60.0)
+        if landed:
+            with _TALLY:
+                log["delays_applied"] += 1
+    elif kind == "drop_ack":
+        p = rng.choice(prefill)
+        c = _counts(p)
+        if c is not None and _call(p.inject_fault, "drop_ack", 1):
+            landed = _wait_applied(p, "acks_dropped", c["acks_dropped"], replay, 60.0)
+        if landed:
+            with _TALLY:
+                log["acks_dropped"] += 1
+    elif kind == "abort":
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not landed:
+            with replay.cond:
+                streaming = sorted(replay.streaming)
+            if streaming:
+                i = rng.choice(streaming)
+                landed = cluster.abort(replay.rid(i))
+            else:
+                time.sleep(0.02)
+        if landed:
+            with _TALLY:
+                log["client_aborts"] += 1
+    if not landed:
+        with _TALLY:
+            log["not_injected"].append(kind)
+
+
+def _corrupt_until_pulled(cluster: PDCluster, replay: _Replay, lease_s: float, log: dict,
+                          timeout_s: float = 90.0) -> bool:
+    """Arm a corruption on every prefill worker (the next staging anywhere takes it) until a
+    corrupted copy reached a decode worker: a corrupted staging that nothing pulled (its
+    request aborted, its P killed, its lease ran out) is no transfer, so it is armed again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and replay.finished < len(replay.prompts):
         armed = []
-        for p in prefill:
+        for p in list(cluster.prefill):
             try:
                 armed.append((p, ray.get(p.arm_corruption.remote(), timeout=10)))
             except Exception:
                 pass   # that P is down: the others are armed
         hit: list = []
-        deadline = time.monotonic() + 60
         while (armed and not hit and time.monotonic() < deadline
                and replay.finished < len(replay.prompts)):
             for p, fid in armed:
@@ -189,34 +267,14 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
                 pass
         with _TALLY:
             log["corrupt_staged"].extend(hit)
-    elif kind == "delay":
-        d = rng.choice(decode)
-        try:
-            ray.get(d.inject_pull_delay.remote(lease_s + 0.5, 1), timeout=10)
-            with _TALLY:
-                log["delays_armed"] += 1
-        except Exception:
-            pass
-    elif kind == "drop_ack":
-        p = rng.choice(prefill)
-        try:
-            ray.get(p.inject_fault.remote("drop_ack", 1), timeout=10)
-            with _TALLY:
-                log["acks_dropped"] += 1
-        except Exception:
-            pass
-    elif kind == "abort":
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with replay.cond:
-                streaming = sorted(replay.streaming)
-            if streaming:
-                i = rng.choice(streaming)
-                if cluster.abort(replay.rid(i)):
-                    with _TALLY:
-                        log["client_aborts"] += 1
-                    return
-            time.sleep(0.02)
+        # the staged copy is pulled within its lease, or never (then its pages are freed)
+        until = time.monotonic() + lease_s + 5.0
+        while hit and time.monotonic() < until:
+            pulled, _ = _corrupt_audit(cluster, hit)
+            if pulled:
+                return True
+            time.sleep(0.1)
+    return False
 
 
 def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: str = "tiny",
@@ -239,8 +297,8 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
     rng = random.Random(seed + 1)
     events = [k for k in faults for _ in range(kills)]
     rng.shuffle(events)
-    log: dict = {"killed": [], "corrupt_staged": [], "delays_armed": 0,
-                 "acks_dropped": 0, "client_aborts": 0}
+    log: dict = {"killed": [], "corrupt_staged": [], "delays_applied": 0,
+                 "acks_dropped": 0, "client_aborts": 0, "not_injected": []}
     replay = _Replay(cluster, prompts, sampling, deadline_s, concurrency)
 
     def threshold(j: int) -> int:     # fault j fires once this many requests have finished
@@ -252,8 +310,11 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
     replay.start()
     kill_no = 0
     injectors: list[threading.Thread] = []
+    stalled_at = None
     for j, kind in enumerate(events):   # each fault once another slice of requests finished
         if not replay.wait_progress(threshold(j), deadline_s):
+            stalled_at = replay.finished       # no progress: the rest are never injected
+            log["not_injected"].extend(events[j:])
             break
         args = (kind, cluster, replay, random.Random(rng.random()), kill_no, lease_s, log)
         if kind == "kill":    # one worker down at a time: the next fault waits for its restart
@@ -292,6 +353,8 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
     leaked = _drain(cluster, lease_s)
     orch = cluster.orchestrator
     pulled, detected = _corrupt_audit(cluster, log["corrupt_staged"])
+    failures = verdict(faults, len(prompts), len(ok), len(lost), leaked, mismatches,
+                       len(pulled), len(detected), log["not_injected"], stalled_at)
     lcs = [replay.results[i]["result"].lifecycle for i in ok]
     overhead = percentiles([lc.router_overhead_ms for lc in lcs])
     trips = percentiles([lc.handoff_round_trips for lc in lcs])
@@ -304,7 +367,7 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
            "corrupt_not_pulled": len(log["corrupt_staged"]) - len(pulled),
            "leaked_blocks": leaked, "leak_holders": _holders(cluster) if leaked else {},
            "greedy_mismatches": mismatches,
-           "killed": log["killed"], "delays_armed": log["delays_armed"],
+           "killed": log["killed"], "delays_applied": log["delays_applied"],
            "acks_dropped": log["acks_dropped"], "acks_lost_seen": orch.acks_lost, "client_aborts": log["client_aborts"],
            "transfers_rejected": dict(orch.rejected), "retries": orch.retries,
            "prefill_retries": orch.prefill_retries, "ledger": orch.ledger.counters(),
@@ -312,12 +375,42 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
            max((lc.handoff_round_trips for lc in lcs), default=None),
            "router_overhead_ms_p50": overhead["p50"], "router_overhead_ms_p99": overhead["p99"],
            "wall_s": wall,
+           "faults_not_injected": sorted(log["not_injected"]),
+           "stalled_after_requests": stalled_at,
+           "passed": not failures, "failures": failures,
            "errors": sorted({replay.results[i]["error"].split(":")[0] for i in explicit}),
            "lost_errors": sorted({(replay.results[i] or {}).get("error", "no end")[:120]
                                   for i in lost})}
     cluster.shutdown()
     if started_ray:
         ray.shutdown()
+    return out
+
+
+def verdict(faults: tuple[str, ...], total: int, ok: int, lost: int, leaked: int | None,
+            mismatches: int, corrupt_pulled: int, corrupt_detected: int,
+            not_injected: list[str], stalled_at: int | None) -> list[str]:
+    """Why the run failed (empty: it passed). A fault that was asked for and never applied
+    fails it: a run that exercised nothing has shown nothing."""
+    out = []
+    if stalled_at is not None:
+        out.append(f"progress stalled after {stalled_at} of {total} requests")
+    if not_injected:
+        out.append("faults not injected: " + ", ".join(sorted(not_injected)))
+    if "corrupt" in faults and corrupt_pulled == 0:
+        out.append("no corrupt transfer was exercised (no corrupted copy reached a decode "
+                   "worker)")
+    if corrupt_detected < corrupt_pulled:
+        out.append(f"corrupt transfers not detected: {corrupt_pulled - corrupt_detected} of "
+                   f"{corrupt_pulled}")
+    if lost:
+        out.append(f"requests lost: {lost}")
+    if leaked != 0:
+        out.append(f"leaked blocks: {leaked}")
+    if mismatches:
+        out.append(f"greedy mismatches: {mismatches}")
+    if ok < 0.9 * total:
+        out.append(f"only {ok} of {total} requests completed (< 90%)")
     return out
 
 
