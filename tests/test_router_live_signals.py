@@ -33,6 +33,10 @@ def test_live_reports_carry_measured_speeds_and_the_router_measures_pair_bandwid
         assert p.kv_bytes_per_token > 0 and p.queued_s == 0.0
         pairs = orch.transfer_rates.pairs
         assert pairs and all(r.gbps > 0 and r.transfers >= 1 for r in pairs.values())
-        assert orch.drift.observed >= 6 and not orch.drift.alarm
+        # the router's predicted prefix hits match what the engines found (the drift alarm's
+        # own figure; the alarm itself needs 16 samples, this run has 5 with a prediction)
+        drift = orch.drift.status()
+        assert drift.window >= 5 and drift.predicted_tokens >= 5 * 48 // 16 * 16
+        assert drift.shortfall_ratio <= orch.drift.margin / 2, drift
     finally:
         cluster.shutdown()
