@@ -4,6 +4,9 @@ itself is cluster/serve.py's."""
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
+from pathlib import Path
 
 from raypd.cli.common import add_device_args, add_lora_arg, lora_adapters_from_args
 
@@ -14,10 +17,18 @@ def register(sub) -> None:
     add_serve_parser(sub)
 
 
+def _module_doc(name: str) -> str | None:
+    """A module's docstring read from its source, without importing it (cluster.serve imports
+    Ray and the HTTP stack, which `raypd generate` and `raypd bench engine` must not need)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        return None
+    return ast.get_docstring(ast.parse(Path(spec.origin).read_text()), clean=False)
+
+
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from cluster import serve
     p = subparsers.add_parser("serve", help="serve a model over OpenAI-compatible HTTP",
-                              description=serve.__doc__,
+                              description=_module_doc("cluster.serve"),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE",
                    help="YAML config (default: built-in defaults = configs/local.yaml)")
