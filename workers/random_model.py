@@ -15,6 +15,12 @@ SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
+    # HuggingFaceTB/SmolLM2-135M's config.json: 30 thin layers, GQA 9:3, input and output
+    # embeddings tied (the real SmolLM2 cannot travel to a machine without network; its shape can)
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True),
     # the same layout, small enough for a CPU test of the path
     "llama-test": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
@@ -37,9 +43,9 @@ def build_random(model: str, dtype: str, device: torch.device, seed: int = 0):
                              f"{', '.join(sorted(SHAPES))}")
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-    config = LlamaConfig(**SHAPES[shape], initializer_range=0.02, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                         attn_implementation="sdpa")
+    fields = {"tie_word_embeddings": False, **SHAPES[shape]}
+    config = LlamaConfig(**fields, initializer_range=0.02, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, attn_implementation="sdpa")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[dtype])
     try:
