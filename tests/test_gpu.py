@@ -2,7 +2,8 @@
 equal to `generate()` for the tiny model and SmolLM2 (float32), with CUDA graphs on and off;
 one metadata copy per step; cuda_ipc moves pages bit-exactly between two actors sharing one GPU,
 and a 1 prefill + 1 decode cluster on that GPU matches `generate()`.
-Skipped without a GPU (scripts/gpu-check.sh runs it on one)."""
+Skipped without a GPU (scripts/gpu-first-contact.sh runs the same checks on one, without the
+SmolLM2 checkpoint, which cannot travel to a machine with no network)."""
 
 from __future__ import annotations
 
