@@ -1,12 +1,11 @@
-"""The quantized engine against stock transformers, with the tolerance the kv-quality gate sets.
+"""The quantized engine against stock transformers, on the perplexity criterion of the kv-quality
+gate (workers/kv_gate.py: perplexity up < 1%; the gate's other criteria are judged against a
+bf16 noise floor by `raypd bench kv-quality`, tests/test_kv_gate.py).
 
-No model raypd can load here passes the whole gate (`raypd bench kv-quality`, 32 prompts x 64
-tokens, thresholds ppl_delta_pct <= 1.0 and greedy_agreement >= 0.95): SmolLM2-135M int8 gives
-ppl +0.05 % but greedy agreement 0.53; the tiny model int8 ppl -0.001 % but agreement 0.68 (its
-random weights tie everywhere). Both pass the gate's perplexity criterion and fail its greedy
-one, so this checks the criterion that passes against transformers itself (not against raypd's
-float engine): the int8 engine's perplexity on real English text is within the gate's 1 % of
-what stock transformers computes, and its greedy continuations start as transformers' do.
+This checks the int8 engine against transformers itself (not against raypd's float engine): its
+perplexity on real English text is within the gate's 1 % of what stock transformers computes,
+and its greedy continuations start as transformers' do (free-running greedy diverges early under
+any KV rounding, bf16 included, so only the start is asserted).
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from raypd.bench.kv_quality import GateThresholds, _text_logprobs, english_text
+from raypd.bench.kv_quality import _text_logprobs, english_text
+from workers.kv_gate import GateThresholds
 from workers.request import SamplingParams
 
 
@@ -41,7 +41,7 @@ def test_int8_smollm2_perplexity_is_within_the_gate_of_transformers():
     ppl_quant = math.exp(-lp_quant.gather(1, targets).mean().item())
     delta_pct = 100 * (ppl_quant - ppl_ref) / ppl_ref
     assert abs(delta_pct) <= GateThresholds().max_ppl_delta_pct, (ppl_ref, ppl_quant)
-    # greedy: the gate's greedy criterion fails for this model, so only the start must agree
+    # greedy: free-running continuations diverge under any KV rounding; the start must agree
     prompts = [ids[i:i + 32] for i in (0, 64, 128)]
     reqs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     for r, p in zip(reqs, prompts, strict=True):
