@@ -116,6 +116,7 @@ class RoutingRequest:
     arrival_s: float | None = None      # router clock at arrival (None: time.monotonic())
     lora: str = ""                      # LoRA adapter name ("" = base; its hash is in the hashes)
     decode_worker: str = ""             # the decode worker already chosen (decode-first)
+    ttft_slo_s: float | None = None     # this request's own TTFT SLO (over the policy's)
 
     @property
     def num_blocks(self) -> int:
@@ -379,7 +380,8 @@ class Locality(BasePolicy):
     estimated TTFT, so a request sharing a prefix that is still being computed can queue
     behind it on the same worker instead of recomputing it elsewhere.
 
-    If even the best estimated TTFT exceeds `ttft_slo_s`, raises SLOUnmeetable (429 upstream).
+    If even the best estimated TTFT exceeds the request's `ttft_slo_s` (else the policy's),
+    raises SLOUnmeetable (429 upstream).
     """
 
     name = "locality"
@@ -484,8 +486,9 @@ class Locality(BasePolicy):
             est.append(t)
             cost.append(t + beta * compute)
             computes.append(compute)
-        if measured and self.ttft_slo_s is not None and min(est) > self.ttft_slo_s:
-            raise SLOUnmeetable(min(est), self.ttft_slo_s)
+        slo = req.ttft_slo_s if req.ttft_slo_s is not None else self.ttft_slo_s
+        if measured and slo is not None and min(est) > slo:
+            raise SLOUnmeetable(min(est), slo)
         spread = max(computes) - min(computes)
         for i, excess in enumerate(self._excess(ws, now, spread)):
             cost[i] += self.balance_weight / overload * excess * spread

@@ -166,6 +166,11 @@ def _add_sim_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=int, default=SIM_DEFAULTS.block_tokens,
                    help="tokens a trace block stands for; input lengths scale with it "
                         "(default %(default)s)")
+    _add_cost_options(p)
+
+
+def _add_cost_options(p: argparse.ArgumentParser) -> None:
+    """The hidden cost model's options (and --json)."""
     p.add_argument("--prefill-tok-s", type=float, default=SIM_DEFAULTS.prefill_tok_s,
                    help="prefill rate of a worker at zero context, tokens/s (default %(default)s)")
     p.add_argument("--overhead-s", type=float, default=SIM_DEFAULTS.overhead_s,
@@ -217,6 +222,7 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
     from raypd.bench.routing import BENCH_CONFIG, run_routing_bench  # numpy-heavy; only when asked
 
     try:
+        _positive("--prefill-tok-s", args.prefill_tok_s)
         cfg = dataclasses.replace(BENCH_CONFIG, prefill_tok_s=args.prefill_tok_s,
                                   overhead_s=args.overhead_s,
                                   attn_ctx_tokens=args.attn_ctx_tokens)
@@ -268,8 +274,9 @@ def add_bench_routing_parser(bench_subparsers, name: str = "routing") -> argpars
                    help="only these workloads (default: all of raypd/sim/workloads.py; "
                         "block size and cache capacity are each workload's own)")
     p.add_argument("--seed", type=int, default=None,
-                   help="draw the synthesized workloads with this seed (default: each "
-                        "workload's own; the shared trace is unchanged)")
-    _add_sim_options(p)
+                   help="draw the in-sample table's synthesized workloads with this seed "
+                        "(default: each workload's own; the shared trace is unchanged; the "
+                        "scores always use the unseen seeds)")
+    _add_cost_options(p)     # block size and cache capacity are each workload's own
     p.set_defaults(func=cmd_bench_routing)
     return p

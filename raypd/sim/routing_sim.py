@@ -14,11 +14,15 @@ decisions between reports the same way. The hidden cost model (raypd/sim/cost_mo
 charges time; nothing of it, and nothing of the workers' true state, reaches a policy.
 
 A worker publishes (as the live loop does) after every step and when a request wakes it from
-idle; a request that arrives while it is busy shows up at the end of the running step. KV
-events: a request's evictions and stores when its prefill finishes (requests finish in arrival
-order on a worker, so the index sees the pool's operations in the order the pool made them).
-The pool takes a request's hit when it is routed, so its real hit is known at routing time
-(for the statistics only).
+idle; a request that arrives while it is busy shows up at the end of the running step. The
+pool caches what is computed, when it is computed, as the engine does: a request takes its
+prefix hit when a step first schedules it (the engine matches at admission), from blocks that
+earlier steps computed; the blocks a step computes are cached at its end, and their KV events
+go out with that step's publish. So a request routed behind a prefix that is still queued or
+being computed on the same worker hits it only if it is admitted after the step that
+computed it, as in the live engine; `locality`'s credit for its own in-flight decisions is
+worth exactly that here too. A waiting request's hit is unknown to its worker (its report
+counts the whole prompt as queued, as a live worker's does).
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class SimConfig:
     ttft_slo_s: float | None = None  # goodput counts requests served within it (None: all)
     slo_scale: float | None = None   # or per request: within max(slo_floor_s, slo_scale x its
     slo_floor_s: float = 0.25        # prefill alone on an idle worker, no hit) (DistServe-like)
+    shed_by_slo: bool = False        # each request carries its SLO to the policy (one that
+    #                                  can shed, locality, rejects what it cannot meet: 429)
 
     def cost_model(self) -> CostModel:
         return CostModel(prefill=PrefillCost(self.prefill_tok_s, self.attn_ctx_tokens,
@@ -139,18 +145,19 @@ class _Job:
     """One request on a simulated worker, from its arrival until its last step was reported."""
 
     __slots__ = ("arrival", "start", "finish", "num_tokens", "uncached", "blocks", "pos",
-                 "fed", "lora", "events", "tag")
+                 "fed", "lora", "tag", "hashes", "root", "hash_ids", "in_pool")
 
-    def __init__(self, arrival: float, num_tokens: int, cached: int, blocks: int, lora: str,
-                 events: list, tag: object) -> None:
-        self.arrival, self.num_tokens, self.blocks = arrival, num_tokens, blocks
-        self.uncached = num_tokens - cached
+    def __init__(self, arrival: float, num_tokens: int, hashes: Sequence[BlockHash],
+                 root: BlockHash, hash_ids: Sequence[int], lora: str, tag: object) -> None:
+        self.arrival, self.num_tokens, self.blocks = arrival, num_tokens, len(hashes)
+        self.hashes, self.root, self.hash_ids = hashes, root, hash_ids
+        self.uncached = num_tokens    # until admitted: its hit is not known yet
         self.start: float | None = None    # its first step's start (None: still waiting)
         self.finish: float | None = None   # its last step's end (None: not formed yet)
-        self.pos = cached         # prompt tokens computed by the steps formed so far
+        self.pos = 0              # prompt tokens cached or computed by the steps formed so far
         self.fed = 0              # of `uncached`, computed by the steps already reported
+        self.in_pool = 0          # its leading blocks in the pool (hit + computed)
         self.lora, self.tag = lora, tag
-        self.events = events      # [publish time (its finish; None before), its KV events]
 
 
 class SimWorker:
@@ -163,9 +170,11 @@ class SimWorker:
     lazily (`advance`), since a step's batch is known only when it starts."""
 
     def __init__(self, worker_id: str, capacity_blocks: int, cost: CostModel,
-                 max_loras: int, log_steps: bool = False) -> None:
+                 max_loras: int, log_steps: bool = False, block_tokens: int = 512) -> None:
         self.worker_id = worker_id
         self.pool = BlockPool(capacity_blocks)
+        self.block_tokens = block_tokens
+        self.hits: list[tuple[object, int]] = []   # (tag, blocks its admission hit): statistics
         self.cost = cost
         self.max_loras = max_loras
         self.jobs: deque[_Job] = deque()      # arrived, not yet reported as done
@@ -178,9 +187,9 @@ class SimWorker:
         self.free_at = 0.0
         self.rates = StepRates()
         self.loras: OrderedDict[str, None] = OrderedDict()   # true LRU of resident adapters
-        # to publish: KV events in the order the pool made them (each job's at its finish:
-        # jobs finish in arrival order), adapter changes in time order
-        self._events: deque[list] = deque()
+        # to publish: (step end, the KV events the pool made in that step), in step order;
+        # adapter changes in time order
+        self._events: deque[tuple[float, list]] = deque()
         self._lora_changes: deque[tuple[float, tuple[str, ...], float]] = deque()
         self._done: deque[tuple[float, object]] = deque()    # (finish, tag) not yet handed on
         self._published_cached = 0
@@ -195,34 +204,50 @@ class SimWorker:
     # ---- the worker's side -------------------------------------------------------------------
     def serve(self, hashes: Sequence[BlockHash], root: BlockHash, hash_ids: Sequence[int],
               num_tokens: int, arrival: float, block_tokens: int, lora: str = "",
-              tag: object = None) -> int:
-        """Queue one request (its prefix hit taken now); returns the cached blocks it hits.
-        Its finish comes out of `advance` with `tag`."""
-        pool = self.pool
-        n = min(len(hashes), pool.num_blocks)  # a prompt longer than the cache caches its head
-        hits = []
-        parent = root
+              tag: object = None) -> None:
+        """Queue one request; its prefix hit is taken when a step first schedules it (`hits`
+        has it then), its finish comes out of `advance` with `tag`."""
+        self.block_tokens = block_tokens      # tokens a trace block stands for
+        if not self.waiting and self.free_at <= arrival:
+            self._last_idle_start = arrival              # a request wakes it: it publishes
+        job = _Job(arrival, num_tokens, hashes, root, hash_ids, lora, tag)
+        self.jobs.append(job)
+        self.waiting.append(job)
+
+    def _admit(self, job: _Job) -> None:
+        """A step schedules `job` for the first time: its hit is the cached chain of blocks
+        earlier steps computed (the engine's match at admission)."""
+        pool, n = self.pool, min(job.blocks, self.pool.num_blocks)
+        hits, parent = [], job.root
         for i in range(n):
-            block = pool.get_cached_block(hashes[i], parent, (hash_ids[i],))
+            block = pool.get_cached_block(job.hashes[i], parent, (job.hash_ids[i],))
             if block is None:
                 break
             hits.append(block)
-            parent = hashes[i]
-        k = len(hits)
+            parent = job.hashes[i]
         pool.touch(hits)
-        new = pool.allocate(n - k)
-        pool.cache_blocks(new, hashes[k:n], parent, [(x,) for x in hash_ids[k:n]])
-        events = [None, pool.take_events()]   # evictions for its new blocks, then their stores
-        self._events.append(events)
-        pool.free(reversed(hits + new))
-        cached = min(k * block_tokens, num_tokens - 1)   # the last token is always computed
-        if not self.waiting and self.free_at <= arrival:
-            self._last_idle_start = arrival              # a request wakes it: it publishes
-        job = _Job(arrival, num_tokens, cached, len(hashes), lora, events, tag)
-        self.jobs.append(job)
-        self.waiting.append(job)
+        pool.free(reversed(hits))
+        k = len(hits)
+        cached = min(k * self.block_tokens, job.num_tokens - 1)   # the last token is computed
+        job.pos, job.in_pool, job.uncached = cached, k, job.num_tokens - cached
+        self.hits.append((job.tag, k))
         self.computed_tokens += job.uncached
-        return k
+
+    def _cache_computed(self, job: _Job) -> None:
+        """After a step: the job's blocks that are now computed enter the pool (all of them,
+        a partial last one included, once its prompt is done; a prompt longer than the pool
+        caches its head)."""
+        n = min(job.blocks, self.pool.num_blocks)
+        done = n if job.pos >= job.num_tokens else min(n, job.pos // self.block_tokens)
+        a = job.in_pool
+        if done <= a:
+            return
+        pool = self.pool
+        new = pool.allocate(done - a)
+        pool.cache_blocks(new, job.hashes[a:done], job.hashes[a - 1] if a else job.root,
+                          [(x,) for x in job.hash_ids[a:done]])
+        pool.free(reversed(new))
+        job.in_pool = done
 
     def advance(self, t: float) -> list[tuple[float, object]]:
         """Form every step that starts by `t`; returns (finish, tag) of the requests whose
@@ -238,6 +263,7 @@ class SimWorker:
                     break
                 if job.start is None:
                     job.start = start
+                    self._admit(job)
                     if job.lora:
                         load_s += self._use_lora(job.lora, start + load_s)
                 c = min(budget, job.num_tokens - job.pos)
@@ -249,6 +275,9 @@ class SimWorker:
             if self.slowed is not None:
                 step_s = self.slowed(start + load_s, step_s)
             end = start + load_s + step_s
+            for job, _ in members:          # what the step computed is cached at its end
+                self._cache_computed(job)
+            self._events.append((end, self.pool.take_events()))
             # its prefill seconds, for the fit: the adapter loads are reported on their own
             self.steps.append((start + load_s, end, chunks, members))
             if self.step_log is not None:
@@ -257,7 +286,7 @@ class SimWorker:
             self.free_at = end
             while waiting and waiting[0].pos >= waiting[0].num_tokens:
                 job = waiting.popleft()
-                job.finish = job.events[0] = end
+                job.finish = end
                 self._done.append((end, job.tag))
         out = []
         while self._done and self._done[0][0] <= t:
@@ -300,7 +329,7 @@ class SimWorker:
                         self._last_idle_start <= at else -1.0)
         events: list = []
         pe = self._events
-        while pe and pe[0][0] is not None and pe[0][0] <= published:
+        while pe and pe[0][0] <= published:
             for ev in pe.popleft()[1]:
                 events.append(ev)
                 self._published_cached += _stored_delta(ev)
@@ -314,12 +343,13 @@ class SimWorker:
         for job in self.jobs:
             if job.arrival > published:
                 break
-            left = job.uncached - job.fed
             num += 1
-            active += job.blocks
-            if job.start is not None and job.start <= published:
+            if job.start is not None and job.start <= published:   # admitted: hit known
+                left = job.uncached - job.fed
+                active += job.blocks
                 running += left
-            else:
+            else:                   # waiting: the whole prompt, as a live worker reports it
+                left = job.num_tokens
                 queued += left
             backlog.append((job.num_tokens, job.num_tokens - left))
         queued_s = fit.backlog_s(backlog, self.cost.prefill.chunk_tokens) if fit else None
@@ -364,7 +394,8 @@ class Simulator:
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.cfg = cfg
         self.cost = cfg.cost_model()
-        self.workers = [SimWorker(f"prefill-{i}", cfg.capacity_blocks, self.cost, cfg.max_loras)
+        self.workers = [SimWorker(f"prefill-{i}", cfg.capacity_blocks, self.cost, cfg.max_loras,
+                                  block_tokens=cfg.block_tokens)
                         for i in range(cfg.num_workers)]
         self.states = {w.worker_id: WorkerState(w.worker_id) for w in self.workers}
         self.log = ReportLog(keep=keep_reports)
@@ -439,7 +470,9 @@ class Simulator:
             states = [self.states[w.worker_id] for w in workers]
             matches = index.match(hs) if precise else index.match(hs, now=now)
             req = RoutingRequest(str(j), hs, r.num_tokens, bt, r.tenant or cfg.tenant,
-                                 r.output_tokens, arrival_s=now, lora=r.lora)
+                                 r.output_tokens, arrival_s=now, lora=r.lora,
+                                 ttft_slo_s=self.ttft_slo(r.num_tokens) if cfg.shed_by_slo
+                                 else None)
             try:
                 decision = self.policy.choose_prefill(req, states, matches)
             except RoutingRejected as e:
@@ -452,14 +485,14 @@ class Simulator:
             w = by_id[decision.worker_id]
             key = (r.tenant or cfg.tenant, r.lora)
             root = roots.get(key) or roots.setdefault(key, namespace_root(*key))
-            k = w.serve(hs, root, r.hash_ids, r.num_tokens, now, bt, r.lora, tag=j)
+            w.serve(hs, root, r.hash_ids, r.num_tokens, now, bt, r.lora, tag=j)
             finished(w.advance(now))
             if not precise:
                 index.record(w.worker_id, hs, now=now)
-            hit_tokens += min(k * bt, r.num_tokens)
             total_tokens += r.num_tokens
         for w in workers:
             finished(w.advance(float("inf")))
+            hit_tokens += sum(min(k * bt, reqs[j].num_tokens) for j, k in w.hits)
         ttfts = []
         for j, t in sorted(finish.items()):
             r = reqs[j]

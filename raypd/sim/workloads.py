@@ -13,8 +13,8 @@ one trace alone:
                       shared prompts
 
 Synthesized arrivals are Poisson, then rescaled so that the prefill work at the cache ceiling
-(default cost model, adapter loads not counted) would keep TARGET_WORKERS workers busy
-TARGET_UTILIZATION of the time; the same arrivals for every policy.
+(under the cost model the simulation runs, adapter loads not counted) would keep TARGET_WORKERS
+workers busy TARGET_UTILIZATION of the time; the same arrivals for every policy.
 """
 
 from __future__ import annotations
@@ -74,11 +74,12 @@ def ceiling_work_s(reqs: list[SimRequest], block_tokens: int,
     return total
 
 
-def _rescale(reqs: list[SimRequest], block_tokens: int) -> list[SimRequest]:
-    """Sort by arrival and stretch time so that the prefill work at the cache ceiling (default
-    cost model) keeps TARGET_WORKERS busy TARGET_UTILIZATION of the time."""
+def _rescale(reqs: list[SimRequest], block_tokens: int,
+             cost: PrefillCost = DEFAULT_COST) -> list[SimRequest]:
+    """Sort by arrival and stretch time so that the prefill work at the cache ceiling (under
+    `cost`) keeps TARGET_WORKERS busy TARGET_UTILIZATION of the time."""
     reqs.sort(key=lambda r: r.timestamp_s)
-    span = ceiling_work_s(reqs, block_tokens) / (TARGET_UTILIZATION * TARGET_WORKERS)
+    span = ceiling_work_s(reqs, block_tokens, cost) / (TARGET_UTILIZATION * TARGET_WORKERS)
     t0, t1 = reqs[0].timestamp_s, reqs[-1].timestamp_s
     k = span / (t1 - t0) if t1 > t0 else 1.0
     return [r._replace(timestamp_s=(r.timestamp_s - t0) * k) for r in reqs]
@@ -90,7 +91,8 @@ def mooncake(limit: int | None = None, path=None) -> Workload:
                     "shared Mooncake synthetic trace, arrivals as recorded")
 
 
-def multi_turn(sessions: int = 600, seed: int = 1, bt: int = 64) -> Workload:
+def multi_turn(sessions: int = 600, seed: int = 1, bt: int = 64,
+               cost: PrefillCost = DEFAULT_COST) -> Workload:
     rng = random.Random(seed)
     counter = [0]
     systems = [_ids(counter, rng.randint(8, 24)) for _ in range(8)]     # 0.5k-1.5k tokens
@@ -105,12 +107,13 @@ def multi_turn(sessions: int = 600, seed: int = 1, bt: int = 64) -> Workload:
                                    history))
             history = history + _ids(counter, rng.randint(2, 8))         # assistant reply
             turn_t += rng.expovariate(1 / 8.0)                            # user think time
-    return Workload("multi_turn", _rescale(reqs, bt), bt, 1 << 18,
+    return Workload("multi_turn", _rescale(reqs, bt, cost), bt, 1 << 18,
                     "chat sessions (2-10 turns) resending their growing history over 8 shared "
                     "system prompts")
 
 
-def tool_agent(agents: int = 400, seed: int = 2, bt: int = 64) -> Workload:
+def tool_agent(agents: int = 400, seed: int = 2, bt: int = 64,
+               cost: PrefillCost = DEFAULT_COST) -> Workload:
     rng = random.Random(seed)
     counter = [0]
     suites = [_ids(counter, rng.randint(64, 128)) for _ in range(12)]    # 4k-8k-token tools
@@ -124,12 +127,13 @@ def tool_agent(agents: int = 400, seed: int = 2, bt: int = 64) -> Workload:
             reqs.append(SimRequest(step_t, len(ctx) * bt - rng.randrange(bt), 64, ctx))
             ctx = ctx + _ids(counter, rng.randint(1, 3)) + _ids(counter, rng.randint(2, 10))
             step_t += rng.uniform(0.2, 2.0)                               # the tool runs
-    return Workload("tool_agent", _rescale(reqs, bt), bt, 1 << 19,
+    return Workload("tool_agent", _rescale(reqs, bt, cost), bt, 1 << 19,
                     "agent loops (3-12 steps) over 12 long shared tool prompts (Pareto "
                     "popularity), growing scratchpads")
 
 
-def short_independent(n: int = 6000, seed: int = 3, bt: int = 64) -> Workload:
+def short_independent(n: int = 6000, seed: int = 3, bt: int = 64,
+                      cost: PrefillCost = DEFAULT_COST) -> Workload:
     rng = random.Random(seed)
     counter = [0]
     header = _ids(counter, 1)                                            # chat template
@@ -138,11 +142,12 @@ def short_independent(n: int = 6000, seed: int = 3, bt: int = 64) -> Workload:
         t += rng.expovariate(1.0)
         ids = header + _ids(counter, rng.randint(1, 12))
         reqs.append(SimRequest(t, len(ids) * bt - rng.randrange(bt), 128, ids))
-    return Workload("short_independent", _rescale(reqs, bt), bt, 1 << 18,
+    return Workload("short_independent", _rescale(reqs, bt, cost), bt, 1 << 18,
                     "short unrelated prompts (64-832 tokens) sharing one template block")
 
 
-def multi_lora(n: int = 4000, adapters: int = 16, seed: int = 4, bt: int = 64) -> Workload:
+def multi_lora(n: int = 4000, adapters: int = 16, seed: int = 4, bt: int = 64,
+               cost: PrefillCost = DEFAULT_COST) -> Workload:
     rng = random.Random(seed)
     counter = [0]
     names = [f"adapter-{i}" for i in range(adapters)]
@@ -154,7 +159,7 @@ def multi_lora(n: int = 4000, adapters: int = 16, seed: int = 4, bt: int = 64) -
         a = rng.choices(names, weights)[0]
         ids = rng.choice(prompts[a]) + _ids(counter, rng.randint(1, 8))
         reqs.append(SimRequest(t, len(ids) * bt - rng.randrange(bt), 128, ids, lora=a))
-    return Workload("multi_lora", _rescale(reqs, bt), bt, 1 << 18,
+    return Workload("multi_lora", _rescale(reqs, bt, cost), bt, 1 << 18,
                     f"{adapters} LoRA adapters (Zipf 1.1), 2 shared 1k-3k-token prompts each; "
                     "adapter slots per worker: the simulator's max_loras")
 
@@ -170,11 +175,11 @@ QUICK_SIZES = {"mooncake": 1000, "multi_turn": 150, "tool_agent": 100,
 
 
 def make_workloads(quick: bool = False, trace_path=None,
-                   only: tuple[str, ...] | None = None, seed: int | None = None
-                   ) -> list[Workload]:
+                   only: tuple[str, ...] | None = None, seed: int | None = None,
+                   cost: PrefillCost = DEFAULT_COST) -> list[Workload]:
     """Every workload (or those named in `only`); `quick`: about a quarter of the requests;
     `seed`: the synthesized ones drawn with it instead of each one's own (the shared trace
-    is what it is)."""
+    is what it is); `cost`: the cost model their arrivals are placed for."""
     names = only or tuple(WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
@@ -185,5 +190,6 @@ def make_workloads(quick: bool = False, trace_path=None,
             out.append(mooncake(QUICK_SIZES[name] if quick else None, trace_path))
             continue
         args = (QUICK_SIZES[name],) if quick else ()
-        out.append(WORKLOADS[name](*args, **({} if seed is None else {"seed": seed})))
+        out.append(WORKLOADS[name](*args, cost=cost,
+                                   **({} if seed is None else {"seed": seed})))
     return out
