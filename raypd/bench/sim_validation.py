@@ -1,33 +1,29 @@
-"""`raypd simulate --validate`: a short replay on a real 1P+1D cluster here and the same replay
-in the cluster simulator with the cpu-here cost model; `sim_vs_real_error` is the largest
-relative error of TTFT p50, TTFT p99 and TPOT p50 (simulator against real).
+"""`raypd simulate --validate`: the cluster simulator with the cpu-here cost model against a real
+1P+1D cluster here, out of sample, at two loads.
 
-The cost model comes from `raypd bench engine --calibration` figures: a JSON given with
-`--engine-json`, or (without one) measured by this command first, on this machine, in a Ray task
-placed like the workers and with their thread count, right before the replay, so that both
-sides see the machine in the same state. The calibration measures the engine alone (prefill of
-one request at several lengths and of a few batched prompts in one step, decode steps at
-several batch sizes and contexts); the replay adds what the simulator has to predict: queueing
-behind other prefills, prompts batched into one step, the transfer, decode batches forming and
-changing.
+Calibration and replay are kept apart:
+- the cost model comes from `raypd bench engine --calibration` figures (a JSON given with
+  `--engine-json`, or measured by this command first in a Ray task placed like the workers,
+  with their thread count) and from a probe on a cluster started for it alone and shut down
+  before the replay's cluster starts (`run_probe`): how much the prefill and decode workers
+  slow each other on this host, the workers' speed alone (to which the calibration's level is
+  re-anchored: the machine drifts over minutes; the shapes stay the calibration's) and what a
+  request spends around its prefill before its first token (the per-request handoff latency,
+  which the simulator's link carries). The probe uses PROBE_CONTEXT / PROBE_PREFILL tokens;
+- the replay (`replay_requests`, seed REPLAY_SEED) uses prompt lengths REPLAY_LENS, none of the
+  calibration's or the probe's, random token ids (no shared prefixes), Poisson arrivals placed
+  for each load of LOADS (the prefill worker's utilization by the calibrated model: light, and
+  near saturation), `max_tokens` each (ignore_eos), after one warm-up request of each length;
+  TTFT at the client (first streamed token), TPOT from the first to the last streamed token.
+  The real side runs each load `rounds` times (new prompts, same arrivals and lengths) and pools
+  them; the simulator replays every round too, so both sides have the same number of samples.
 
-The replay (`replay_requests`): `num_requests` prompts of random token ids (lengths cycling
-over `prompt_lens`), `max_tokens` each (ignore_eos), Poisson arrivals; the real side measures
-TTFT at the client (first streamed token) and TPOT from the first to the last streamed token,
-after one warm-up request of each prompt length through both workers. The real side runs the
-replay twice (`rounds`; new prompts, same arrivals and lengths) and pools both: this machine's
-speed drifts by 10-25% over minutes (the same decode step measured 100-150 ms within ten
-minutes here), and a prompt that just makes or just misses a prefill step moves its TTFT by
-a whole step; `real_round_spread` says how far the rounds differ (the noise floor under
-sim_vs_real_error). Before the replay a probe measures how much the real prefill and decode
-workers slow each other (`probe_shared_host`: the simulator's shared-host slowdowns) and
-the workers' speed alone, to which the calibration's level is re-anchored (`anchor`: the
-machine drifts in the minutes the calibration takes; the shapes stay the calibration's), and
-what a request spends around its prefill before its first token (admission, staging, the
-transfer over the object store, the token's way back), which the simulator's link carries.
-Both sides are `cpu-measured`; `per_request` gives each request's figures on both sides (and
-its real stage seconds), to see where they part: the real side's round k request i is key
-k * requests + i (the simulator's i)."""
+Per load and metric (TTFT p50/p99, TPOT p50/p99, goodput: the share of requests within both
+SLOs) `sim_vs_real_error` is |sim - real| / real (goodput: the absolute difference when the
+real share is 0), and `sim_vs_real_error_uncalibrated` the same for the simulator's stated
+defaults alone (CPU_DEFAULTS, no probe): what calibration buys. A failed real request fails the
+validation (`real_failed`); an error that cannot be computed is reported, never dropped by a
+max. `real_round_spread` is how far the real rounds differ (the noise floor)."""
 
 from __future__ import annotations
 
@@ -140,54 +136,76 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
             "prefill_x": max(1.0, span.seconds / alone) if alone > 0 else 1.0}
 
 
-def run_real(replay, max_tokens: int, engine: dict, cost: CostModel, rounds: int = 2
-             ) -> dict:
-    """The replay on a real 1P+1D cluster (Ray already started: `validate`), after a warm-up
-    and the shared-host probe (both not measured as the replay; `cost` sizes the probe),
-    `rounds` times one after the other (new prompts each round): the figures pool every
-    round's requests, `rounds` gives each round's and `round_spread` how far they differ."""
-    from cluster.pd import PDCluster, PDConfig
-    from workers.request import SamplingParams
+PROBE_CONTEXT, PROBE_PREFILL = 512, 1024   # the probe's lengths (the calibration's too)
+REPLAY_LENS = (200, 450, 900)              # the replay's: none of the above
+REPLAY_SEED = 7
+LOADS = (("light", 0.3), ("near_saturation", 0.85))
 
+
+def _warm_up(cluster, lens, rng: random.Random) -> None:
+    """One request of each prompt length through both workers (not measured)."""
+    from workers.request import SamplingParams
+    for n in sorted(set(lens)):
+        cluster.run_request([rng.randrange(100, 30000) for _ in range(n)],
+                            SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def run_probe(engine: dict, cost: CostModel) -> dict:
+    """The shared-host and handoff probe on a 1P+1D cluster of its own (started, warmed up at
+    the probe's lengths, probed, shut down): calibration figures the replay never sees."""
+    from cluster.pd import PDCluster, PDConfig
     cluster = PDCluster(PDConfig(engine=engine, num_prefill=1, num_decode=1))
-    per: dict[int, tuple[float, float | None]] = {}
-    errors: list[str] = []
-    stages: dict[int, dict[str, float]] = {}
-    rounds_out: list[dict] = []
-    try:   # warm-up, not measured: one request of each prompt length through both workers
+    try:
         rng = random.Random(1)
-        lens = sorted({len(p) for _, p in replay})
-        for n in lens:
-            cluster.run_request([rng.randrange(100, 30000) for _ in range(n)],
-                                SamplingParams(max_tokens=4, ignore_eos=True))
-        context, prefill_tokens = lens[len(lens) // 2], lens[-1]
+        _warm_up(cluster, (PROBE_CONTEXT, PROBE_PREFILL), rng)
         # enough tokens to decode through the prefill: 10 before, 1.5x its time, 10 after
-        decode_tokens = 20 + math.ceil(1.5 * cost.prefill.prefill_s(prefill_tokens)
-                                       / max(cost.decode.step_s(1, context), 1e-3))
-        probe = probe_shared_host(cluster, rng, context, prefill_tokens, decode_tokens)
-        for k in range(rounds):   # the same arrivals and lengths, new prompts (no prefix hits)
-            rng_k = random.Random(100 + k)
-            this = replay if k == 0 else [
-                (at, [rng_k.randrange(100, 30000) for _ in p]) for at, p in replay]
-            per_k: dict[int, tuple[float, float | None]] = {}
-            _replay_once(cluster, this, max_tokens, f"validate-r{k}", per_k, errors)
-            rounds_out.append(_summary(per_k))
-            for idx, v in per_k.items():
-                per[k * len(replay) + idx] = v
-                trace = cluster.orchestrator.traces.get(f"validate-r{k}-{idx}")
-                stages[k * len(replay) + idx] = trace.stage_seconds() if trace else {}
+        decode_tokens = 20 + math.ceil(1.5 * cost.prefill.prefill_s(PROBE_PREFILL)
+                                       / max(cost.decode.step_s(1, PROBE_CONTEXT), 1e-3))
+        return probe_shared_host(cluster, rng, PROBE_CONTEXT, PROBE_PREFILL, decode_tokens)
     finally:
         cluster.shutdown()
-    out = _summary(per, errors)
-    for idx, st in stages.items():
-        out["per_request"][idx]["stage_s"] = st
-    out["shared_host_probe"] = probe
-    out["rounds"] = [{k: r[k] for k in METRICS} for r in rounds_out]
-    out["round_spread"] = _spread(rounds_out, out)
+
+
+def run_real(replays: dict[str, list], max_tokens: int, engine: dict, rounds: int = 2
+             ) -> dict[str, dict]:
+    """Each load's replay on one real 1P+1D cluster (Ray already started: `validate`), after a
+    warm-up, `rounds` times one after the other (new prompts each round): per load the figures
+    pool every round's requests, `rounds` gives each round's and `round_spread` how far they
+    differ; `failed` counts requests that ended with an error."""
+    from cluster.pd import PDCluster, PDConfig
+    cluster = PDCluster(PDConfig(engine=engine, num_prefill=1, num_decode=1))
+    out = {}
+    try:
+        _warm_up(cluster, [len(p) for r in replays.values() for _, p in r], random.Random(2))
+        for name, replay in replays.items():
+            per: dict[int, tuple[float, float | None]] = {}
+            errors: list[str] = []
+            stages: dict[int, dict[str, float]] = {}
+            rounds_out: list[dict] = []
+            for k in range(rounds):   # same arrivals and lengths, new prompts (no prefix hits)
+                rng_k = random.Random(100 + k)
+                this = replay if k == 0 else [
+                    (at, [rng_k.randrange(100, 30000) for _ in p]) for at, p in replay]
+                per_k: dict[int, tuple[float, float | None]] = {}
+                _replay_once(cluster, this, max_tokens, f"validate-{name}-r{k}", per_k, errors)
+                rounds_out.append(_summary(per_k))
+                for idx, v in per_k.items():
+                    per[k * len(replay) + idx] = v
+                    trace = cluster.orchestrator.traces.get(f"validate-{name}-r{k}-{idx}")
+                    stages[k * len(replay) + idx] = trace.stage_seconds() if trace else {}
+            res = _summary(per, errors)
+            for idx, st in stages.items():
+                res["per_request"][idx]["stage_s"] = st
+            res["failed"] = len(errors)
+            res["rounds"] = [{k: r[k] for k in METRICS} for r in rounds_out]
+            res["round_spread"] = _spread(rounds_out, res)
+            out[name] = res
+    finally:
+        cluster.shutdown()
     return out
 
 
-METRICS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s")
+METRICS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 
 
 def _spread(rounds: list[dict], pooled: dict) -> float | None:
@@ -229,7 +247,8 @@ def _summary(per: dict[int, tuple[float, float | None]], errors: list[str] | Non
     ttft = [t for t, _ in per.values()]
     tpot = [t for _, t in per.values() if t is not None]
     out = {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-           "tpot_p50_s": percentile(tpot, 50), "served": len(per),
+           "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+           "served": len(per),
            "per_request": {i: {"ttft_s": a, "tpot_s": b} for i, (a, b) in sorted(per.items())}}
     if errors is not None:
         out["errors"] = errors
@@ -268,74 +287,130 @@ def calibrate(engine: dict, threads: int | None = None, repeats: int = 3) -> dic
     return ray.get(ray.remote(num_cpus=0)(_calibration).remote(engine, threads, repeats))
 
 
-def validate(cost: CostModel | None = None, num_requests: int = 12,
-             prompt_lens=(128, 384, 768), max_tokens: int = 16, load: float = 0.6,
-             gap_s: float | None = None, engine: dict | None = None, rounds: int = 2) -> dict:
-    """`cost` None: calibrate here first (see the module doc). The mean arrival gap is
-    `gap_s` or else the cost model's mean prefill time over `prompt_lens` divided by `load`
-    (the prefill worker's utilization: queueing without an ever-growing queue, whose TTFT
-    would only say how long the replay ran)."""
+def goodput(summary: dict, slo_ttft_s: float, slo_tpot_s: float, sent: int) -> float:
+    """The share of the `sent` requests that ended within both SLOs (failed ones do not)."""
+    ok = sum(1 for r in summary["per_request"].values() if r["ttft_s"] <= slo_ttft_s
+             and (r["tpot_s"] is None or r["tpot_s"] <= slo_tpot_s))
+    return ok / sent if sent else 0.0
+
+
+def errors_of(sim: dict, real: dict) -> dict[str, float | None]:
+    """Per metric |sim - real| / real (goodput: absolute when real is 0); None where either
+    side has no figure (a metric nobody can judge is reported, not dropped)."""
+    out: dict[str, float | None] = {}
+    for k in (*METRICS, "goodput"):
+        a, b = sim.get(k), real.get(k)
+        if a is None or b is None or math.isnan(a) or math.isnan(b):
+            out[k] = None
+        elif b:
+            out[k] = abs(a - b) / abs(b)
+        else:
+            out[k] = abs(a - b) if k == "goodput" else (0.0 if a == b else None)
+    return out
+
+
+def worst(errors: dict[str, float | None]) -> float | None:
+    """The largest error; None if any metric could not be judged."""
+    vals = list(errors.values())
+    return None if any(v is None for v in vals) else max(vals)
+
+
+def validate(cost: CostModel | None = None, num_requests: int = 16, max_tokens: int = 16,
+             engine: dict | None = None, rounds: int = 2, slo_ttft_s: float = 2.0,
+             slo_tpot_s: float = 0.25, loads=LOADS) -> dict:
+    """`cost` None: calibrate here first (see the module doc); `loads`: (name, utilization of
+    the prefill worker by the calibrated model) pairs."""
     import ray
     engine = engine or {"block_size": 16}
     started = not ray.is_initialized()
     if started:
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        return _validate(cost, num_requests, prompt_lens, max_tokens, load, gap_s, engine,
-                         rounds)
+        return _validate(cost, num_requests, max_tokens, engine, rounds, slo_ttft_s,
+                         slo_tpot_s, tuple(loads))
     finally:
         if started:
             ray.shutdown()
 
 
 def _anchor(cost: CostModel, probe: dict) -> dict:
-    """The calibration's level re-anchored to the real workers' speed seconds before the
-    replay (the machine drifts 10-25% in the minutes the calibration takes): prefill seconds
-    scaled so that the probe's prefill alone takes what it took, decode seconds so that a step
-    of the probe's sequence (at its mean context) takes its mean gap outside the prefill. The
-    shapes (vs length, batch, context) stay the calibration's. The link's latency: what the
-    probe's prefills alone spent around their compute before their first token, less the
-    link's transfer of their KV (the simulator's only cost between a prefill's end and its
-    first token)."""
+    """The calibration's level re-anchored to the real workers' speed in the probe (the
+    machine drifts 10-25% in the minutes the calibration takes): prefill seconds scaled so
+    that the probe's prefill alone takes what it took, decode seconds so that a step of the
+    probe's sequence (at its mean context) takes its mean gap outside the prefill. The shapes
+    (vs length, batch, context) stay the calibration's. The link's latency: what the probe's
+    prefills alone spent around their compute before their first token, less the link's
+    transfer of their KV (the simulator's only cost between a prefill's end and its first
+    token)."""
     kp = probe["prefill_compute_s_alone"] / cost.prefill.prefill_s(probe["prefill_tokens"])
     gap, ctx = probe["decode_gap_s_outside"], probe["context"] + probe["decode_tokens"] // 2
     kd = gap / cost.decode.step_s(1, ctx) if gap else 1.0
     transfer_s = probe["prefill_tokens"] * cost.kv_bytes_per_token / (cost.link.gbps * 1e9)
     latency = max(0.0, probe["handoff_s_alone"] - transfer_s)
     return {"prefill_k": kp, "decode_k": kd, "link_latency_s": latency,
-            "from": "probe_shared_host's alone figures"}
+            "from": "run_probe: a cluster of its own, before the replay's"}
 
 
-def _validate(cost: CostModel | None, num_requests: int, prompt_lens, max_tokens: int,
-              load: float, gap_s: float | None, engine: dict, rounds: int) -> dict:
+def _validate(cost: CostModel | None, num_requests: int, max_tokens: int, engine: dict,
+              rounds: int, slo_ttft_s: float, slo_tpot_s: float, loads) -> dict:
     calibration = None
     if cost is None:
         calibration = calibrate(engine)
         cost = cpu_cost_model(calibration)
-    derived = gap_s is None
-    if derived:
-        mean_prefill = sum(cost.prefill.prefill_s(n) for n in prompt_lens) / len(prompt_lens)
-        gap_s = mean_prefill / load
-    replay = replay_requests(num_requests, tuple(prompt_lens), gap_s)
-    real = run_real(replay, max_tokens, engine, cost, rounds)
-    probe = real["shared_host_probe"]
+    probe = run_probe(engine, cost)
     anchor = _anchor(cost, probe)
-    cost = dataclasses.replace(cost.scaled(anchor["prefill_k"], anchor["decode_k"]),
-                               shared_host=SharedHost(probe["prefill_x"], probe["decode_x"]),
-                               link=dataclasses.replace(cost.link,
-                                                        latency_s=anchor["link_latency_s"]))
-    sim = run_sim(replay, max_tokens, cost, engine.get("block_size", 16))
-    errors = {k: abs(sim[k] - real[k]) / real[k] if real[k] else None for k in METRICS}
-    known = [e for e in errors.values() if e is not None]
-    return {"label": "cpu-measured (real) vs simulated cpu-here", "cost_model": cost.label,
+    calibrated = dataclasses.replace(
+        cost.scaled(anchor["prefill_k"], anchor["decode_k"]),
+        shared_host=SharedHost(probe["prefill_x"], probe["decode_x"]),
+        link=dataclasses.replace(cost.link, latency_s=anchor["link_latency_s"]))
+    defaults = cpu_cost_model()          # the simulator's stated defaults alone
+    mean_prefill = sum(calibrated.prefill.prefill_s(n) for n in REPLAY_LENS) / len(REPLAY_LENS)
+    replays = {name: replay_requests(num_requests, REPLAY_LENS, mean_prefill / u,
+                                     seed=REPLAY_SEED + i)
+               for i, (name, u) in enumerate(loads)}
+    real = run_real(replays, max_tokens, engine, rounds)
+    block = engine.get("block_size", 16)
+    out_loads = []
+    for name, u in loads:
+        replay, r = replays[name], real[name]
+        sent = rounds * len(replay)
+        sims = {}
+        for label, c in (("calibrated", calibrated), ("uncalibrated", defaults)):
+            sim = run_sim(replay, max_tokens, c, block)
+            pooled = _summary({k * len(replay) + i: (x["ttft_s"], x["tpot_s"])
+                               for k in range(rounds)
+                               for i, x in sim["per_request"].items()})
+            pooled["goodput"] = goodput(pooled, slo_ttft_s, slo_tpot_s, sent)
+            sims[label] = pooled
+        r["goodput"] = goodput(r, slo_ttft_s, slo_tpot_s, sent)
+        err, err_u = errors_of(sims["calibrated"], r), errors_of(sims["uncalibrated"], r)
+        out_loads.append({
+            "load": name, "utilization": u, "mean_gap_s": mean_prefill / u,
+            "sim_vs_real_error": err, "sim_vs_real_error_worst": worst(err),
+            "sim_vs_real_error_uncalibrated": err_u,
+            "sim_vs_real_error_uncalibrated_worst": worst(err_u),
+            "real_failed": r["failed"], "samples_real": r["served"],
+            "samples_sim": sims["calibrated"]["served"],
+            "real_round_spread": r["round_spread"],
+            "real": r, "sim": sims["calibrated"], "sim_uncalibrated": sims["uncalibrated"]})
+    worsts = [x["sim_vs_real_error_worst"] for x in out_loads]
+    top = None if any(w is None for w in worsts) else max(worsts)
+    failed = sum(x["real_failed"] for x in out_loads)
+    return {"label": "cpu-measured (real) vs simulated cpu-here, out of sample",
+            "cost_model": calibrated.label,
             "calibration": calibration or "given (--engine-json)",
-            "cost_model_fit": {"prefill": asdict(cost.prefill), "decode": asdict(cost.decode),
-                               "link": asdict(cost.link),
-                               "shared_host": asdict(cost.shared_host)},
-            "replay": {"requests": num_requests, "prompt_lens": list(prompt_lens),
-                       "load": load if derived else None,
-                       "max_tokens": max_tokens, "gap_s": gap_s, "engine": engine},
-            "anchor": anchor, "real": real, "sim": sim, "relative_errors": errors,
-            "sim_vs_real_error": max(known) if known else None,
-            "real_round_spread": real["round_spread"],
-            "within_25pct": bool(known) and max(known) <= 0.25}
+            "probe": probe, "anchor": anchor,
+            "cost_model_fit": {"prefill": asdict(calibrated.prefill),
+                               "decode": asdict(calibrated.decode),
+                               "link": asdict(calibrated.link),
+                               "shared_host": asdict(calibrated.shared_host)},
+            "replay": {"requests_per_round": num_requests, "rounds": rounds,
+                       "prompt_lens": list(REPLAY_LENS), "seed": REPLAY_SEED,
+                       "probe_lens": [PROBE_CONTEXT, PROBE_PREFILL],
+                       "max_tokens": max_tokens, "engine": engine,
+                       "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}},
+            "loads": out_loads,
+            "sim_vs_real_error": top,
+            "real_failed": failed,
+            "within_25pct": top is not None and top <= 0.25 and failed == 0,
+            "passed": top is not None and top <= 0.25 and failed == 0}

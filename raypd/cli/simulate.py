@@ -57,11 +57,19 @@ def _html(title: str, rows: list[dict], notes: dict) -> str:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from raypd.sim import planner
     from raypd.sim.cluster_sim import ClusterConfig, simulate_cluster
-    from raypd.sim.planner import parse_gpus, plan_text, run_plan
 
     try:
         cost = cost_model_of(args)
+        if args.colocated_budgets is not None and not args.plan:
+            raise ValueError("--colocated-budgets is swept by --plan; one run takes "
+                             "--colocated --token-budget N")
+        if args.token_budget is not None and not args.colocated:
+            raise ValueError("--token-budget is a colocated GPU's step budget: add --colocated "
+                             "(--plan sweeps --colocated-budgets)")
+        if args.max_tokens < 1 or args.max_decode_batch < 1:
+            raise ValueError("--max-tokens and --max-decode-batch must be >= 1")
         if args.validate:
             if args.gpu != "cpu-here":
                 raise ValueError("--validate compares with a real cluster here: use "
@@ -69,21 +77,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             from raypd.bench.sim_validation import validate
             # without --engine-json the calibration is measured here first, right before the
             # replay (raypd/bench/sim_validation.py)
-            result = validate(cost if args.engine_json is not None else None)
+            result = validate(cost if args.engine_json is not None else None,
+                              slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
             print(json.dumps(result, indent=2, default=str))
             if args.json is not None:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
-            return 0
+            return 0 if result["passed"] else 1
         if args.trace is None:
             raise ValueError("a TRACE is needed (except with --validate)")
         trace = load_trace(args.trace, limit=args.limit)
         if not trace:
             raise ValueError(f"{args.trace}: the trace is empty")
         if args.plan:
-            plan = run_plan(trace, cost, parse_gpus(args.gpus), args.slo_ttft, args.slo_tpot,
-                            requests_per_16=args.plan_requests)
-            text = plan_text(plan)
+            if args.colocated or args.token_budget is not None:
+                raise ValueError("--plan sweeps colocation itself: use --colocated-budgets, "
+                                 "not --colocated / --token-budget")
+            budgets = planner.COLOCATED_BUDGETS if args.colocated_budgets is None else \
+                planner.parse_budgets(args.colocated_budgets)
+            plan = planner.run_plan(trace, cost, planner.parse_gpus(args.gpus), args.slo_ttft, args.slo_tpot,
+                            requests_per_16=args.plan_requests, budgets=budgets,
+                            max_tokens=args.max_tokens, max_decode_batch=args.max_decode_batch)
+            text = planner.plan_text(plan)
             print(text)
             result, rows = plan, [
                 {"gpus": g, "config": k, **{x: v for x, v in r.items()
@@ -93,7 +108,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         else:
             cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode,
                                 colocated=args.colocated, policy=args.policy,
-                                slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
+                                slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                                max_tokens=args.max_tokens,
+                                max_decode_batch=args.max_decode_batch,
+                                colocated_budget=args.token_budget or 2048)
             result = simulate_cluster(trace, cost, cfg, args.rate_scale)
             result["label"] = f"simulated ({cost.label})"
             result["trace"] = str(args.trace)
@@ -127,7 +145,16 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=1, help="prefill GPUs/workers")
     p.add_argument("--decode", type=int, default=1, help="decode GPUs/workers")
     p.add_argument("--colocated", action="store_true",
-                   help="--prefill GPUs that each prefill and decode (no transfer)")
+                   help="--prefill GPUs that each prefill and decode (no transfer): chunked "
+                        "prefill with decode mixed into each step")
+    p.add_argument("--token-budget", type=int, default=None,
+                   help="--colocated: tokens one step holds, decode tokens first, prefill "
+                        "chunks in the rest (default 2048)")
+    p.add_argument("--max-tokens", type=int, default=1024,
+                   help="max_tokens every simulated client sends: decode KV is reserved for "
+                        "prompt + this; a longer trace output stops here (default %(default)s)")
+    p.add_argument("--max-decode-batch", type=int, default=256,
+                   help="sequences one decode step holds at most (default %(default)s)")
     p.add_argument("--gpu", choices=GPU_CHOICES, default="h100",
                    help="cost model: GPU roofline, or cpu-here (from --engine-json)")
     p.add_argument("--model", choices=sorted(MODELS), default=None,
@@ -148,6 +175,9 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                                                      "a list (default %(default)s)")
     p.add_argument("--plan-requests", type=int, default=800,
                    help="requests per 16 GPUs in the plan's replay (default %(default)s)")
+    p.add_argument("--colocated-budgets", default=None, metavar="B1,B2",
+                   help="--plan: colocated token budgets swept (default 512,1024,2048,4096,"
+                        "8192); the DistServe check takes the best")
     p.add_argument("--validate", action="store_true",
                    help="a short replay on a real 1P+1D cluster here against the simulator "
                         "(cpu-here, calibrated here first unless --engine-json is given): "
