@@ -8,7 +8,7 @@ import pytest
 from raypd.cli.simulate import add_simulate_parser
 from raypd.sim.cluster_sim import ClusterConfig, ClusterSim, DecodeSim, _Seq, _slowed
 from raypd.sim.cost_model import CostModel, DecodeCost, cpu_cost_model, gpu_cost_model
-from raypd.sim.planner import parse_gpus, run_plan
+from raypd.sim.planner import parse_gpus, plan_text, run_plan
 from raypd.sim.routing_sim import SimRequest
 
 
@@ -44,16 +44,21 @@ def test_decode_kv_capacity_holds_requests_back_and_frees_every_block():
     assert d.pool.num_free_blocks == d.pool.num_blocks   # every reservation released
 
 
-def test_colocated_prefill_steps_stall_decode():
+def test_colocated_decode_pays_for_prefill_chunks_by_the_budget_and_saves_the_transfer():
+    """Long prompts beside decodes: a colocated GPU's decode steps carry prefill chunks, so its
+    TPOT rises with the token budget (decode-only D workers keep theirs); no KV is moved."""
     cost = gpu_cost_model("h100")
     work = [SimRequest(j * 0.2, 40 * 512 - 3, 64, tuple(100 * j + i for i in range(40)))
             for j in range(60)]
     dis = ClusterSim(cost, ClusterConfig(num_prefill=1, num_decode=1, policy="round_robin",
                                          slo_ttft_s=30, slo_tpot_s=1)).run(work)
-    col = ClusterSim(cost, ClusterConfig(num_prefill=2, colocated=True, policy="round_robin",
-                                         slo_ttft_s=30, slo_tpot_s=1)).run(work)
-    assert col["tpot_p99_s"] > 2 * dis["tpot_p99_s"]
-    assert dis["transfer_gb"] > 0 and col["transfer_gb"] == 0
+    col = {b: ClusterSim(cost, ClusterConfig(num_prefill=2, colocated=True,
+                                             policy="round_robin", slo_ttft_s=30, slo_tpot_s=1,
+                                             colocated_budget=b)).run(work)
+           for b in (512, 8192)}
+    assert dis["tpot_p99_s"] < col[512]["tpot_p99_s"] < col[8192]["tpot_p99_s"]
+    assert col[8192]["ttft_p50_s"] < col[512]["ttft_p50_s"]
+    assert dis["transfer_gb"] > 0 and col[512]["transfer_gb"] == 0
 
 
 def test_locality_sheds_what_it_cannot_serve_in_slo():
@@ -198,18 +203,30 @@ def test_parse_gpus():
         parse_gpus("256..16")
 
 
-def test_plan_sweeps_ratios_and_policies_and_checks_both_directions():
+def test_plan_distserve_verdict_follows_the_slo_and_the_budget_sweep_matters():
+    """Long prompts (8k tokens), short outputs, on 4 GPUs. Under a tight TPOT (20 ms) a
+    colocated step cannot carry enough prefill to keep up: disaggregation wins. Under a loose
+    TPOT (50 ms) the four colocated GPUs all prefill in small chunks and colocation wins; there
+    the best budget (512) beats a budget as large as a prompt (a near-stalled decode) by far."""
     from raypd.replay.mooncake import WorkloadRequest
-    trace = [WorkloadRequest(j * 0.5, 4000, 32, tuple(range(5)) + (1000 + j, 2000 + j), j + 1)
+    trace = [WorkloadRequest(j * 0.25, 8000, 64, tuple(1000 * j + i for i in range(16)), j + 1)
              for j in range(60)]
-    plan = run_plan(trace, gpu_cost_model("h100"), [4], slo_ttft_s=2.0, slo_tpot_s=0.05,
-                    requests_per_16=60)
-    s = plan["sizes"]["4"]
-    assert s["best"] in s["configs"] and s["best_goodput_rps"] >= 0
-    assert {"distserve", "mooncake"} <= set(s)
-    assert any(r["colocated"] for r in s["configs"].values())
-    assert {r["policy"] for r in s["configs"].values()} == {"locality", "round_robin"}
-    json.dumps(plan)
+
+    def plan(tpot: float) -> dict:
+        return run_plan(trace, gpu_cost_model("h100"), [4], slo_ttft_s=3.0, slo_tpot_s=tpot,
+                        policies=("locality",), requests_per_16=60, budgets=(512, 8192))
+    tight, loose = plan(0.02)["sizes"]["4"], plan(0.05)
+    assert tight["distserve"]["winner"] == "disaggregated"
+    assert tight["distserve"]["goodput_ratio"] > 1.5
+    s = loose["sizes"]["4"]
+    assert s["distserve"]["winner"] == "colocated" and not s["distserve"]["direction_holds"]
+    assert s["distserve"]["colocated_budget"] == 512
+    cfgs = s["configs"]
+    assert cfgs["colocated 4 b512 locality"]["goodput_rps"] > \
+        1.5 * cfgs["colocated 4 b8192 locality"]["goodput_rps"]
+    assert s["best"] == s["distserve"]["colocated"]
+    assert "colocated" in plan_text(loose)
+    json.dumps(loose)
 
 
 def _cli(argv):

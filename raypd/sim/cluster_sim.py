@@ -3,13 +3,20 @@ P -> D transfer on a link model, decode-first admission and 429 on an unmeetable
 the production policies through load reports (raypd/sim/routing_sim.py's workers and report cadence).
 
 One request: decode-first admission (the policy's choose_decode on decode workers' reports;
-blocks for prompt + output reserved in D's real BlockPool, or the request waits; it is shed when
-it has waited past the TTFT SLO) -> the policy's choose_prefill on prefill reports (locality
-with the TTFT SLO sheds early: SLOUnmeetable = 429) -> P's chunked prefill (raypd/sim/routing_sim.py
-SimWorker: prefix cache in a real BlockPool; each step batches the waiting prefills first come,
-first served up to the token budget, as the engine does) -> transfer of the KV D lacks over D's
-link (FIFO per D) -> D's running batch, one token a step (step time by the decode cost model of the batch
-and its context) until the output is done; D frees the blocks.
+blocks for prompt + `max_tokens` reserved in D's real BlockPool, as the live router reserves,
+never the true output it cannot know; or the request waits; it is shed when it has waited past
+the TTFT SLO) -> the policy's choose_prefill on prefill reports (locality with the TTFT SLO
+sheds early: SLOUnmeetable = 429) -> P's chunked prefill (raypd/sim/routing_sim.py SimWorker:
+prefix cache in a real BlockPool; each step batches the waiting prefills first come, first
+served up to the token budget, as the engine does) -> transfer of the KV D lacks over D's link
+(FIFO per D) -> D's running batch (at most `max_decode_batch` sequences; the others wait for a
+slot), one token a step (step time by the decode cost model of the batch and its context) until
+its output is done (the trace's output, cut at `max_tokens` as the engine stops there); D frees
+the blocks.
+
+Policies get only what the live router has: load reports, their own decisions since, and the
+request as a client sends it (prompt, `max_tokens`); the true output length and the cost
+model's queues stay inside the simulated workers.
 
 TTFT = first token at the client = P's prefill done + transfer (D streams from there); TPOT =
 (finish - first token) / (output - 1). A request attains the SLO when TTFT <= slo_ttft and
@@ -20,9 +27,10 @@ cores and memory; a decode step overlapping a prefill step runs cost.shared_host
 times slower over the overlap, a prefill step prefill_x times slower while decode i's batch
 (as estimated when the step starts, the decodes prefill i has just finished included) lasts.
 
-Colocated mode (`colocated=True`): `num_prefill` GPUs that each prefill and decode; prefill
-steps have priority (the decode batch waits while a prefill step runs: the interference
-DistServe measures), the prefix cache and the decode KV split the GPU's KV memory in half.
+Colocated mode (`colocated=True`): `num_prefill` GPUs that each prefill and decode as a
+chunked-prefill engine does (raypd/sim/colocated_sim.py): each step decodes one token of every
+running sequence and fills the rest of `colocated_budget` tokens with prompt chunks; one KV
+pool for the prefix cache and the requests.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from kvcache.block_pool import BlockPool
 from kvcache.hashing import BlockHash
 from protocol.errors import RoutingRejected
 from protocol.messages import LoadReport
+from raypd.sim.colocated_sim import ColocatedGPU
 from raypd.sim.cost_model import CostModel
 from raypd.sim.routing_sim import (
     SimRequest,
@@ -63,11 +72,16 @@ class ClusterConfig:
     block_tokens: int = 512          # KV block = one trace block (hash id) on P and D alike
     report_interval_s: float = REPORT_INTERVAL_S
     report_rpc_s: float = 0.002
-    max_decode_batch: int = 256
+    max_decode_batch: int = 256      # sequences one decode step holds at most
+    max_tokens: int = 1024           # what clients ask for: decode KV reserved for it
+    colocated_budget: int = 2048     # colocated: tokens a step holds (decode + prefill chunks)
     shed_on_slo: bool = True         # locality rejects (429) a request it cannot serve in SLO
     shared_host: bool = False        # prefill i and decode i share a host (cost.shared_host)
 
     def validate(self) -> None:
+        for name in ("max_decode_batch", "max_tokens", "colocated_budget", "block_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_prefill < 1 or (not self.colocated and self.num_decode < 1):
             raise ValueError("--prefill and --decode must be >= 1")
         if self.shared_host and (self.colocated or self.num_prefill != self.num_decode):
@@ -85,10 +99,10 @@ class _Seq:
 
 
 class DecodeSim:
-    """One decode worker (or the decode half of a colocated GPU): continuous batching, advanced
-    in jumps between batch changes. `prefill`: the worker whose prefill steps slow it down,
-    decode running at `busy_rate` of its speed while one runs (0, colocated: the GPU is the
-    prefill's; 1 / decode_x on a shared host)."""
+    """One decode worker: continuous batching of at most `max_batch` sequences (the others
+    wait for a slot), advanced in jumps between batch changes. `prefill`: a shared host's
+    prefill worker, whose steps slow it down: decode runs at `busy_rate` of its speed while
+    one runs (1 / decode_x)."""
 
     def __init__(self, worker_id: str, cost: CostModel, capacity_blocks: int,
                  max_batch: int, prefill: SimWorker | None = None,
@@ -99,6 +113,8 @@ class DecodeSim:
         self.pool = BlockPool(capacity_blocks, enable_prefix_caching=False)
         self.max_batch = max_batch
         self.running: list[_Seq] = []
+        self.queued: deque[_Seq] = deque()   # arrived, waiting for a slot in the batch
+        self.max_batch_seen = 0
         self.joins: list[tuple[float, int, _Seq]] = []     # heap of (time, seq no, seq)
         self.now = 0.0
         self.carry = 0.0
@@ -159,7 +175,7 @@ class DecodeSim:
         plus `extra` (start, tokens, context) sequences about to join, their tokens at the
         step time of all of them together, no slowdown counted (the prefill step asking is
         what would slow it)."""
-        seqs = [(self.now, s.left, s.ctx) for s in self.running]
+        seqs = [(self.now, s.left, s.ctx) for s in (*self.running, *self.queued)]
         seqs += [(max(at, self.now), s.left, s.ctx) for at, _, s in self.joins if at <= t]
         seqs += [x for x in extra if x[0] <= t]
         if not seqs:
@@ -171,50 +187,59 @@ class DecodeSim:
         self._n += 1
         heapq.heappush(self.joins, (at, self._n, seq))
 
+    def _take_joins(self) -> None:
+        """Sequences whose KV has landed by now join the batch while it has a slot (at most
+        `max_batch` running; the rest wait, first come first served)."""
+        while self.joins and self.joins[0][0] <= self.now:
+            _, _, seq = heapq.heappop(self.joins)
+            if seq.left <= 0:
+                self.finished.append((seq.rid, seq.first_s, seq.first_s))
+                self.pool.free(seq.blocks)
+            else:
+                self.queued.append(seq)
+        while self.queued and len(self.running) < self.max_batch:
+            self.running.append(self.queued.popleft())
+        self.max_batch_seen = max(self.max_batch_seen, len(self.running))
+
     def advance(self, t: float) -> None:
         """Run decode steps until time t."""
-        while self.now < t:
+        while True:
+            self._take_joins()
+            if self.now >= t:
+                return
             nxt = self.joins[0][0] if self.joins else math.inf
             horizon = min(t, nxt)
-            if self.running:
-                batch = len(self.running)
-                ctx = sum(s.ctx for s in self.running)
-                dt = self.cost.decode.step_s(batch, ctx)
-                kmin = min(s.left for s in self.running)
-                end = self._time_after(self.now, kmin * dt - self.carry)
-                if end <= horizon:
-                    k, self.now, self.carry = kmin, end, 0.0
-                else:
-                    avail = self._free_time(self.now, horizon) + self.carry
-                    k = int(avail // dt)
-                    self.carry = avail - k * dt
-                    self.now = horizon
-                if k:
-                    for s in self.running:
-                        s.left -= k
-                        s.ctx += k
-                    done = [s for s in self.running if s.left <= 0]
-                    if done:
-                        self.running = [s for s in self.running if s.left > 0]
-                        for s in done:
-                            self.finished.append((s.rid, s.first_s, self.now))
-                            self.pool.free(s.blocks)
-                    continue
-            else:
+            if not self.running:
                 self.now, self.carry = horizon, 0.0
-            while self.joins and self.joins[0][0] <= self.now:
-                _, _, seq = heapq.heappop(self.joins)
-                if seq.left <= 0:
-                    self.finished.append((seq.rid, seq.first_s, seq.first_s))
-                    self.pool.free(seq.blocks)
-                else:
-                    self.running.append(seq)
+                continue
+            batch = len(self.running)
+            ctx = sum(s.ctx for s in self.running)
+            dt = self.cost.decode.step_s(batch, ctx)
+            kmin = min(s.left for s in self.running)
+            end = self._time_after(self.now, kmin * dt - self.carry)
+            if end <= horizon:
+                k, self.now, self.carry = kmin, end, 0.0
+            else:
+                avail = self._free_time(self.now, horizon) + self.carry
+                k = int(avail // dt)
+                self.carry = avail - k * dt
+                self.now = horizon
+            if k:
+                for s in self.running:
+                    s.left -= k
+                    s.ctx += k
+                done = [s for s in self.running if s.left <= 0]
+                if done:
+                    self.running = [s for s in self.running if s.left > 0]
+                    for s in done:
+                        self.finished.append((s.rid, s.first_s, self.now))
+                        self.pool.free(s.blocks)
 
     def report(self) -> LoadReport:
         ctx = sum(s.ctx for s in self.running)
-        waiting = sum(s.ctx for _, _, s in self.joins)
+        waiting = sum(s.ctx for _, _, s in self.joins) + sum(s.ctx for s in self.queued)
         return LoadReport(self.worker_id, running_tokens=ctx + waiting,
-                          num_requests=len(self.running) + len(self.joins),
+                          num_requests=len(self.running) + len(self.joins) + len(self.queued),
                           active_blocks=self.pool.num_used_blocks,
                           free_blocks=self.pool.num_free_blocks,
                           total_blocks=self.pool.num_blocks, decode_batch=len(self.running),
@@ -234,6 +259,9 @@ def _slowed(start: float, step_s: float, busy_until: float, x: float) -> float:
 
 
 class ClusterSim:
+    """One replay of a cluster (module doc). Colocated: `gpus` (each both halves); else
+    `prefill` and `decode` pools."""
+
     def __init__(self, cost: CostModel, cfg: ClusterConfig,
                  policy: BasePolicy | None = None) -> None:
         cfg.validate()
@@ -243,36 +271,45 @@ class ClusterSim:
                            if cfg.policy == "locality" and cfg.shed_on_slo else {}))
         bt = cfg.block_tokens
         total_blocks = max(1, cost.kv_capacity_tokens // bt)
+        self.gpus: list[ColocatedGPU] = []
+        self.prefill: list[SimWorker] = []
+        self.decode: list[DecodeSim] = []
         if cfg.colocated:
-            half = max(1, total_blocks // 2)
-            self.prefill = [SimWorker(f"gpu-{i}", half, cost, 4, log_steps=True)
-                            for i in range(cfg.num_prefill)]
-            self.decode = [DecodeSim(f"gpu-{i}", cost, half, cfg.max_decode_batch, p)
-                           for i, p in enumerate(self.prefill)]
+            self.gpus = [ColocatedGPU(f"gpu-{i}", cost, total_blocks, cfg.colocated_budget,
+                                      cfg.max_decode_batch, bt)
+                         for i in range(cfg.num_prefill)]
         elif cfg.shared_host:   # P i and D i on one host: each slows the other (measured;
             sh = cost.shared_host  # the prefill side is set in `run`, which knows the requests)
-            self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, log_steps=True)
-                            for i in range(cfg.num_prefill)]
+            self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, log_steps=True,
+                                      block_tokens=bt) for i in range(cfg.num_prefill)]
             self.decode = [DecodeSim(f"decode-{i}", cost, total_blocks, cfg.max_decode_batch,
                                      p, 1.0 / sh.decode_x) for i, p in enumerate(self.prefill)]
         else:
-            self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4)
+            self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, block_tokens=bt)
                             for i in range(cfg.num_prefill)]
             self.decode = [DecodeSim(f"decode-{i}", cost, total_blocks, cfg.max_decode_batch)
                            for i in range(cfg.num_decode)]
-        self.p_states = {w.worker_id: WorkerState(w.worker_id) for w in self.prefill}
-        self.d_states = {w.worker_id: WorkerState(w.worker_id) for w in self.decode}
+        p_ids = [w.worker_id for w in (self.gpus or self.prefill)]
+        d_ids = [w.worker_id for w in (self.gpus or self.decode)]
+        self.p_states = {w: WorkerState(w) for w in p_ids}
+        self.d_states = {w: WorkerState(w) for w in d_ids}
         self.index = PrefixIndex()
-        for w in self.prefill:
-            self.index.add_worker(w.worker_id)
+        for w in p_ids:
+            self.index.add_worker(w)
         self.rates = TransferRates()
         self._transfers_done: list[tuple[float, str, str, int, float]] = []
         self._tick = -1
+        self._capacity_blocks = total_blocks
 
     @property
     def num_gpus(self) -> int:
         return self.cfg.num_prefill if self.cfg.colocated else \
             self.cfg.num_prefill + self.cfg.num_decode
+
+    @property
+    def max_batch_seen(self) -> int:
+        """The largest decode batch any step of the replay held."""
+        return max((w.max_batch_seen for w in (*self.gpus, *self.decode)), default=0)
 
     def _reports(self, now: float) -> None:
         tick = int(now / self.cfg.report_interval_s)
@@ -284,6 +321,11 @@ class ClusterSim:
         while done and done[0][0] <= at:
             _, p, d, nbytes, seconds = heapq.heappop(done)
             self.rates.observe(p, d, nbytes, seconds)
+        for g in self.gpus:
+            rep = g.prefill_report(at)
+            self.index.apply(g.worker_id, rep.events)
+            apply_load_report(self.p_states[g.worker_id], rep, at)
+            apply_load_report(self.d_states[g.worker_id], g.decode_report(), at)
         for w in self.prefill:
             rep = w.report(at)
             self.index.apply(w.worker_id, rep.events)
@@ -298,9 +340,12 @@ class ClusterSim:
         roots: dict[tuple[str, str], BlockHash] = {}
         p_by_id = {w.worker_id: w for w in self.prefill}
         d_by_id = {d.worker_id: d for d in self.decode}
+        g_by_id = {g.worker_id: g for g in self.gpus}
         ttft: dict[int, float] = {}
         arrival: dict[int, float] = {}
-        out_len: dict[int, int] = {}
+        # what the engine generates: the trace's output, cut where the client's max_tokens stops it
+        out_len = [max(1, min(r.output_tokens, cfg.max_tokens)) for r in reqs]
+        route: dict[int, tuple[str, str, list]] = {}   # j -> (P, D, D's reserved blocks)
         shed = {"slo_reject": 0, "admission_timeout": 0, "too_large": 0}
         pending: deque[int] = deque()
         transferred_bytes = 0
@@ -308,83 +353,101 @@ class ClusterSim:
             x = cost.shared_host.prefill_x
             for p, d in zip(self.prefill, self.decode, strict=True):
                 def slowed(t: float, step_s: float, p=p, d=d) -> float:
-                    soon = [(f, reqs[j].output_tokens - 1, reqs[j].num_tokens)
-                            for f, (j, _, did, _) in p.finished_by(t) if did == d.worker_id]
+                    soon = [(f, out_len[j] - 1, reqs[j].num_tokens)
+                            for f, j in p.finished_by(t) if route[j][1] == d.worker_id]
                     return _slowed(t, step_s, d.busy_until(t, soon), x)
                 p.slowed = slowed
+
+        def reserve_blocks(r: SimRequest) -> int:
+            """What the router reserves on D: the prompt and the client's max_tokens."""
+            return math.ceil((r.num_tokens + cfg.max_tokens) / bt)
 
         def try_admit(j: int, now: float) -> bool:
             """Decode-first: reserve on D, route to P, schedule prefill, transfer and decode.
             False: no decode worker has room now (the request keeps waiting)."""
             r, hs = reqs[j], hashes[j]
-            req = RoutingRequest(str(j), hs, r.num_tokens, bt, r.tenant, r.output_tokens,
+            need = reserve_blocks(r)
+            req = RoutingRequest(str(j), hs, r.num_tokens, bt, r.tenant, cfg.max_tokens,
                                  arrival_s=now, lora=r.lora)
-            d_states = [self.d_states[d.worker_id] for d in self.decode]
+            d_states = [self.d_states[w] for w in self.d_states]
             if cfg.colocated:
-                d_states = [s for s in d_states if s.free_blocks >= math.ceil(
-                    (r.num_tokens + r.output_tokens) / bt)]
+                d_states = [s for s in d_states if s.free_blocks >= need]
                 if not d_states:
                     return False
             try:
                 dd = self.policy.choose_decode(req, d_states, {})
             except RoutingRejected:
                 return False
-            dsim = d_by_id[dd.worker_id]
-            need = math.ceil((r.num_tokens + r.output_tokens) / bt)
-            if need > dsim.pool.num_free_blocks:   # the report was stale: D refuses
-                return False
-            blocks = dsim.pool.allocate(need)
-            note_decode(self.d_states[dd.worker_id], req, dd)
-            p_states = [self.p_states[w.worker_id] for w in self.prefill]
-            if cfg.colocated:   # prefill on the GPU that decodes it
-                p_states = [self.p_states[dd.worker_id]]
+            did = dd.worker_id
+            if cfg.colocated:
+                if need > g_by_id[did].room():   # the report was stale: the GPU refuses
+                    return False
+                blocks: list = []
+            else:
+                dsim = d_by_id[did]
+                if need > dsim.pool.num_free_blocks:   # the report was stale: D refuses
+                    return False
+                blocks = dsim.pool.allocate(need)
+            note_decode(self.d_states[did], req, dd)
+            p_states = [self.p_states[did]] if cfg.colocated else \
+                [self.p_states[w.worker_id] for w in self.prefill]   # colocated: its own GPU
             for st in p_states:
                 st.transfer_gbps_to = self.rates.from_worker(st.worker_id)
-            req = RoutingRequest(str(j), hs, r.num_tokens, bt, r.tenant, r.output_tokens,
-                                 arrival_s=now, lora=r.lora, decode_worker=dd.worker_id)
+            req = RoutingRequest(str(j), hs, r.num_tokens, bt, r.tenant, cfg.max_tokens,
+                                 arrival_s=now, lora=r.lora, decode_worker=did)
             try:
                 pd = self.policy.choose_prefill(req, p_states, self.index.match(hs))
             except RoutingRejected:
-                dsim.pool.free(blocks)
+                if blocks:
+                    d_by_id[did].pool.free(blocks)
                 shed["slo_reject"] += 1
                 return True
             note_prefill(self.p_states[pd.worker_id], req, pd, Locality.pooled_fit(p_states),
                          now)
             key = (r.tenant, r.lora)
             root = roots.get(key) or roots.setdefault(key, namespace_root(*key))
-            p_by_id[pd.worker_id].serve(hs, root, r.hash_ids, r.num_tokens, now, bt, r.lora,
-                                        tag=(j, pd.worker_id, dd.worker_id, blocks))
+            route[j] = (pd.worker_id, did, blocks)
+            if cfg.colocated:
+                g_by_id[did].serve(j, hs, root, r.hash_ids, r.num_tokens, out_len[j], now,
+                                   need)
+            else:
+                p_by_id[pd.worker_id].serve(hs, root, r.hash_ids, r.num_tokens, now, bt,
+                                            r.lora, tag=j)
             return True
 
         def prefills_done(t: float) -> None:
-            """Form the prefill steps that start by t; every prefill that ended by t (in
-            finish order) goes on to its transfer and its decode worker."""
+            """Form the steps that start by t; every prefill that ended by t (in finish
+            order) goes on to its transfer and its decode worker (colocated: its GPU)."""
             nonlocal transferred_bytes
+            for g in self.gpus:
+                for first, j in g.advance(t):
+                    ttft[j] = first - arrival[j]
             done = sorted((x for w in self.prefill for x in w.advance(t)), key=lambda x: x[0])
-            for finish, (j, pid, did, blocks) in done:
-                r, dsim = reqs[j], d_by_id[did]
-                first = finish
-                if not cfg.colocated:
-                    nbytes = r.num_tokens * cost.kv_bytes_per_token
-                    start = max(finish, dsim.link_free_at)
-                    first = start + cost.link.seconds(nbytes)
-                    dsim.link_free_at = first
-                    # the router measures a transfer when it ends, not before
-                    heapq.heappush(self._transfers_done, (first, pid, did, nbytes, first - start))
-                    transferred_bytes += nbytes
+            for finish, j in done:
+                r, (pid, did, blocks) = reqs[j], route[j]
+                dsim = d_by_id[did]
+                nbytes = r.num_tokens * cost.kv_bytes_per_token
+                start = max(finish, dsim.link_free_at)
+                first = start + cost.link.seconds(nbytes)
+                dsim.link_free_at = first
+                # the router measures a transfer when it ends, not before
+                heapq.heappush(self._transfers_done, (first, pid, did, nbytes, first - start))
+                transferred_bytes += nbytes
                 ttft[j] = first - arrival[j]
-                dsim.join(first, _Seq(j, r.output_tokens - 1, r.num_tokens, first, blocks))
+                dsim.join(first, _Seq(j, out_len[j] - 1, r.num_tokens, first, blocks))
+
+        def step_to(t: float) -> None:
+            prefills_done(t)
+            for d in self.decode:
+                d.advance(t)
+            self._reports(t)
 
         last = 0.0
         for j, r in enumerate(reqs):
             now = r.timestamp_s
             arrival[j] = now
-            out_len[j] = r.output_tokens
             last = now
-            prefills_done(now)
-            for d in self.decode:
-                d.advance(now)
-            self._reports(now)
+            step_to(now)
             while pending:               # waiting admissions first (FIFO)
                 k = pending[0]
                 if now - arrival[k] > cfg.slo_ttft_s:
@@ -394,8 +457,7 @@ class ClusterSim:
                 if not try_admit(k, now):
                     break
                 pending.popleft()
-            if math.ceil((r.num_tokens + r.output_tokens) / cfg.block_tokens) > \
-                    self.decode[0].pool.num_blocks:
+            if reserve_blocks(r) > self._capacity_blocks:
                 shed["too_large"] += 1
                 continue
             if pending or not try_admit(j, now):
@@ -403,10 +465,7 @@ class ClusterSim:
         t = last
         while pending:                   # drain the admission queue on report ticks
             t += cfg.report_interval_s
-            prefills_done(t)
-            for d in self.decode:
-                d.advance(t)
-            self._reports(t)
+            step_to(t)
             k = pending[0]
             if t - arrival[k] > cfg.slo_ttft_s:
                 pending.popleft()
@@ -421,7 +480,7 @@ class ClusterSim:
     def _result(self, reqs, arrival, out_len, ttft, shed, transferred_bytes) -> dict:
         cfg = self.cfg
         tpot: dict[int, float] = {}
-        for d in self.decode:
+        for d in (*self.decode, *self.gpus):
             for rid, first, fin in d.finished:
                 n = out_len[rid]
                 tpot[rid] = (fin - first) / (n - 1) if n > 1 else 0.0
@@ -442,6 +501,8 @@ class ClusterSim:
             "goodput_rps_per_gpu": (len(good) / span if span > 0 else float(len(good)))
             / self.num_gpus,
             "num_gpus": self.num_gpus, "transfer_gb": transferred_bytes / 1e9,
+            "max_decode_batch_seen": self.max_batch_seen,
+            "truncated_at_max_tokens": sum(r.output_tokens > cfg.max_tokens for r in reqs),
             "transfer_gbps_measured": self.rates.to_dict() if len(self.rates.pairs) <= 8
             else {"pairs": len(self.rates.pairs)},
             "config": asdict(cfg),

@@ -16,6 +16,12 @@ times fit_s(step) / sum(fit_s(chunk alone)): solo costs measured, batching from 
 fit's form can follow: the fit came out 8-10% short at 1024 tokens in three calibrations).
 Decode step of `batch` sequences holding `ctx` tokens in all:
     step_s = base_s + per_seq_s * batch + per_ctx_token_s * ctx
+Mixed step (a colocated GPU's chunked prefill with `batch` decode tokens riding along, as
+vLLM v1 and Sarathi-Serve schedule; raypd/sim/colocated_sim.py):
+    mixed_step_s = max(prefill.step_s(chunks) + batch / tok_s + per_ctx_token_s * ctx,
+                       decode.step_s(batch, ctx))
+the decode tokens share the prefill step's weight read and overhead, and add their linear
+FLOPs at the prefill rate and their KV reads; never faster than the decode step alone.
 Transfer of n bytes over a link: latency_s + n / (gbps * 1e9).
 Shared host (`SharedHost`, cpu-here: a prefill and a decode worker on the same cores and
 memory): a decode step that overlaps a prefill step runs `decode_x` times slower over the
@@ -139,6 +145,18 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def mixed_step_s(self, chunks: Sequence[tuple[int, int]], batch: int,
+                     ctx_tokens: int) -> float:
+        """One engine step of prefill `chunks` (new tokens, tokens before) and `batch` decode
+        tokens over `ctx_tokens` of context (module doc); either part may be empty."""
+        if not chunks:
+            return self.decode.step_s(batch, ctx_tokens)
+        t = self.prefill.step_s(chunks)
+        if batch <= 0:
+            return t
+        t += batch / self.prefill.tok_s + self.decode.per_ctx_token_s * ctx_tokens
+        return max(t, self.decode.step_s(batch, ctx_tokens))
 
     def scaled(self, prefill_k: float, decode_k: float) -> CostModel:
         """The same shapes with every prefill second x prefill_k and every decode second x
