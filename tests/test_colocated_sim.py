@@ -159,3 +159,34 @@ def test_replicas_draw_their_own_arrivals():
     mine_gaps = sorted(b.timestamp_s - a.timestamp_s for a, b in zip(mine, mine[1:],
                                                                       strict=False))
     assert sum(g == 0 for g in mine_gaps) == sum(g == 0 for g in gaps)   # bursts kept
+
+
+def test_simulate_cli_runs_a_colocated_budget_and_refuses_options_out_of_place(tmp_path, capsys):
+    import argparse
+    import json
+
+    from raypd.cli.simulate import add_simulate_parser
+
+    def cli(*argv: str) -> int:
+        parser = argparse.ArgumentParser()
+        add_simulate_parser(parser.add_subparsers(dest="cmd"))
+        args = parser.parse_args(["simulate", *argv])
+        return args.func(args)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 500 * j, "input_length": 3000,
+                                         "output_length": 40,
+                                         "hash_ids": [j, *range(100 * j + 100, 100 * j + 105)]}) + "\n"
+                             for j in range(20)))
+    out = tmp_path / "r.json"
+    assert cli(str(trace), "--colocated", "--prefill", "2", "--token-budget", "512",
+               "--max-tokens", "64", "--max-decode-batch", "8", "--json", str(out)) == 0
+    cfg = json.loads(out.read_text())["config"]
+    assert (cfg["colocated_budget"], cfg["max_tokens"], cfg["max_decode_batch"]) == (512, 64, 8)
+    for argv, word in ((["--token-budget", "512"], "--colocated"),
+                       (["--colocated-budgets", "512"], "--plan"),
+                       (["--plan", "--gpus", "4", "--colocated"], "--colocated-budgets"),
+                       (["--plan", "--gpus", "4", "--colocated-budgets", "0"], "budgets"),
+                       (["--max-tokens", "0"], "--max-tokens")):
+        capsys.readouterr()
+        assert cli(str(trace), *argv) == 2, argv
+        assert word in capsys.readouterr().err, argv
