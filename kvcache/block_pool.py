@@ -49,6 +49,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.shared_refs = 0     # sum over blocks of (ref_cnt - 1) where ref_cnt > 1
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
         self.evictions = 0
@@ -108,6 +109,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 assert block.block_hash is not None, "only cached blocks can be re-referenced"
                 del self._evictable[block.block_id]
+            else:
+                self.shared_refs += 1
             block.ref_cnt += 1
 
     def allocate(self, n: int) -> list[KVBlock]:
@@ -194,6 +197,8 @@ class BlockPool:
         for block in blocks:
             assert block.ref_cnt > 0, f"block {block.block_id} freed more often than taken"
             block.ref_cnt -= 1
+            if block.ref_cnt:
+                self.shared_refs -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
                     self._evictable[block.block_id] = None
@@ -287,6 +292,8 @@ class BlockPool:
     def check_invariants(self) -> None:
         """free + cached + referenced == total; refcounts >= 0; the hash map agrees."""
         free_ids, evict_ids = set(self._free), set(self._evictable)
+        assert self.shared_refs == sum(max(0, b.ref_cnt - 1) for b in self.blocks), \
+            "shared_refs out of step with the refcounts"
         assert len(free_ids) == len(self._free), "a block is twice in the free list"
         assert not (free_ids & evict_ids), "a block is both free and cached"
         referenced = 0

@@ -28,6 +28,7 @@ class KVCacheManager:
                               Tier2Index(tier2_slots) if tier2_slots > 0 else None)
         self.costs = ReloadCostModel()
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._tables: dict[str, list[int]] = {}   # req -> block ids, kept beside req_blocks
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already in the prefix cache
 
     def match_prefix(self, root: BlockHash, block_hashes: Sequence[BlockHash],
@@ -107,14 +108,17 @@ class KVCacheManager:
         if not self.can_allocate(req_id, num_tokens, computed_blocks):
             return None
         blocks = self.req_blocks.setdefault(req_id, [])
+        table = self._tables.setdefault(req_id, [])
         if computed_blocks:
             assert not blocks, "prefix hits are only taken at a request's first allocation"
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
+            table.extend(b.block_id for b in computed_blocks)
             self.num_cached_blocks[req_id] = len(computed_blocks)
         need = cdiv(num_tokens, self.block_size) - len(blocks)
         new = self.pool.allocate(need) if need > 0 else []
         blocks.extend(new)
+        table.extend(b.block_id for b in new)
         return new
 
     def cache_computed(self, req_id: str, root: BlockHash, block_hashes: Sequence[BlockHash],
@@ -135,11 +139,18 @@ class KVCacheManager:
     def free(self, req_id: str) -> None:
         """Release every block of the request, tail first (its prefix is evicted last)."""
         blocks = self.req_blocks.pop(req_id, [])
+        self._tables.pop(req_id, None)
         self.num_cached_blocks.pop(req_id, None)
         self.pool.free(reversed(blocks))
 
     def block_table(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req_id, [])]
+        """The request's block ids in order, kept as blocks are allocated (no rebuild per step).
+        Read-only: the list grows in place at the request's next allocation."""
+        table = self._tables.get(req_id)
+        if table is None:
+            return []
+        assert len(table) == len(self.req_blocks[req_id]), req_id
+        return table
 
     def blocks_of(self, req_id: str) -> list[KVBlock]:
         return self.req_blocks.get(req_id, [])

@@ -129,6 +129,41 @@ def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory() if device.type == "cuda" else t
 
 
+class PinnedStaging:
+    """One reused page-locked host buffer for a worker's per-step host -> device copies (a
+    fresh pinned allocation each step costs a driver call and pins memory anew).
+
+    Invariant: the buffer is rewritten only after the previous copy out of it finished (a CUDA
+    event recorded after each copy is waited on first); it grows by doubling, never shrinks.
+    Off a GPU it passes tensors through (nothing to pin)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buf: torch.Tensor | None = None
+        self._done = torch.cuda.Event() if device.type == "cuda" else None
+        self.allocations = 0          # pinned buffers made (a seam for tests)
+
+    def stage(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` (1-D, on the host) in the pinned buffer, ready for a non-blocking copy; call
+        `copied()` right after issuing that copy."""
+        if self._done is None:
+            return flat
+        self._done.synchronize()      # the last copy out of the buffer has finished
+        n = flat.numel()
+        if self._buf is None or self._buf.numel() < n or self._buf.dtype != flat.dtype:
+            size = max(n, 2 * (self._buf.numel() if self._buf is not None else 0), 1024)
+            self._buf = torch.empty(size, dtype=flat.dtype).pin_memory()
+            self.allocations += 1
+        view = self._buf[:n]
+        view.copy_(flat)
+        return view
+
+    def copied(self) -> None:
+        """The copy out of the staged view was issued on the current stream."""
+        if self._done is not None:
+            self._done.record()
+
+
 # ---- one OpenMP team per worker process ------------------------------------------------------
 # libgomp keeps a thread pool per thread that ever ran a parallel region, and once it manages
 # more threads than the process has CPUs it stops spinning between regions (a futex sleep and

@@ -25,7 +25,7 @@ from workers.attention import (
     PrefillSegment,
     register_paged_attention,
 )
-from workers.device import pinned
+from workers.device import PinnedStaging, pinned
 from workers.kernels import decode_kernel_name
 from workers.kv_quant import QuantizedPool
 from workers.llama import CompactLlama, layer_windows
@@ -49,6 +49,7 @@ class StepUpload:
     (non-blocking), and handed back as views of that one device buffer, in `add` order."""
 
     device: torch.device
+    staging: PinnedStaging | None = None   # the runner's reused pinned buffer (cuda)
     parts: list[torch.Tensor] = field(default_factory=list)
 
     def add(self, t: torch.Tensor | list[int]) -> int:
@@ -62,7 +63,11 @@ class StepUpload:
         if not self.parts:
             return []
         flat = torch.cat([p.reshape(-1) for p in self.parts])
-        flat = ModelRunner.host_to_device(pinned(flat, self.device), self.device)
+        if self.staging is not None:
+            flat = ModelRunner.host_to_device(self.staging.stage(flat), self.device)
+            self.staging.copied()
+        else:
+            flat = ModelRunner.host_to_device(pinned(flat, self.device), self.device)
         out, offset = [], 0
         for p in self.parts:
             out.append(flat[offset:offset + p.numel()].view(p.shape))
@@ -89,6 +94,7 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.device = device if device is not None else next(model.parameters()).device
+        self.staging = PinnedStaging(self.device)   # one pinned buffer for every step's upload
         reason = CompactLlama.unsupported(cfg)
         if model_impl == "compact" and reason:
             raise ValueError(f"the compact model does not support this checkpoint: {reason}")
@@ -255,7 +261,7 @@ class ModelRunner:
                 sample_chunks.append(i)
             own_kv = start == 0 and not self.kv_quant   # quantized: read back what was stored
             segs.append((q_start, n, start + n, None if own_kv else table))
-        up = StepUpload(self.device)
+        up = StepUpload(self.device, self.staging)
         i_tok, i_pos, i_slot, i_rows = (up.add(tokens), up.add(torch.cat(positions)),
                                         up.add(torch.cat(slots)), up.add(sample_rows))
         i_groups = [(up.add(tables), up.add(lens)) for tables, lens, _ in groups]

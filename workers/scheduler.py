@@ -184,11 +184,19 @@ class Scheduler:
             self.kv.free(req.request_id)
 
     def stored_tokens(self) -> tuple[int, int]:
-        """(tokens held in referenced blocks, referenced blocks), shared blocks counted once."""
-        bs = self.kv.block_size
-        filled: dict[int, int] = {}
+        """(tokens held in the blocks running requests reference, those blocks), a block shared
+        by k requests counted once: O(running requests), never a walk over their blocks.
+
+        Shared blocks are full (only full blocks are cached, so only they are shared), so
+        each extra reference (the pool's `shared_refs`) is one full block counted twice.
+        Where other holders reference blocks too (a decode worker's reservations awaiting their
+        pages), their extra references are subtracted as well: a slight undercount while
+        transfers are in flight, never an overcount."""
+        bs, kv = self.kv.block_size, self.kv
+        tokens = blocks = 0
         for req in self.running:
-            for j, block_id in enumerate(self.kv.block_table(req.request_id)):
-                filled[block_id] = max(filled.get(block_id, 0),
-                                       min(bs, max(0, req.num_tokens - j * bs)))
-        return sum(filled.values()), len(filled)
+            n = len(kv.block_table(req.request_id))
+            tokens += min(req.num_tokens, n * bs)
+            blocks += n
+        shared = min(kv.pool.shared_refs, blocks)
+        return max(0, tokens - shared * bs), blocks - shared
