@@ -115,6 +115,7 @@ class DecodeSim:
         self.running: list[_Seq] = []
         self.queued: deque[_Seq] = deque()   # arrived, waiting for a slot in the batch
         self.max_batch_seen = 0
+        self.last_step_s = 0.0   # the last decode step's seconds (what the worker measured)
         self.joins: list[tuple[float, int, _Seq]] = []     # heap of (time, seq no, seq)
         self.now = 0.0
         self.carry = 0.0
@@ -225,6 +226,7 @@ class DecodeSim:
                 self.carry = avail - k * dt
                 self.now = horizon
             if k:
+                self.last_step_s = dt
                 for s in self.running:
                     s.left -= k
                     s.ctx += k
@@ -236,6 +238,9 @@ class DecodeSim:
                         self.pool.free(s.blocks)
 
     def report(self) -> LoadReport:
+        """What a live decode worker reports now: its admitted sequences (running, waiting for
+        a slot, or whose KV is on its way), blocks, and the step time it last measured (not
+        the cost model's figure for a batch)."""
         ctx = sum(s.ctx for s in self.running)
         waiting = sum(s.ctx for _, _, s in self.joins) + sum(s.ctx for s in self.queued)
         return LoadReport(self.worker_id, running_tokens=ctx + waiting,
@@ -243,7 +248,7 @@ class DecodeSim:
                           active_blocks=self.pool.num_used_blocks,
                           free_blocks=self.pool.num_free_blocks,
                           total_blocks=self.pool.num_blocks, decode_batch=len(self.running),
-                          decode_step_s=self.cost.decode.step_s(len(self.running), ctx),
+                          decode_step_s=self.last_step_s,
                           kv_bytes_per_token=self.cost.kv_bytes_per_token)
 
 
