@@ -341,6 +341,9 @@ class ClusterSim:
     def run(self, requests: Sequence[SimRequest], hashes=None) -> dict:
         cfg, cost, bt = self.cfg, self.cost, self.cfg.block_tokens
         reqs = list(requests)
+        if cfg.colocated and any(r.lora for r in reqs):
+            raise ValueError("colocated GPUs do not model adapter loads: requests with a LoRA "
+                             "adapter need disaggregated pools")
         hashes = trace_hashes(reqs) if hashes is None else hashes
         roots: dict[tuple[str, str], BlockHash] = {}
         p_by_id = {w.worker_id: w for w in self.prefill}
