@@ -75,6 +75,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                              concurrency=args.concurrency, seed=args.seed,
                              progress=not args.no_progress)
         opts.validate()
+        from cluster.serve import check_kv_quality_gate
+        check_kv_quality_gate(cfg)   # a quantized KV dtype serves only once its gate passed
     except (WorkloadError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    "multiplies it natively, as AVX512-BF16/AMX CPUs and GPUs from Ampere on "
                    "do; else the checkpoint's own)")
     p.add_argument("--kv-dtype", help="model.kv_dtype: auto, float32, bfloat16, int8, fp8 "
-                   "(a quantized dtype must not have failed its recorded kv-quality gate)")
+                   "(a quantized dtype must have passed its recorded kv-quality gate)")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     add_lora_arg(p)
     p.add_argument("--address", help="ray.address: auto or host:port joins a running cluster "

@@ -113,11 +113,13 @@ def _r(x: Any, nd: int = 4) -> Any:
 
 
 def _gate_summary(kv_gates: dict | None) -> dict:
-    """{kv_dtype: {passed, ppl_delta_pct, greedy_agreement, capacity_ratio, evidence}} of the
-    recorded kv-quality gates (`raypd bench kv-quality`) of the run's model."""
+    """{kv_dtype: {passed, failures, teacher_forced_agreement, mean_kl, ppl_delta_pct,
+    greedy_agreement (information), capacity_ratio, evidence}} of the recorded kv-quality gates
+    (`raypd bench kv-quality`, judged against the bf16 noise floor) of the run's model."""
     out = {}
     for fmt, g in (kv_gates or {}).items():
-        out[fmt] = {k: _r(g.get(k)) for k in ("passed", "ppl_delta_pct", "greedy_agreement",
+        out[fmt] = {k: _r(g.get(k)) for k in ("passed", "failures", "teacher_forced_agreement",
+                                              "mean_kl", "ppl_delta_pct", "greedy_agreement",
                                               "capacity_ratio", "evidence")}
     return out
 

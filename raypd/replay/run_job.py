@@ -52,7 +52,7 @@ def run_job(cfg, items, opts: SubmitOptions, trace_path: Path, *, block_tokens: 
     from raypd.replay.report import build_report
     from raypd.replay.trace_views import write_chrome_trace
     from router.request_traces import stage_breakdown
-    from workers.kv_gate import GateThresholds, recorded_gates
+    from workers.kv_gate import gate_thresholds, recorded_gates
 
     w = cfg.workers
     print(f"raypd run: starting {w.prefill.count} prefill + {w.decode.count} decode workers "
@@ -98,9 +98,8 @@ def run_job(cfg, items, opts: SubmitOptions, trace_path: Path, *, block_tokens: 
                   "max_output_tokens": max_output_tokens,
                   "routing_decisions": dict(cluster.orchestrator.decisions),
                   "kv_tier2_gb": cfg.engine.kv_tier2_gb,
-                  "kv_gates": recorded_gates(cfg.model.name, GateThresholds(
-                      cfg.model.kv_gate_max_ppl_delta_pct,
-                      cfg.model.kv_gate_min_greedy_agreement))}
+                  "kv_gates": recorded_gates(cfg.model.name, gate_thresholds(cfg.model),
+                                             dtype=cfg.model.dtype)}
         report = build_report(result.records, params=params, wall_s=result.wall_s,
                               stats_before=before, stats_after=after,
                               slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
