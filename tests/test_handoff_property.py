@@ -22,7 +22,7 @@ from protocol.errors import TransferRejected
 from protocol.ledger import HandoffLedger
 from protocol.messages import AdmittedRequest
 from workers.engine import EngineConfig, LLMEngine
-from workers.kv_handoff import DecodeHandoff, stage_plan
+from workers.kv_handoff import DecodeHandoff, stage_plan, verify_pages
 from workers.request import SamplingParams
 
 LEASE_S = 5.0
@@ -140,7 +140,7 @@ class World:
         res, result, pages = self.pulls.pop(rid)
         self.results.pop(rid, None)
         try:
-            self.handoff.land(res, result, pages)
+            self.handoff.land(res, result, verify_pages(result, pages))
         except TransferRejected as e:
             event(f"land rejected: {e.reason}")
             self.producer.abort(result.handle.transfer_id)

@@ -1,7 +1,8 @@
 """DecodeHost, the decode worker actor: admits a request decode-first (tokenizes, validates and
 hashes it once, reserves blocks for the whole prompt taking its own prefix hit, plans the
-transfer), pulls P's staged pages into a private buffer, lands them only if its reservation
-still owns the blocks and every checksum matches, then decodes with continuous batching. Short
+transfer), pulls P's staged pages into a private buffer, verifies each page's checksum once
+(outside the engine lock), lands them only if its reservation still owns the blocks and every
+page was whole, then decodes with continuous batching. Short
 uncached prompts (or no prefill workers) it prefills itself.
 
 Tokens leave through one stream per worker (`deltas`, a Ray streaming generator the router
@@ -32,7 +33,7 @@ from protocol.messages import (
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import StepOutput
 from workers.host import EngineHost
-from workers.kv_handoff import DecodeHandoff, Reservation
+from workers.kv_handoff import DecodeHandoff, PulledPages, Reservation, verify_pages
 
 
 class DecodeHost(EngineHost):
@@ -109,9 +110,10 @@ class DecodeHost(EngineHost):
                              reserved_blocks=len(self.engine.block_table(req.request_id)))
 
     def _fill(self, result: PrefillResult, pages=None, sent_at: float | None = None) -> None:
-        """Pull the staged pages into a private buffer, verify them, and land them in the
-        reserved blocks if the reservation still owns them (else TransferRejected: nothing
-        written). `pages`: delivered by RDT as an argument instead of pulled."""
+        """Pull the staged pages into a private buffer, verify them (one checksum pass, outside
+        the engine lock: other requests keep stepping meanwhile), and land them in the reserved
+        blocks if the reservation still owns them (else TransferRejected: nothing written).
+        `pages`: delivered by RDT as an argument instead of pulled."""
         with self._lock:
             res = self.handoff.begin_pull(result)
         handle = result.handle
@@ -122,6 +124,7 @@ class DecodeHost(EngineHost):
                 pages, transfer = self.consumer.pull(handle)
             elif handle is not None:
                 transfer = self.consumer.accept(handle, pages, sent_at=sent_at)
+            pulled = verify_pages(result, pages)
         except Exception:
             self._transfer_failures += 1
             with self._lock:
@@ -129,7 +132,7 @@ class DecodeHost(EngineHost):
             raise
         with self._call_lock():
             try:
-                out = self._land(res, result, pages)
+                out = self._land(res, result, pulled)
             except Exception:
                 self._transfer_failures += 1
                 raise
@@ -143,10 +146,11 @@ class DecodeHost(EngineHost):
         """Before a pull starts, outside the lock (a hook: workers/faults.py delays or fails
         pulls here)."""
 
-    def _land(self, res: Reservation, result: PrefillResult, pages) -> StepOutput:
-        """Under the lock: verify and land pulled pages (a hook: workers/faults.py audits which
-        transfers reached verification here)."""
-        return self.handoff.land(res, result, pages)
+    def _land(self, res: Reservation, result: PrefillResult,
+              pulled: PulledPages | None) -> StepOutput:
+        """Under the lock: land pages verified outside it (a hook: workers/faults.py audits
+        which transfers reached verification here)."""
+        return self.handoff.land(res, result, pulled)
 
     def fallback_local(self, request_id: str) -> bool:
         """No transfer will come (no prefill worker left): prefill the reserved request here."""

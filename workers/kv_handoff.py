@@ -1,17 +1,19 @@
 """Both ends of the KV handoff on an engine: P stages exactly the plan; D lands only what it still owns.
 
 Decode side (DecodeHandoff): a reservation is RESERVED until a pull begins (PULLING); the pull
-goes into a private buffer, never into the reserved blocks, and the pages are written (by
-`land`, under the caller's engine lock) only if the same reservation still owns those blocks,
-its epoch and plan digest match the transfer, the lease has not ended and every page checksum
-matches. An abort or expiry while PULLING cancels the reservation at once (its blocks are freed
+goes into a private buffer, never into the reserved blocks; `verify_pages` checks each page's
+checksum once per handoff, outside the engine lock (it reads only the private buffer); the pages
+are written (by `land`, under the caller's engine lock, no checksum computed there) only if the
+same reservation still owns those blocks, its epoch and plan digest match the transfer, the
+lease has not ended and verification found every page whole. An abort or expiry while PULLING cancels the reservation at once (its blocks are freed
 and may be reused); the pull then lands nowhere. So a block is never written after it was freed.
 
-Prefill side (stage_plan): read the plan's blocks, checksum each page, stage the copy under a
-lease; P's blocks stay in its prefix cache but are not pinned (the staged copy is private).
+Prefill side (stage_plan): read the plan's blocks, checksum each page (once: the transport adds
+no checksum of its own unless configured to), stage the copy under a lease; P's blocks stay in its prefix cache but are not pinned (the staged copy is private).
 
 Every hold is in the worker's HandoffLedger with its release reason. Not thread-safe by itself:
-callers hold the engine lock around every method (the pull itself runs outside it).
+callers hold the engine lock around every DecodeHandoff method (the pull and `verify_pages`
+run outside it).
 """
 
 from __future__ import annotations
@@ -90,6 +92,28 @@ def _wsum64(pages: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(v) for v in sums.tolist())
 
 
+@dataclass(frozen=True)
+class PulledPages:
+    """Pages pulled into D's private buffer, with the verdict of their one checksum pass.
+
+    Made only by ``verify_pages``; ``land`` trusts ``intact`` and computes no checksum."""
+
+    pages: torch.Tensor
+    intact: bool              # every page's checksum equals what P computed when staging
+
+
+def verify_pages(result: PrefillResult, pages: torch.Tensor | None) -> PulledPages | None:
+    """Check every pulled page against P's checksums: one ``page_checksums`` pass per handoff.
+
+    Pure (reads only ``pages``, a buffer the caller owns, and the frozen ``result``), so D runs
+    it outside its engine lock, between the pull and ``land``. None when no pages came (a
+    handoff with nothing to transfer)."""
+    if pages is None:
+        return None
+    sums = page_checksums(pages, checksum_algo(result.page_checksums))
+    return PulledPages(pages, sums == tuple(result.page_checksums))
+
+
 class PullState(str, Enum):
     RESERVED = "reserved"    # blocks reserved, no pull running
     PULLING = "pulling"      # a pull into a private buffer runs (outside the engine lock)
@@ -162,15 +186,14 @@ class DecodeHandoff:
             res.state = PullState.RESERVED
 
     def land(self, res: Reservation, result: PrefillResult,
-             pages: torch.Tensor | None) -> StepOutput:
-        """Write the pulled pages into the reserved blocks and start decoding, if this
-        reservation still owns them and the pages are whole; else TransferRejected and
-        nothing is written."""
+             pulled: PulledPages | None) -> StepOutput:
+        """Write the pulled pages (verified by ``verify_pages``, outside the lock) into the
+        reserved blocks and start decoding, if this reservation still owns them and the pages
+        are whole; else TransferRejected and nothing is written. No checksum runs here."""
         rid = result.worker_request_id
-        # checksums first: pulled pages that are corrupt are counted as such even when the
-        # reservation is gone meanwhile (they land nowhere either way)
-        corrupt = pages is not None and page_checksums(
-            pages, checksum_algo(result.page_checksums)) != tuple(result.page_checksums)
+        corrupt = pulled is not None and not pulled.intact
+        # corrupt pages are counted as such even when the reservation is gone meanwhile (they
+        # land nowhere either way)
         if res.state is PullState.CANCELLED or self.reservations.get(rid) is not res:
             if corrupt:
                 raise self._reject(REJECT_CORRUPT, f"page checksums of {rid} do not match "
@@ -194,6 +217,7 @@ class DecodeHandoff:
         lc.prefill_worker = result.prefill_worker
         lc.cached_tokens = max(lc.cached_tokens, result.cached_tokens)
         lc.computed_tokens += result.computed_tokens
+        pages = None if pulled is None else pulled.pages
         if pages is not None:
             lc.transferred_blocks = res.plan.num_blocks
         return self.engine.fill(res.request, res.plan.dest_block_ids, pages, result.first_token,

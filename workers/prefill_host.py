@@ -28,8 +28,10 @@ class PrefillHost(EngineHost):
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
+        # the handoff's page checksums are end to end (P computes them, D verifies them once):
+        # a transport checksum of the same bytes on top would be a second pass on each side
         self.producer = KVProducer(self.transport_name, kw.get("lease_s", 30.0),
-                                   **self._transport_cfg)
+                                   **{"checksum": False, **self._transport_cfg})
         self._plans: dict[str, TransferPlan] = {}   # worker request id -> plan to stage
         self._start_loop()
 
