@@ -9,12 +9,23 @@ The protocol, whatever the memory:
   stage    P copies the pages into a private buffer (a gather straight out of its kv_cache with
            `stage_blocks`), creates the transfer's ticket file in /dev/shm, and returns a
            handle whose `export` (SharedPages) says how to map the buffer.
-  fetch    D checks the ticket, maps the buffer, copies it into memory it owns (`fetch`) or into
-           its kv_cache blocks (`fetch_into`), waits for the copy, and checks that the ticket
-           still names the same file: a transfer released (lease ended) meanwhile is refused.
-  release  P unlinks the ticket first (late readers now fail), then drops the buffer. torch's
-           CUDA IPC reference counting keeps GPU memory that a reader still maps alive until
-           the reader lets go, so a late reader never reads reused memory either.
+  fetch    D claims the transfer by renaming its ticket to `<ticket>.pulled` (atomic: one pull
+           of a handle ever wins; a second is refused), maps the buffer, copies it into memory
+           it owns (`fetch`) or into its kv_cache blocks (`fetch_into`), waits for the copy, and
+           checks that the claimed file is still there: a transfer released (lease ended)
+           meanwhile is refused.
+  release  P unlinks the ticket (late readers now fail), or the claimed file when a pull won
+           the ticket first, then drops the buffer: no reference to it stays in this module.
+           torch's CUDA IPC reference counting keeps GPU memory that a reader still maps alive
+           until the reader lets go, so a late reader never reads reused memory either.
+
+One receive per send (torch's contract for a CUDA IPC export): each staged buffer is exported
+once, and exactly one side performs its one receive. The pull that claimed the ticket does
+(mapping the buffer, or, where it cannot, giving the receive up with `forgo`); when P's release
+wins the ticket instead (never pulled: lease expiry, abort, fallback, shutdown), P does it with
+`forgo`. Until then torch keeps a dropped buffer in its IPC limbo (a reader may still map it);
+after it, the memory returns to P's caching allocator. torch's IPC calls sit behind `IPC`
+(TorchCudaIpc) so the bookkeeping is tested on CPU with a fake.
 The lease, plan digest and page checksums of the handoff (protocol/messages.py,
 workers/kv_handoff.py) sit above this and apply unchanged.
 
@@ -47,6 +58,7 @@ from kvtransfer.base import (
 from kvtransfer.shm import DEFAULT_DIR, remove_stale_files
 
 PREFIX = "raypd-ipc"
+CLAIMED = ".pulled"   # suffix of a ticket a pull has claimed
 DEVICES = ("auto", "cuda", "cpu")
 _LOCAL: dict[str, torch.Tensor] = {}   # transfer_id -> staged buffer, for readers in this
                                        # process (CUDA cannot open its own IPC handles)
@@ -62,6 +74,48 @@ class SharedPages:
     pid: int                         # the producer's process
     rebuild_args: tuple = ()         # cuda: torch.multiprocessing.reductions.reduce_tensor's
     gpu_uuid: str = ""               # cuda: the physical GPU holding the buffer
+
+
+class TorchCudaIpc:
+    """torch's CUDA IPC, the calls this transport makes (a test swaps in a fake).
+
+    Invariant kept by the callers: for every `export`, exactly one `open` or one `forgo`."""
+
+    def export(self, buffer: torch.Tensor) -> tuple:
+        """Share `buffer` (its one send): the arguments a reader rebuilds it from."""
+        from torch.multiprocessing.reductions import reduce_tensor
+        # _share_cuda_ records an event after the copy on this stream; the reader's rebuild
+        # waits on it, so the copy need not be synchronized here
+        _, args = reduce_tensor(buffer)
+        return tuple(args)
+
+    def open(self, rebuild_args: tuple, index: int) -> torch.Tensor:
+        """The receive: map the exported buffer on this process's GPU `index`. Dropping the
+        returned tensor gives the producer's memory back (torch's cross-process refcount)."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+        args = list(rebuild_args)
+        args[6] = index   # storage_device: the producer's index, renumbered for this process
+        return rebuild_cuda_tensor(*args)
+
+    def forgo(self, rebuild_args: tuple) -> None:
+        """The receive given up without mapping: release the export's reference count, so
+        the producer's buffer leaves torch's IPC limbo once the producer drops it."""
+        ref_counter_handle, ref_counter_offset = rebuild_args[11], rebuild_args[12]
+        torch.UntypedStorage._release_ipc_counter(ref_counter_handle, ref_counter_offset,
+                                                  device=rebuild_args[6])
+
+    def collect(self) -> None:
+        """Free dropped buffers whose receive has happened (torch.cuda.ipc_collect)."""
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+
+
+IPC = TorchCudaIpc()
+
+
+def claimed_path(ticket: str) -> str:
+    """Where a pull moves the ticket when it claims the transfer."""
+    return ticket + CLAIMED
 
 
 def gpu_uuid(index: int) -> str:
@@ -168,11 +222,7 @@ class CudaIpcTransport(KVTransport):
                  staged: _Staged) -> TransferHandle:
         export = staged.export
         if export.kind == "cuda":
-            from torch.multiprocessing.reductions import reduce_tensor
-            # _share_cuda_ records an event after the copy on this stream; the reader's
-            # rebuild waits on it, so the copy need not be synchronized here
-            _, args = reduce_tensor(buffer)
-            export = replace(export, rebuild_args=tuple(args),
+            export = replace(export, rebuild_args=IPC.export(buffer),
                              gpu_uuid=gpu_uuid(buffer.device.index or 0))
             staged.export = export
         if self.checksum:
@@ -185,6 +235,9 @@ class CudaIpcTransport(KVTransport):
         return replace(handle, address=export.ticket, export=export)
 
     def release(self, transfer_id: str) -> bool:
+        """End a staging (the lease's ack, abort or expiry, or close): unpublish it, give the
+        export its one receive when no pull claimed it, and drop every reference to the buffer
+        held here. True if it was staged; releasing twice is harmless."""
         with self._lock:
             staged = self._staged.pop(transfer_id, None)
             _LOCAL.pop(transfer_id, None)
@@ -224,49 +277,72 @@ class CudaIpcTransport(KVTransport):
                 f"cuda_ipc transfer {handle.transfer_id} was staged on node {handle.node_id} "
                 f"but this process runs on node {self.node_id}; CUDA IPC works within one node "
                 "only: use 'rdt' (NCCL) or 'grpc' across nodes")
-        try:
-            inode = os.stat(export.ticket).st_ino
-        except FileNotFoundError as exc:
-            raise self._gone(handle) from exc
+        local = (export.kind == "cuda" and export.pid == os.getpid()
+                 and handle.transfer_id in _LOCAL)
+        index = None
+        if export.kind == "cuda" and not local:
+            index = local_gpu_index(export.gpu_uuid)
+            if index is None:
+                raise TransferError(
+                    f"cuda_ipc transfer {handle.transfer_id} is on GPU {export.gpu_uuid}, "
+                    "which this process cannot see (no GPU here, or another GPU of the node "
+                    "outside its CUDA_VISIBLE_DEVICES); use 'rdt' (NCCL) between those workers")
+        inode = self._claim(handle, export)
+        # from here this pull owns the export's one receive: it maps it, or forgoes it
         mapped = None
+        pages = None
         try:
             if export.kind == "cuda":
-                pages = self._map_cuda(handle, export)
+                pages = self._map_cuda(handle, export, index)
             else:
                 pages, mapped = self._map_cpu(handle, export)
             out = use(pages)
             if pages.device.type == "cuda":
                 torch.cuda.current_stream(pages.device).synchronize()
-            del pages
         finally:
+            received = pages is not None and export.kind == "cuda" and not local
+            pages = None
+            if export.kind == "cuda" and not received and export.rebuild_args:
+                IPC.forgo(export.rebuild_args)    # same process, or the map failed
             if mapped is not None:
                 try:
                     mapped.close()
                 except BufferError:   # a view is still alive: the GC unmaps it
                     pass
         try:
-            still = os.stat(export.ticket).st_ino == inode
+            still = os.stat(claimed_path(export.ticket)).st_ino == inode
         except FileNotFoundError:
             still = False
         if not still:
             raise self._gone(handle, while_reading=True)
         return out
 
-    def _map_cuda(self, handle: TransferHandle, export: SharedPages) -> torch.Tensor:
-        local = _LOCAL.get(handle.transfer_id) if export.pid == os.getpid() else None
-        if local is not None:
-            return local
-        index = local_gpu_index(export.gpu_uuid)
-        if index is None:
-            raise TransferError(
-                f"cuda_ipc transfer {handle.transfer_id} is on GPU {export.gpu_uuid}, which "
-                "this process cannot see (no GPU here, or another GPU of the node outside its "
-                "CUDA_VISIBLE_DEVICES); use 'rdt' (NCCL) between those workers")
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-        args = list(export.rebuild_args)
-        args[6] = index   # storage_device: the producer's index, renumbered for this process
+    @staticmethod
+    def _claim(handle: TransferHandle, export: SharedPages) -> int:
+        """Win the transfer's one pull (rename its ticket); the claimed file's inode.
+        TransferError when it was pulled already or is no longer staged."""
+        claimed = claimed_path(export.ticket)
         try:
-            return rebuild_cuda_tensor(*args)
+            os.rename(export.ticket, claimed)
+            return os.stat(claimed).st_ino
+        except FileNotFoundError as exc:
+            if os.path.exists(claimed):
+                raise TransferError(
+                    f"transfer {handle.transfer_id} (request {handle.request_id}) was pulled "
+                    "already: a staged cuda_ipc buffer is received once (torch's contract: one "
+                    "receive per send); stage the pages again for another pull") from exc
+            raise CudaIpcTransport._gone(handle) from exc
+
+    @staticmethod
+    def _map_cuda(handle: TransferHandle, export: SharedPages,
+                  index: int | None) -> torch.Tensor:
+        if index is None:                 # staged by this process: CUDA cannot open its own
+            local = _LOCAL.get(handle.transfer_id)
+            if local is None:
+                raise CudaIpcTransport._gone(handle, while_reading=True)
+            return local
+        try:
+            return IPC.open(export.rebuild_args, index)
         except RuntimeError as exc:
             raise TransferError(f"cannot map the CUDA IPC handle of {handle.transfer_id}: "
                                 f"{exc}") from exc
@@ -275,9 +351,9 @@ class CudaIpcTransport(KVTransport):
     def _map_cpu(handle: TransferHandle, export: SharedPages
                  ) -> tuple[torch.Tensor, mmap.mmap]:
         try:
-            fd = os.open(export.ticket, os.O_RDONLY)
+            fd = os.open(claimed_path(export.ticket), os.O_RDONLY)
         except FileNotFoundError as exc:
-            raise CudaIpcTransport._gone(handle) from exc
+            raise CudaIpcTransport._gone(handle, while_reading=True) from exc
         try:
             if os.fstat(fd).st_size < handle.nbytes:
                 raise TransferError(f"transfer {handle.transfer_id}: staged file is shorter "
@@ -306,14 +382,25 @@ def _unlink(path: str) -> None:
 
 
 def _release(staged: _Staged) -> None:
-    """Unpublish first (late readers fail), then let the memory go."""
-    _unlink(staged.export.ticket)
+    """Unpublish first (late readers fail), then let the memory go. Whoever removes the
+    ticket's name owns the export's one receive: when no pull claimed it, P forgoes it here."""
+    export = staged.export
+    try:
+        os.unlink(export.ticket)
+        unclaimed = True
+    except FileNotFoundError:        # a pull claimed it (and receives it)
+        unclaimed = False
+        _unlink(claimed_path(export.ticket))
+    if unclaimed and export.kind == "cuda" and export.rebuild_args:
+        IPC.forgo(export.rebuild_args)
     staged.buffer = None   # type: ignore[assignment]
     if staged.mapped is not None:
         try:
             staged.mapped.close()
         except BufferError:   # a view is still alive somewhere: the GC will unmap it
             pass
+    if export.kind == "cuda":
+        IPC.collect()
 
 
 def _release_all(staged: dict[str, _Staged]) -> None:

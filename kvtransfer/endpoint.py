@@ -2,7 +2,9 @@
 (decode: pull, measure, scatter).
 
 Invariant: every offered transfer is released by the transport exactly once, when its lease
-ends by ack, abort or expiry; the caller's ``on_release(transfer_id, reason)`` runs then.
+ends by ack, abort, expiry or ``close`` (or at once, when its lease cannot start); the
+caller's ``on_release(transfer_id, reason)`` runs then. After that release nothing here or in
+the transport refers to the staged pages.
 """
 
 from __future__ import annotations
@@ -142,8 +144,14 @@ class KVProducer:
     def _lease(
         self, handle: TransferHandle, on_release: ReleaseCallback | None, lease_s: float | None
     ) -> TransferHandle:
+        """Lease a staged transfer; if the lease cannot start, the staging is released here
+        (a staged copy exists only under a lease: nothing else would ever release it)."""
         lease_s = self.leases.lease_s if lease_s is None else float(lease_s)
-        self.leases.pin(handle.transfer_id, on_release, lease_s)
+        try:
+            self.leases.pin(handle.transfer_id, on_release, lease_s)
+        except BaseException:
+            self.transport.release(handle.transfer_id)
+            raise
         with self._lock:
             self._offered += 1
             self._bytes_staged += handle.nbytes

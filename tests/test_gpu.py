@@ -105,26 +105,27 @@ def test_cuda_ipc_between_two_actors_sharing_one_gpu(ray_gpu):
             g = torch.Generator(device="cuda").manual_seed(3)
             kv = torch.randn(4, 2, 10, 16, 2, 64, device="cuda", generator=g).to(torch.bfloat16)
             self.kv = kv
-            return self.producer.offer_blocks("r", kv, [7, 2, 5], [1, 2, 3]), \
-                kv[:, :, [7, 2, 5]].cpu()
+            # one staging a pull (a CUDA IPC export is received once)
+            return [self.producer.offer_blocks("r", kv, [7, 2, 5], [1, 2, 3])
+                    for _ in range(2)], kv[:, :, [7, 2, 5]].cpu()
 
-        def pull(self, handle):
-            pages, _ = self.consumer.pull(handle)
+        def pull(self, handles):
+            pages, _ = self.consumer.pull(handles[0])
             assert pages.device.type == "cuda"
             dest = torch.zeros(4, 2, 10, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
-            self.consumer.pull_into(handle, dest, [0, 1, 9])
+            self.consumer.pull_into(handles[1], dest, [0, 1, 9])
             return pages.cpu(), dest[:, :, [0, 1, 9]].cpu()
 
         def ack(self, tid):
             return self.producer.ack(tid)
 
     p, d = End.remote(), End.remote()
-    handle, expected = ray.get(p.offer.remote())
-    assert handle.export.kind == "cuda"
-    pulled, scattered = ray.get(d.pull.remote(handle))
+    handles, expected = ray.get(p.offer.remote())
+    assert all(h.export.kind == "cuda" for h in handles)
+    pulled, scattered = ray.get(d.pull.remote(handles))
     assert torch.equal(pulled.view(torch.uint8), expected.view(torch.uint8))
     assert torch.equal(scattered.view(torch.uint8), expected.view(torch.uint8))
-    assert ray.get(p.ack.remote(handle.transfer_id))
+    assert all(ray.get([p.ack.remote(h.transfer_id) for h in handles]))
     for a in (p, d):
         ray.kill(a)
 

@@ -34,11 +34,14 @@ def test_stand_in_moves_pages_bit_exactly_and_release_unpublishes():
     assert handle.checksum is not None and os.path.exists(handle.export.ticket)
     pages = consumer.fetch(handle)
     assert torch.equal(pages.view(torch.uint8), kv[:, :, [4, 1, 2]].contiguous().view(torch.uint8))
+    again = producer.stage_blocks("r1", kv, [4, 1, 2], [11, 12, 13])   # one pull a staging
     dest = torch.zeros(SHAPE, dtype=torch.bfloat16)
-    consumer.fetch_into(handle, dest, [0, 5, 3])
+    consumer.fetch_into(again, dest, [0, 5, 3])
     assert torch.equal(dest[:, :, [0, 5, 3]], kv[:, :, [4, 1, 2]])
     assert producer.release(handle.transfer_id) and not producer.release(handle.transfer_id)
     assert not os.path.exists(handle.export.ticket)
+    assert not any(n.endswith(os.path.basename(handle.export.ticket) + ".pulled")
+                   for n in os.listdir(os.path.dirname(handle.export.ticket)))
     with pytest.raises(TransferError, match="is not staged"):
         consumer.fetch(handle)
     producer.close()
