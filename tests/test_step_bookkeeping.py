@@ -74,3 +74,22 @@ def test_pinned_staging_reuses_one_buffer_on_a_gpu():
         s.copied()
         assert torch.equal(d.cpu(), torch.arange(n))
     assert s.allocations == 1      # 1024 elements at first: every size above fit
+
+
+def test_an_engine_that_loaded_its_model_frees_the_stock_weights_it_fused(tiny_loaded,
+                                                                          tiny_reference):
+    """The compact model holds fused q/k/v and gate/up copies: an engine that loaded the model
+    itself frees the stock originals; one handed a shared model leaves it whole."""
+    from conftest import hf_greedy
+
+    from workers.engine import EngineConfig, LLMEngine
+    own = LLMEngine(EngineConfig(model="tiny", num_blocks=64, block_size=16))
+    assert own.runner.model_impl == "compact" and own.runner.stock_bytes_released > 0
+    layer = own.model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.numel() == 0 and own.model.raypd_stock_released
+    prompt = random_prompt(21, seed=4)
+    [req] = own.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert req.output_token_ids == hf_greedy(tiny_reference, prompt, 8)
+    shared = make_engine(tiny_loaded)
+    assert shared.runner.stock_bytes_released == 0
+    assert tiny_loaded[0].model.layers[0].self_attn.q_proj.weight.numel() > 0

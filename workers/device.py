@@ -124,6 +124,13 @@ def load_dtype(requested: str, model: str, device: torch.device) -> str:
     return "bfloat16" if has_native_bf16(device) else "float32"
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (on a GPU, kernel launches return before the work is
+    done: a figure timed across them needs this); a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` in page-locked host memory when it is headed for a GPU (async copies need it)."""
     return t.pin_memory() if device.type == "cuda" else t

@@ -96,6 +96,7 @@ class LLMEngine:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device)   # the one device decision (workers/device.py)
+        owns_model = loaded is None   # its own load: nobody else runs the stock model
         if loaded is None and is_random(cfg.model):   # benchmarks: built on the device
             loaded = build_random(cfg.model, cfg.dtype, self.device, seed=cfg.seed)
         if loaded is None:
@@ -129,7 +130,7 @@ class LLMEngine:
                                   kv_dtype if is_quantized(kv_dtype) else DTYPES[kv_dtype],
                                   cfg.model_impl, self.max_model_len, self.loras, cfg.max_loras,
                                   device=self.device, cuda_graphs=cfg.cuda_graphs,
-                                  max_num_seqs=cfg.max_num_seqs)
+                                  release_stock=owns_model, max_num_seqs=cfg.max_num_seqs)
         self.tier2 = attach_tier2(self.kv.pool, self.runner, cfg.kv_tier2_dir)
         self.namespace = CacheNamespace(self.info.model_id, self.info.revision,
                                         self.info.tokenizer_fingerprint, kv_dtype)

@@ -136,6 +136,22 @@ class CompactLlama(nn.Module):
                                              config.hidden_size)
 
     @staticmethod
+    def release_fused_sources(hf_model: nn.Module) -> int:
+        """Free the stock weights this model holds fused copies of (q/k/v, gate/up): an owner
+        that keeps only the compact model should not hold them twice (~9 GB for an 8B model).
+        The stock model cannot run afterwards (`raypd_stock_released` says so). Returns the
+        bytes freed. Only for a stock model nothing else uses (an engine's own load)."""
+        freed = 0
+        for layer in hf_model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
+                w = lin.weight
+                freed += w.numel() * w.element_size()
+                lin.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        hf_model.raypd_stock_released = True
+        return freed
+
+    @staticmethod
     def unsupported(config) -> str | None:
         """Why this config cannot run on the compact model, or None."""
         if config.model_type not in COMPACT_MODEL_TYPES:

@@ -23,10 +23,10 @@ from workers.attention import (
     AttentionMetadata,
     DecodeGroup,
     PrefillSegment,
+    decode_kernel_name,
     register_paged_attention,
 )
-from workers.device import PinnedStaging, pinned
-from workers.kernels import decode_kernel_name
+from workers.device import PinnedStaging, pinned, synchronize
 from workers.kv_quant import QuantizedPool
 from workers.llama import CompactLlama, layer_windows
 from workers.lora import LoRABatch, LoRAManager, LoRASpec, fused_groups, stock_groups
@@ -83,10 +83,12 @@ class ModelRunner:
                  max_positions: int | None = None,
                  lora_specs: dict[str, LoRASpec] | None = None, max_loras: int = 4,
                  device: torch.device | None = None, cuda_graphs: bool = True,
+                 release_stock: bool = False,
                  max_num_seqs: int = 64) -> None:
         """`kv_dtype`: a float dtype, or "int8" / "fp8" for a quantized pool. `device`: where
         weights, pool and metadata live (default: the model's); `cuda_graphs`: replay decode
-        steps as CUDA graphs (cuda only; ignored elsewhere)."""
+        steps as CUDA graphs (cuda only; ignored elsewhere); `release_stock`: the caller owns
+        `model`, so the stock weights the compact model holds fused copies of are freed."""
         cfg = model.config
         assert model_impl in MODEL_IMPLS, model_impl
         self.block_size = block_size
@@ -121,11 +123,14 @@ class ModelRunner:
             self.kv_data = self.kv_cache
         self.sliding_window = max((w for w in layer_windows(cfg) if w), default=None)
         self.compact: CompactLlama | None = None
+        self.stock_bytes_released = 0
         if use_compact:
             self.compact = CompactLlama(model, max_positions or cfg.max_position_embeddings,
                                         self.device)
             self.model_impl = "compact"
             self.fallback_reason = ""
+            if release_stock and not lora_specs:   # stock LoRA hooks never run on compact
+                self.stock_bytes_released = CompactLlama.release_fused_sources(model)
         else:
             model.set_attn_implementation(register_paged_attention())
             self.model_impl = "stock"
@@ -143,9 +148,9 @@ class ModelRunner:
             self.device, self.kv_cache.dtype, self.head_dim)
         if self.kv_quant:   # the native kernel reads float pools; quantized ones dequantize in torch
             self.attention_kernel = f"torch-dequant-{self.kv_quant}"
-        # the native kernel reads each sequence's own context: one call for all decodes (its
-        # threads balance over every sequence); torch's gather pads a group to its longest
-        self.one_decode_group = self.attention_kernel.startswith("native")
+        # the native and Triton kernels read each sequence's own context: one call for all
+        # decodes (they balance over every sequence); torch's gather pads a group to its longest
+        self.one_decode_group = self.attention_kernel.startswith(("native", "triton"))
         self.graphs = None   # CUDA graphs of decode steps (cuda only; never built on the CPU)
         if graphs:
             from workers.cuda_graphs import DecodeGraphs
@@ -178,7 +183,8 @@ class ModelRunner:
             if self.graphs is not None and self.graphs.applies(meta, lora):
                 return self.graphs.run(input_ids, positions, meta, sample_rows), sample_chunks
             return self._forward(input_ids, positions, meta, sample_rows, lora), sample_chunks
-        finally:
+        finally:     # GPU work timed, not its launches (the engine's busy_s rests on it)
+            synchronize(self.device)
             self.last_forward_s = time.perf_counter() - t0
             self._lora_batch = None
 
