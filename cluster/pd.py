@@ -88,10 +88,12 @@ class PDCluster:
         self.info = ray.get([w.info.remote() for w in self.workers])
         from dataclasses import replace
 
-        from kvtransfer.rdt import backend_for_devices
-        # RDT's backend follows where the pools are (nccl for cuda tensors, gloo for CPU ones)
+        from kvtransfer.rdt import PoolDevice, backend_for_devices
+        # RDT's backend follows where the pools are (nccl for cuda tensors, gloo for CPU ones);
+        # nccl with two workers on one GPU is refused here, naming cuda_ipc
         self.flow = replace(cfg.flow, rdt_backend=backend_for_devices(
-            [i.get("device", "cpu") for i in self.info]) if cfg.flow.transport == "rdt" else "gloo")
+            [PoolDevice.from_info(i) for i in self.info])
+            if cfg.flow.transport == "rdt" else "gloo")
         self._ensure_rdt_group()
         ids = {w: i["worker_id"] for w, i in zip(self.workers, self.info, strict=True)}
         from router.metrics import RouterMetrics

@@ -27,10 +27,12 @@ a lock per actor), or two transfers can swap and gloo aborts the receiver on the
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -54,17 +56,63 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def backend_for_devices(devices: Sequence[str]) -> str:
-    """The collective backend for pages living on `devices` (the workers' KV pool device
-    types, as they report them): nccl for cuda tensors, gloo for CPU tensors. GPUs reserved
-    for a worker do not decide it: where its pool really is does. Mixed devices cannot share
-    one group (ValueError)."""
-    kinds = set(devices) or {"cpu"}
+@dataclass(frozen=True)
+class PoolDevice:
+    """Where one worker's KV pool lives, as the worker reports it (``pool_device``)."""
+
+    kind: str                # "cuda" or "cpu"
+    gpu: str = ""            # cuda: the physical GPU (its UUID, else "<node>:<physical index>")
+    worker: str = ""         # the worker's id, for messages
+
+    @classmethod
+    def from_info(cls, info: dict) -> PoolDevice:
+        """From a worker's ``info()`` (keys "device", "gpu", "worker_id")."""
+        return cls(info.get("device", "cpu"), info.get("gpu", ""), info.get("worker_id", ""))
+
+
+def pool_device(device: torch.device, worker: str = "") -> PoolDevice:
+    """This process's description of the KV pool on ``device``: a GPU is named by its UUID
+    (the same name in every process, whatever its CUDA_VISIBLE_DEVICES), else by node and
+    physical index (CUDA_VISIBLE_DEVICES mapped back)."""
+    if device.type != "cuda":
+        return PoolDevice(device.type, worker=worker)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        gpu = str(torch.cuda.get_device_properties(index).uuid)
+    except (AttributeError, RuntimeError):
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                   if v.strip()]
+        gpu = f"{socket.gethostname()}:{visible[index] if index < len(visible) else index}"
+    return PoolDevice("cuda", gpu, worker)
+
+
+def backend_for_devices(devices: Sequence[str | PoolDevice]) -> str:
+    """The collective backend for pages living on `devices` (the workers' KV pools, as they
+    report them; a bare string is a device kind): nccl for cuda tensors, gloo for CPU tensors.
+    GPUs reserved for a worker do not decide it: where its pool really is does. Mixed devices
+    cannot share one group (ValueError), and neither can two workers on one GPU under nccl
+    (NCCL refuses two ranks on one device; ValueError naming cuda_ipc, the transport for
+    workers sharing a GPU)."""
+    pools = [d if isinstance(d, PoolDevice) else PoolDevice(d) for d in devices]
+    kinds = {p.kind for p in pools} or {"cpu"}
     if len(kinds) > 1:
         raise ValueError(f"rdt needs every worker's KV pool on one kind of device, got "
                          f"{', '.join(sorted(kinds))}; use device 'cuda' everywhere, or "
                          "another transport")
-    return "nccl" if kinds == {"cuda"} else "gloo"
+    if kinds != {"cuda"}:
+        return "gloo"
+    on_gpu: dict[str, list[str]] = {}
+    for i, p in enumerate(pools):
+        if p.gpu:
+            on_gpu.setdefault(p.gpu, []).append(p.worker or f"worker #{i}")
+    shared = {gpu: names for gpu, names in on_gpu.items() if len(names) > 1}
+    if shared:
+        gpu, names = next(iter(shared.items()))
+        raise ValueError(f"rdt over nccl cannot serve workers that share a GPU ({', '.join(names)} "
+                         f"are all on GPU {gpu}): NCCL refuses two ranks on one device; use "
+                         "transport 'cuda_ipc' for workers on one GPU (or give each worker a "
+                         "GPU of its own)")
+    return "nccl"
 
 
 def ensure_group(actors: Sequence[Any], backend: str = "gloo"):

@@ -102,3 +102,32 @@ def test_rdt_backend_follows_the_pools_device():
     assert rdt.backend_for_devices([]) == "gloo"
     with pytest.raises(ValueError, match="one kind of device"):
         rdt.backend_for_devices(["cpu", "cuda"])
+
+
+def test_rdt_refuses_nccl_for_two_workers_on_one_gpu_naming_cuda_ipc():
+    shared = [rdt.PoolDevice.from_info({"worker_id": "prefill-0", "device": "cuda",
+                                        "gpu": "GPU-aaaa"}),
+              rdt.PoolDevice.from_info({"worker_id": "decode-0", "device": "cuda",
+                                        "gpu": "GPU-aaaa"})]
+    with pytest.raises(ValueError, match=r"prefill-0, decode-0.*GPU-aaaa.*'cuda_ipc'"):
+        rdt.backend_for_devices(shared)
+    own = [shared[0], rdt.PoolDevice("cuda", "GPU-bbbb", "decode-0")]
+    assert rdt.backend_for_devices(own) == "nccl"
+    assert rdt.backend_for_devices([rdt.PoolDevice("cpu", worker=w) for w in "ab"]) == "gloo"
+
+
+def test_one_physical_gpu_is_one_gpu_whatever_each_worker_calls_it(monkeypatch):
+    """Without a UUID, a GPU is named by its physical index: index 0 under
+    CUDA_VISIBLE_DEVICES=5 and index 1 under CUDA_VISIBLE_DEVICES=3,5 are the same GPU."""
+    def no_uuid(index):
+        raise RuntimeError("no device properties")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_uuid)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    p = rdt.pool_device(torch.device("cuda", 0), "prefill-0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    d = rdt.pool_device(torch.device("cuda", 1), "decode-0")
+    other = rdt.pool_device(torch.device("cuda", 0), "decode-1")
+    assert p.gpu == d.gpu != other.gpu
+    with pytest.raises(ValueError, match="cuda_ipc"):
+        rdt.backend_for_devices([p, d])
+    assert rdt.backend_for_devices([p, other]) == "nccl"

@@ -25,6 +25,7 @@ from typing import Any
 import ray
 import torch
 
+from kvtransfer.rdt import pool_device
 from protocol.errors import StepFailed
 from protocol.ledger import HandoffLedger, Hold
 from protocol.messages import HoldRelease, KVCounters, LoadReport
@@ -235,7 +236,7 @@ class EngineHost:
                 "kv_bytes_per_token": e.kv_bytes_per_token, "model_id": e.info.model_id,
                 "vocab_size": e.info.vocab_size, "max_model_len": e.max_model_len,
                 "namespace": asdict(e.namespace), "transport": self.transport_name,
-                "device": e.device.type}
+                "device": e.device.type, "gpu": pool_device(e.device).gpu}
 
     def tokenize(self, prompt: Any, chat: bool = False) -> list[int]:
         return self.engine.tokenize(prompt, chat)
