@@ -2,8 +2,9 @@
 sequence's context through its block table.
 
 One flat batch of every scheduled token (no padding): decodes first, read in batched groups of
-similar context length (on the CPU a native kernel reading the pool in place, elsewhere a gather
-and two matmuls; softmax in float32 either way), then prefill
+similar context length (on the CPU a native kernel reading the pool in place, on cuda a Triton
+kernel reading it in place where Triton imports (workers/triton_decode.py), elsewhere a gather
+and two matmuls; softmax in float32 everywhere), then prefill
 chunks, one SDPA each (a chunk with no cached prefix attends to its own K/V without touching the
 pool). Sliding-window layers mask keys older than the window. A quantized pool (int8 / fp8,
 workers/kv_quant.py) is written through `write_quantized` and read dequantized by the PyTorch
@@ -24,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from workers import kernels as native
+from workers import triton_decode
 from workers.kv_quant import gather_dequantized, write_quantized
 
 ATTN_IMPL = "raypd_paged"
@@ -87,11 +89,28 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return kv[..., :length, :, :]
 
 
+def decode_kernel_name(device: torch.device, dtype: torch.dtype | None = None,
+                       head_dim: int = 64) -> str:
+    """Which decode attention runs over a float pool of `dtype` on `device`: triton-cuda (cuda
+    where Triton imports; `RAYPD_TRITON_DECODE=0` turns it off), native-cpu[-avx512bf16] (the
+    CPU's native kernel, workers/kernels.py), or torch (the gather path). What `_decode_attention`
+    picks for that pool, so it is what the engine reports as `attention_kernel`."""
+    if device.type == "cuda":
+        name = triton_decode.kernel_name(device, dtype, head_dim) if dtype is not None else None
+        return name or "torch"
+    return native.decode_kernel_name(device, dtype, head_dim)
+
+
 def _decode_attention(q: torch.Tensor, kv: LayerKV, g: DecodeGroup, scale: float,
                       window: int | None) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]: each row attends to its first context_lens[b] tokens."""
+    """q [B, H, D] -> [B, H, D]: each row attends to its first context_lens[b] tokens.
+    Float pools: the Triton kernel on cuda, the native kernel on the CPU, where they apply;
+    quantized pools and everything else: the torch path."""
     out = None
-    if kv.k_scales is None:   # the native kernel reads float pools; quantized ones: torch path
+    if kv.k_scales is None:
+        if triton_decode.applies(q, kv.k):
+            return triton_decode.paged_decode(q, kv.k, kv.v, g.block_tables, g.context_lens,
+                                              scale, window, g.max_context_len)
         out = native.paged_decode(q, kv.k, kv.v, g.block_tables, g.context_lens, scale, window)
     return out if out is not None else _decode_attention_torch(q, kv, g, scale, window)
 
