@@ -43,7 +43,7 @@ def test_without_a_gpu_it_says_so_and_runs_nothing(tmp_path):
 def test_dry_run_of_the_steps_without_ray_passes_on_tiny(tmp_path):
     code, report = run(tmp_path, "--dry-run", "--steps", "a,b,d", timeout=300)
     assert code == 0, json.dumps(report, indent=1)[-4000:]
-    assert set(report["steps"]) == {"probe", "greedy", "bench_engine_graphs",
+    assert set(report["steps"]) == {"probe", "greedy", "decode_kernel", "bench_engine_graphs",
                                     "bench_engine_eager"}
     assert all(s["ok"] for s in report["steps"].values())
     assert report["steps"]["greedy"]["result"]["cases"][0]["model"] == "tiny"

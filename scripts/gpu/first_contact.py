@@ -4,6 +4,7 @@ process with its own time limit inside one budget for the whole run:
   a probe           versions, imports, SDPA+GQA, a CUDA graph, CUDA IPC, NCCL   (probe.py)
   b greedy          engine == generate() on cuda: tiny, random:smollm2-135m   (greedy.py)
   c disagg_ipc      1P+1D over cuda_ipc with Ray; P's memory across expiries  (disagg_ipc.py)
+  d decode_kernel   Triton paged decode vs the gather path, a Llama-3-8B layer (decode_kernel.py)
   d bench_engine    random:llama3-8b bf16, CUDA graphs on, then off           (raypd bench engine)
   e bench_transfer  cuda_ipc vs a device copy_, share of TTFT at 4k            (raypd bench transfer)
 
@@ -68,6 +69,7 @@ def steps(dry: bool) -> list[Step]:
         Step("probe", "a", 60, (py, str(GPU / "probe.py"), "{json}")),
         Step("greedy", "b", 100, (py, str(GPU / "greedy.py"), "{json}")),
         Step("disagg_ipc", "c", 100, (py, str(GPU / "disagg_ipc.py"), "{json}")),
+        Step("decode_kernel", "d", 60, (py, str(GPU / "decode_kernel.py"), "{json}")),
         Step("bench_engine_graphs", "d", 90, engine),
         Step("bench_engine_eager", "d", 80, (*engine, "--no-cuda-graphs")),
         Step("bench_transfer", "e", 110, transfer),

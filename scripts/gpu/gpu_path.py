@@ -21,7 +21,8 @@ REPO_PACKAGES = ("cluster", "ingress", "router", "workers", "kvtransfer", "proto
 # what the steps run: their own scripts, `python -m raypd.cli bench engine|transfer`, and the
 # 1P+1D cluster of step (c)
 ENTRIES = ("scripts/gpu/first_contact.py", "scripts/gpu/probe.py", "scripts/gpu/greedy.py",
-           "scripts/gpu/disagg_ipc.py", "raypd.cli", "raypd.cli.__main__", "raypd.bench.engine",
+           "scripts/gpu/disagg_ipc.py", "scripts/gpu/decode_kernel.py", "raypd.cli",
+           "raypd.cli.__main__", "raypd.bench.engine",
            "raypd.bench.transfer", "cluster.pd", "workers.engine", "kvtransfer.endpoint",
            # loaded by name (kvtransfer/base.py make_transport), which a scan cannot follow
            "kvtransfer.cuda_ipc", "kvtransfer.shm", "kvtransfer.object_store", "kvtransfer.rdt",

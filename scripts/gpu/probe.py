@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import sys
 import time
@@ -28,6 +29,9 @@ PACKAGES = ("torch", "transformers", "ray", "fastapi", "starlette", "uvicorn", "
             "cupy-cuda13x", "typing-extensions", "safetensors", "tokenizers", "grpcio",
             "protobuf", "msgpack")
 SDPA_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+# repo modules that import a package only the GPU machine has (the dry run skips them where it
+# is missing; on the GPU machine they must import)
+GPU_MACHINE_ONLY = {"workers.triton_decode_kernels": "triton"}
 
 
 def versions() -> dict[str, str | None]:
@@ -57,6 +61,9 @@ def import_gpu_path() -> dict[str, str]:
     failed = {}
     for name in sorted(scan()[0]):
         if name.endswith("__main__"):   # runs a command when imported
+            continue
+        if dry_run() and name in GPU_MACHINE_ONLY \
+                and importlib.util.find_spec(GPU_MACHINE_ONLY[name]) is None:
             continue
         try:
             importlib.import_module(name)
