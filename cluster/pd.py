@@ -91,9 +91,14 @@ class PDCluster:
         from kvtransfer.rdt import PoolDevice, backend_for_devices
         # RDT's backend follows where the pools are (nccl for cuda tensors, gloo for CPU ones);
         # nccl with two workers on one GPU is refused here, naming cuda_ipc
-        self.flow = replace(cfg.flow, rdt_backend=backend_for_devices(
-            [PoolDevice.from_info(i) for i in self.info])
-            if cfg.flow.transport == "rdt" else "gloo")
+        try:
+            backend = backend_for_devices([PoolDevice.from_info(i) for i in self.info]) \
+                if cfg.flow.transport == "rdt" else "gloo"
+        except ValueError:
+            for w in self.workers:      # refused: the workers launched for it go too
+                ray.kill(w, no_restart=True)
+            raise
+        self.flow = replace(cfg.flow, rdt_backend=backend)
         self._ensure_rdt_group()
         ids = {w: i["worker_id"] for w, i in zip(self.workers, self.info, strict=True)}
         from router.metrics import RouterMetrics
