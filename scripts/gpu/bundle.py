@@ -19,7 +19,6 @@ offline coverage test reads.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import shutil
@@ -37,6 +36,7 @@ from packaging.utils import canonicalize_name
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gpu_path import MACHINE, MANIFEST, machine_packages  # noqa: E402
+from unpack import sha256  # noqa: E402  (the unpacker checks with the same function)
 
 REQUIREMENTS = HERE / "bundle-requirements.txt"
 LIMIT_BYTES = 60 * 2**20
@@ -140,14 +140,6 @@ def slim_tar(wheel: Path, out: Path) -> dict:
             kept += info.file_size
     return {"unpacked_bytes": kept, "dropped_bytes": dropped,
             "dropped": [*RAY_DROP_DIRS, *(f"*{s}" for s in RAY_DROP_SUFFIXES)]}
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_closure(packages: list[dict], machine: dict[str, str | None]) -> list[str]:
