@@ -182,8 +182,8 @@ def run_real(replays: dict[str, list], max_tokens: int, engine: dict, rounds: in
             errors: list[str] = []
             stages: dict[int, dict[str, float]] = {}
             rounds_out: list[dict] = []
-            for k in range(rounds):   # same arrivals and lengths, new prompts (no prefix hits)
-                rng_k = random.Random(100 + k)
+            for k in range(rounds):   # same arrivals and lengths, new prompts (no prefix hits,
+                rng_k = random.Random(f"{name}:{k}")   # across loads and rounds too)
                 this = replay if k == 0 else [
                     (at, [rng_k.randrange(100, 30000) for _ in p]) for at, p in replay]
                 per_k: dict[int, tuple[float, float | None]] = {}

@@ -244,11 +244,22 @@ def gpu_cost_model(gpu: str = "h100", model: str = "llama3-8b", link: str = "400
         label=f"roofline {gpu} {model}",
         prefill=PrefillCost(tok_s, attn_ctx, e["step_overhead_s"], chunk_tokens),
         decode=DecodeCost(base, per_seq, per_ctx),
-        link=LinkCost(lk.gbps * e["link_efficiency"], lk.latency_s),
+        link=LinkCost(lk.gbps * e["link_efficiency"], lk.latency_s + HANDOFF_LATENCY_S),
         kv_bytes_per_token=m.kv_bytes_per_token, kv_capacity_tokens=kv_tokens,
         notes={"gpu": asdict(g), "model": asdict(m), "link": link,
-               "efficiency": dict(e), "source": "roofline"})
+               "efficiency": dict(e), "source": "roofline",
+               "handoff_latency": {"s": HANDOFF_LATENCY_S, "source": HANDOFF_SOURCE}})
 
+
+# What a request spends between its prefill's end and its first token besides its KV's bytes on
+# the link: D's admission and plan, P's staging, the pull's round trips, the first token's way
+# back through the router (raypd's control plane over Ray). Every cost model carries it.
+HANDOFF_LATENCY_S = 0.097
+HANDOFF_SOURCE = ("measured by `raypd simulate --validate`'s probe on the cpu-here machine "
+                  "(2 cores, Ray 2.60, SmolLM2-135M, 1024-token prompts), 2026-12-02: 0.121 s "
+                  "from prefill end to first token less the KV's own transfer at the cpu-here "
+                  "link; not measured on a GPU host (the same RPCs run on its CPU, its staging "
+                  "copy is a device copy)")
 
 # stated defaults for cpu-here when no `raypd bench engine` JSON is given (SmolLM2-135M, fp32,
 # one core here, measured once by hand; see the output's notes)
@@ -306,7 +317,7 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
         prefill=PrefillCost(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0, chunk_tokens, sq,
                             tuple(solo)),
         decode=DecodeCost(base, per_seq, per_ctx),
-        link=LinkCost(1.0, 0.002),   # KV in the calibrated pool's dtype (fp32 if unsaid)
+        link=LinkCost(1.0, HANDOFF_LATENCY_S),   # KV in the calibrated pool's dtype
         kv_bytes_per_token=m.kv_bytes_per_token * KV_DTYPE_BYTES.get(
             src.get("kv_dtype", "float32"), 4) // m.dtype_bytes,
         kv_capacity_tokens=kv_capacity_tokens,
@@ -314,7 +325,9 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
                "overhead + linear + attention" if len(rows) >= 3 else
                f"mean rate only ({len(rows)} prompt length(s) measured)",
                "source": "raypd bench engine JSON" if bench_engine else
-               "no bench engine JSON given: stated defaults CPU_DEFAULTS", "inputs": {
+               "no bench engine JSON given: stated defaults CPU_DEFAULTS",
+               "handoff_latency": {"s": HANDOFF_LATENCY_S, "source": HANDOFF_SOURCE},
+               "inputs": {
                    k: src[k] for k in ("prefill_tok_s", "prefill_batch_s", "decode_step_ms_b1",
                                        "decode_step_ms_b16", "decode_step_ms_grid")
                    if k in src},
