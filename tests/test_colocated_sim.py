@@ -190,3 +190,18 @@ def test_simulate_cli_runs_a_colocated_budget_and_refuses_options_out_of_place(t
         capsys.readouterr()
         assert cli(str(trace), *argv) == 2, argv
         assert word in capsys.readouterr().err, argv
+
+
+def test_a_transfers_latency_does_not_hold_the_decode_workers_link():
+    """Two prompts prefilled back to back (60 ms each) go to one D over a link of 1 s latency
+    and ~no bandwidth cost: each first token comes ~1 s after its prefill, not the second 1 s
+    after the first's (round trips overlap; only the bytes queue on the link)."""
+    cost = CostModel(prefill=COST.prefill, decode=COST.decode,
+                     link=LinkCost(gbps=1e6, latency_s=1.0), kv_capacity_tokens=512 * 400)
+    work = [SimRequest(0.0, 500, 4, (1,)), SimRequest(0.0, 500, 4, (2,))]
+    sim = ClusterSim(cost, ClusterConfig(num_prefill=1, num_decode=1, policy="round_robin",
+                                         slo_ttft_s=60, slo_tpot_s=60))
+    sim.run(work)
+    one = COST.prefill.step_s([(500, 0)])
+    assert sim.ttft_s[0] == pytest.approx(one + 1.0, abs=1e-3)
+    assert sim.ttft_s[1] < 2 * one + 1.0 + 1e-3 < sim.ttft_s[0] + 1.0

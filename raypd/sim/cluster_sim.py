@@ -9,7 +9,8 @@ the TTFT SLO) -> the policy's choose_prefill on prefill reports (locality with t
 sheds early: SLOUnmeetable = 429) -> P's chunked prefill (raypd/sim/routing_sim.py SimWorker:
 prefix cache in a real BlockPool; each step batches the waiting prefills first come, first
 served up to the token budget, as the engine does) -> transfer of the KV D lacks over D's link
-(FIFO per D) -> D's running batch (at most `max_decode_batch` sequences; the others wait for a
+(FIFO per D: the bytes hold the link, the link's latency is paid by each transfer without
+holding it) -> D's running batch (at most `max_decode_batch` sequences; the others wait for a
 slot), one token a step (step time by the decode cost model of the batch and its context) until
 its output is done (the trace's output, cut at `max_tokens` as the engine stops there); D frees
 the blocks.
@@ -435,9 +436,10 @@ class ClusterSim:
                 r, (pid, did, blocks) = reqs[j], route[j]
                 dsim = d_by_id[did]
                 nbytes = r.num_tokens * cost.kv_bytes_per_token
+                # the bytes hold D's link (FIFO); the latency (round trips) does not
                 start = max(finish, dsim.link_free_at)
-                first = start + cost.link.seconds(nbytes)
-                dsim.link_free_at = first
+                dsim.link_free_at = start + cost.link.seconds(nbytes) - cost.link.latency_s
+                first = dsim.link_free_at + cost.link.latency_s
                 # the router measures a transfer when it ends, not before
                 heapq.heappush(self._transfers_done, (first, pid, did, nbytes, first - start))
                 transferred_bytes += nbytes
