@@ -189,11 +189,12 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
         time.sleep(0.3)
         ray.kill(victim, no_restart=False)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:   # restarted (model loaded) and answering again
-            try:
-                landed = ray.get(victim.info.remote(), timeout=5)["pid"] != pid
-                break
+        while time.monotonic() < deadline and not landed:   # back as a new process (model
+            try:                                            # loaded); the old one may still
+                landed = ray.get(victim.info.remote(), timeout=5)["pid"] != pid  # answer first
             except Exception:
+                pass
+            if not landed:
                 time.sleep(0.2)
         if landed and pid is not None:
             with _TALLY:

@@ -260,6 +260,7 @@ def run_sim(replay, max_tokens: int, cost: CostModel, block_tokens: int) -> dict
                        tuple(10_000 * j + i for i in range(-(-len(p) // block_tokens))))
             for j, (at, p) in enumerate(replay)]
     sim = ClusterSim(cost, ClusterConfig(num_prefill=1, num_decode=1, policy="locality",
+                                         max_tokens=max_tokens,
                                          block_tokens=block_tokens, slo_ttft_s=1e9,
                                          slo_tpot_s=1e9, shed_on_slo=False,
                                          shared_host=True))
