@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import statistics
 import threading
 import time
 from dataclasses import asdict
@@ -79,8 +80,9 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
     traces: one `context`-token sequence decodes `decode_tokens` tokens while, after its tenth
     token, a `prefill_tokens` prompt prefills; decode_x = its mean gap between streamed tokens
     inside that prefill's compute over its mean gap outside it (before the prefill, and after
-    the prompt's KV landed); prefill_x = that prefill's compute over the mean of the same
-    prefill alone right before and right after (the machine's speed drifts over minutes)."""
+    the prompt's KV landed); prefill_x = that prefill's compute over the median of the same
+    prefill alone, ALONE_RUNS times right before and right after (the machine's speed drifts
+    over minutes); the handoff is the median over those runs too."""
     traces = cluster.orchestrator.traces
 
     def prompt(n: int) -> list[int]:
@@ -95,7 +97,8 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
 
     def mean_gap(ts: list[float]) -> float | None:
         return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) >= 4 else None
-    alone_runs = [_timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-before")]
+    alone_ids = [f"probe-prefill-before-{i}" for i in range(ALONE_RUNS)]
+    alone_runs = [_timed_request(cluster, prompt(prefill_tokens), 2, rid) for rid in alone_ids]
     tenth, box = threading.Event(), {}
 
     def decode() -> None:
@@ -112,7 +115,9 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
     finally:
         th.join()
     assert "d" in box, "the probe's decode request failed"
-    alone_runs.append(_timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-after"))
+    after_ids = [f"probe-prefill-after-{i}" for i in range(ALONE_RUNS)]
+    alone_runs += [_timed_request(cluster, prompt(prefill_tokens), 2, rid) for rid in after_ids]
+    alone_ids += after_ids
     span = compute_span("probe-prefill-beside")
     landed = traces.get("probe-prefill-beside").token_times[1]   # D's first step after it
     ts = traces.get("probe-decode").token_times[1:]              # D's steps
@@ -121,12 +126,12 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
     after = [t for t in ts if t > landed]
     gaps = [g for g in (mean_gap(before), mean_gap(after)) if g is not None]
     outside = sum(gaps) / len(gaps) if gaps else None
-    computes = [compute_span(f"probe-prefill-{k}").seconds for k in ("before", "after")]
-    alone = sum(computes) / 2
+    computes = [compute_span(rid).seconds for rid in alone_ids]
+    alone = statistics.median(computes)
     # what a request spends around its prefill on the idle cluster (route, admit, staging,
     # transfer, the first token's way to the client): its TTFT at the client less its compute
-    handoff = sum(token_times[0] - start - c for (start, token_times, _), c
-                  in zip(alone_runs, computes, strict=True)) / 2
+    handoff = statistics.median(token_times[0] - start - c for (start, token_times, _), c
+                                in zip(alone_runs, computes, strict=True))
     return {"context": context, "prefill_tokens": prefill_tokens,
             "decode_tokens": decode_tokens, "decode_gap_s_outside": outside,
             "decode_gap_s_inside_prefill": inside, "prefill_compute_s_alone": alone,
@@ -137,6 +142,7 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
 
 
 PROBE_CONTEXT, PROBE_PREFILL = 512, 1024   # the probe's lengths (the calibration's too)
+ALONE_RUNS = 4      # the probe's prefills alone, before and after (medians: one slow is noise)
 REPLAY_LENS = (200, 450, 900)              # the replay's: none of the above
 REPLAY_SEED = 7
 LOADS = (("light", 0.3), ("near_saturation", 0.85))

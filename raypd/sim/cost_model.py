@@ -254,12 +254,13 @@ def gpu_cost_model(gpu: str = "h100", model: str = "llama3-8b", link: str = "400
 # What a request spends between its prefill's end and its first token besides its KV's bytes on
 # the link: D's admission and plan, P's staging, the pull's round trips, the first token's way
 # back through the router (raypd's control plane over Ray). Every cost model carries it.
-HANDOFF_LATENCY_S = 0.097
+HANDOFF_LATENCY_S = 0.129
 HANDOFF_SOURCE = ("measured by `raypd simulate --validate`'s probe on the cpu-here machine "
-                  "(2 cores, Ray 2.60, SmolLM2-135M, 1024-token prompts), 2026-12-02: 0.121 s "
-                  "from prefill end to first token less the KV's own transfer at the cpu-here "
-                  "link; not measured on a GPU host (the same RPCs run on its CPU, its staging "
-                  "copy is a device copy)")
+                  "(2 cores, Ray 2.60, SmolLM2-135M, 1024-token prompts), 2026-12-02: median "
+                  "0.153 s from prefill end to first token over 8 requests alone, less the KV's "
+                  "own transfer at the cpu-here link (probes on other cluster starts gave "
+                  "0.05-0.13 s); not measured on a GPU host (the same RPCs run on its CPU, its "
+                  "staging copy is a device copy)")
 
 # stated defaults for cpu-here when no `raypd bench engine` JSON is given (SmolLM2-135M, fp32,
 # one core here, measured once by hand; see the output's notes)
