@@ -59,10 +59,14 @@ def boundary(timeline: dict | None, mean_request_tokens: float | None) -> list[d
 
 
 def growth(timeline: dict | None) -> list[dict]:
-    """Per worker, the points (requests held, context tokens held, KV bytes referenced) of every
-    sample with requests: how the KV held grows with concurrency and context."""
+    """Per decode worker (where contexts live while they grow; a prefill worker's snapshots
+    fall between its steps, its blocks already handed on), the points (requests held, context
+    tokens held, KV bytes referenced) of every sample with requests: how the KV held grows with
+    concurrency and context."""
     out = []
     for w in (timeline or {}).get("workers", []):
+        if w["role"] != "decode":
+            continue
         bpb = bytes_per_block(w)
         pts = [(r, c, u * bpb) for r, c, u in zip(w["requests"], w["tokens_held"],
                                                    w["blocks_used"], strict=True) if r > 0]
