@@ -161,7 +161,8 @@ def score_unseen(quick: bool, config: SimConfig, only: tuple[str, ...] | None,
 def run_routing_bench(trace_path: str | os.PathLike | None = None, quick: bool = False,
                       config: SimConfig = BENCH_CONFIG,
                       worker_counts: tuple[int, ...] = WORKER_COUNTS,
-                      only: tuple[str, ...] | None = None, seed: int | None = None) -> dict:
+                      only: tuple[str, ...] | None = None, seed: int | None = None,
+                      unseen_seeds: tuple[int, ...] = UNSEEN_SEEDS) -> dict:
     """The whole benchmark: decision latency, `workloads[name][policy][str(workers)]`, the
     targets at 8 workers per workload, and each workload's description; `seed`: the
     synthesized workloads drawn with it (None: each one's own)."""
@@ -197,7 +198,7 @@ def run_routing_bench(trace_path: str | os.PathLike | None = None, quick: bool =
                             "tuned on",
         "targets_8_workers": met,
         "tuning_seeds": ["default" if x is None else x for x in TUNING_SEEDS],
-        "unseen_seeds": list(UNSEEN_SEEDS),
-        "unseen": score_unseen(quick, config, only),
+        "unseen_seeds": list(unseen_seeds),
+        "unseen": score_unseen(quick, config, only, unseen_seeds),
         "elapsed_s": time.perf_counter() - t_start,
     }
