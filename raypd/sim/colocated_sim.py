@@ -32,6 +32,7 @@ from kvcache.hashing import BlockHash
 from protocol.messages import LoadReport
 from protocol.step_rates import StepRates
 from raypd.sim.cost_model import CostModel
+from raypd.sim.routing_sim import cached_chain
 
 
 class _Request:
@@ -125,13 +126,8 @@ class ColocatedGPU:
 
     def _admit(self, job: _Request) -> None:
         """Its first step: its hit is the cached chain earlier steps computed."""
-        pool, hits, parent = self.pool, [], job.root
-        for i in range(self._prompt_blocks(job)):
-            block = pool.get_cached_block(job.hashes[i], parent, (job.hash_ids[i],))
-            if block is None:
-                break
-            hits.append(block)
-            parent = job.hashes[i]
+        pool = self.pool
+        hits = cached_chain(pool, job.hashes, job.hash_ids, job.root, self._prompt_blocks(job))
         pool.touch(hits)
         self._take(job, len(hits))
         job.blocks = hits

@@ -141,6 +141,20 @@ def ceiling_hit_rate(requests: Sequence[WorkloadRequest | SimRequest], block_tok
     return hit / total if total else 0.0
 
 
+def cached_chain(pool: BlockPool, hashes: Sequence[BlockHash], hash_ids: Sequence[int],
+                 root: BlockHash, n: int) -> list:
+    """The leading blocks of a request (its first `n` at most) the pool holds cached, in order:
+    what an engine's prefix match at admission finds (each confirmed by parent and content)."""
+    hits, parent = [], root
+    for i in range(n):
+        block = pool.get_cached_block(hashes[i], parent, (hash_ids[i],))
+        if block is None:
+            break
+        hits.append(block)
+        parent = hashes[i]
+    return hits
+
+
 class _Job:
     """One request on a simulated worker, from its arrival until its last step was reported."""
 
@@ -217,14 +231,9 @@ class SimWorker:
     def _admit(self, job: _Job) -> None:
         """A step schedules `job` for the first time: its hit is the cached chain of blocks
         earlier steps computed (the engine's match at admission)."""
-        pool, n = self.pool, min(job.blocks, self.pool.num_blocks)
-        hits, parent = [], job.root
-        for i in range(n):
-            block = pool.get_cached_block(job.hashes[i], parent, (job.hash_ids[i],))
-            if block is None:
-                break
-            hits.append(block)
-            parent = job.hashes[i]
+        pool = self.pool
+        hits = cached_chain(pool, job.hashes, job.hash_ids, job.root,
+                            min(job.blocks, pool.num_blocks))
         pool.touch(hits)
         pool.free(reversed(hits))
         k = len(hits)
