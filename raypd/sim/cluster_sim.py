@@ -46,7 +46,7 @@ from kvcache.block_pool import BlockPool
 from kvcache.hashing import BlockHash
 from protocol.errors import RoutingRejected
 from protocol.messages import LoadReport
-from raypd.sim.colocated_sim import ColocatedGPU
+from raypd.sim.colocated_sim import ColocatedGPU, decode_steps
 from raypd.sim.cost_model import CostModel
 from raypd.sim.routing_sim import (
     SimRequest,
@@ -228,15 +228,10 @@ class DecodeSim:
                 self.now = horizon
             if k:
                 self.last_step_s = dt
-                for s in self.running:
-                    s.left -= k
-                    s.ctx += k
-                done = [s for s in self.running if s.left <= 0]
-                if done:
-                    self.running = [s for s in self.running if s.left > 0]
-                    for s in done:
-                        self.finished.append((s.rid, s.first_s, self.now))
-                        self.pool.free(s.blocks)
+                self.running, done = decode_steps(self.running, k)
+                for s in done:
+                    self.finished.append((s.rid, s.first_s, self.now))
+                    self.pool.free(s.blocks)
 
     def report(self) -> LoadReport:
         """What a live decode worker reports now: its admitted sequences (running, waiting for

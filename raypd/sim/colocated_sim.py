@@ -27,12 +27,20 @@ from collections import deque
 from typing import NamedTuple
 
 from kvcache.block_pool import BlockPool, KVBlock
-from kvcache.events import BlockRemoved, BlockStored, KVEvent
 from kvcache.hashing import BlockHash
 from protocol.messages import LoadReport
 from protocol.step_rates import StepRates
 from raypd.sim.cost_model import CostModel
-from raypd.sim.routing_sim import cached_chain
+from raypd.sim.routing_sim import cached_chain, stored_delta
+
+
+def decode_steps(running: list, k: int) -> tuple[list, list]:
+    """`k` decode steps of every running sequence (each has `left` tokens to go and `ctx`
+    tokens held): (those still running, those done), in their order."""
+    for s in running:
+        s.left -= k
+        s.ctx += k
+    return [s for s in running if s.left > 0], [s for s in running if s.left <= 0]
 
 
 class _Request:
@@ -200,15 +208,10 @@ class ColocatedGPU:
             if b:
                 self.decode_steps += k
                 self.ctx += k * b
-                for s in self.running:
-                    s.left -= k
-                    s.ctx += k
-                done = [s for s in self.running if s.left <= 0]
-                if done:
-                    self.running = [s for s in self.running if s.left > 0]
-                    for s in done:
-                        self.ctx -= s.ctx
-                        self._release(s, end)
+                self.running, done = decode_steps(self.running, k)
+                for s in done:
+                    self.ctx -= s.ctx
+                    self._release(s, end)
             for job, _ in members:
                 self._cache_computed(job)
             while self.waiting and self.waiting[0].pos is not None and \
@@ -242,7 +245,7 @@ class ColocatedGPU:
             events += st.events
             self._last_step_end, self._last_batch, self._last_step_s = st.end, st.batch, step_s
         for ev in events:
-            self._published_cached += _stored_delta(ev)
+            self._published_cached += stored_delta(ev)
         while self.jobs and self.jobs[0].prefilled_at is not None and \
                 self.jobs[0].prefilled_at <= at and self.jobs[0].fed >= self.jobs[0].uncached:
             self.jobs.popleft()
@@ -287,11 +290,3 @@ class ColocatedGPU:
                           decode_batch=self._last_batch, decode_step_s=self._last_step_s,
                           decode_fit=self.rates.decode_fit(),
                           kv_bytes_per_token=self.cost.kv_bytes_per_token)
-
-
-def _stored_delta(ev: KVEvent) -> int:
-    if isinstance(ev, BlockStored):
-        return len(ev.block_hashes)
-    if isinstance(ev, BlockRemoved):
-        return -len(ev.block_hashes)
-    return 0

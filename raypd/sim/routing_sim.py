@@ -341,7 +341,7 @@ class SimWorker:
         while pe and pe[0][0] <= published:
             for ev in pe.popleft()[1]:
                 events.append(ev)
-                self._published_cached += _stored_delta(ev)
+                self._published_cached += stored_delta(ev)
         pl = self._lora_changes
         while pl and pl[0][0] <= published:
             _, self._published_loras, load_s = pl.popleft()
@@ -375,7 +375,8 @@ class SimWorker:
             age_s=max(0.0, at - published))   # as a live worker's: its snapshot's age
 
 
-def _stored_delta(ev: KVEvent) -> int:
+def stored_delta(ev: KVEvent) -> int:
+    """How a KV event changes the count of cached blocks a worker has published."""
     if isinstance(ev, BlockStored):
         return len(ev.block_hashes)
     if isinstance(ev, BlockRemoved):
