@@ -30,6 +30,8 @@ HIT_WINDOW_S = 10.0                # the sliding window of the hit rate and reus
 MARKERS = ("evictions", "preemptions", "tier2_demotions", "tier2_reloads", "transfers",
            "transfers_rejected")
 COUNTER_NAMES = tuple(f.name for f in fields(KVCounters))
+COUNTER_INDEX = {n: k for k, n in enumerate(COUNTER_NAMES)}
+REUSED, PROMPT = COUNTER_INDEX["reused_tokens"], COUNTER_INDEX["prompt_tokens"]
 
 
 @dataclass(frozen=True)
@@ -48,14 +50,28 @@ class KVSample:
     #                              uncomputed prompt tokens (prefill)
     counters: KVCounters
     incarnation: str
+    cum: tuple[int, ...]         # per COUNTER_NAMES, its increases since the track began
+    restarts: int                # restarts since the track began
 
 
-def sample_of(rep: LoadReport, t: float, peak: int) -> KVSample:
+def sample_of(rep: LoadReport, t: float, peak: int, prev: KVSample | None) -> KVSample:
+    """The sample of `rep`, its cumulative increases continued from `prev` (the last kept
+    sample; None: the first). A restarted worker's counters start again from zero: its whole
+    new value is the increase. Kept at record time, so reading a series never re-derives them."""
+    new = prev is not None and prev.incarnation != rep.incarnation
+    if prev is None:
+        cum, restarts = (0,) * len(COUNTER_NAMES), 0
+    else:
+        cum = tuple(c + (getattr(rep.kv, n) if new else
+                         max(0, getattr(rep.kv, n) - getattr(prev.counters, n)))
+                    for c, n in zip(prev.cum, COUNTER_NAMES, strict=True))
+        restarts = prev.restarts + new
     return KVSample(t=t, blocks_used=rep.active_blocks, blocks_used_peak=max(peak, rep.active_blocks),
                     blocks_cached=rep.evictable_blocks,
                     blocks_free=rep.free_blocks - rep.evictable_blocks,
                     total_blocks=rep.total_blocks, requests=rep.num_requests,
-                    tokens_held=rep.running_tokens, counters=rep.kv, incarnation=rep.incarnation)
+                    tokens_held=rep.running_tokens, counters=rep.kv, incarnation=rep.incarnation,
+                    cum=cum, restarts=restarts)
 
 
 class _Track:
@@ -95,10 +111,10 @@ class KVTimeline:
             tr.kv_bytes_per_token = rep.kv_bytes_per_token or tr.kv_bytes_per_token
             tr.block_size = rep.block_size or tr.block_size
             tr.peak = max(tr.peak, rep.active_blocks)
-            s = sample_of(rep, t, tr.peak)
             last = tr.samples[-1] if tr.samples else None
             if last is not None and t < last.t:          # an older snapshot arrived late
                 return
+            s = sample_of(rep, t, tr.peak, last)
             if last is None or t - last.t >= self.interval_s or s.incarnation != last.incarnation:
                 tr.samples.append(s)
                 tr.pending, tr.peak = None, 0
@@ -133,22 +149,6 @@ def _order(item: tuple[str, Any]) -> tuple[int, str]:
     return (0 if item[1][0] == "prefill" else 1, item[0])
 
 
-def increments(samples: list[KVSample]) -> tuple[dict[str, list[int]], list[int]]:
-    """Per counter, the cumulative sum of its increases up to each sample (a restarted
-    worker's counters start again from zero: its whole new value is the increase), and the
-    cumulative count of restarts."""
-    cum: dict[str, list[int]] = {n: [0] * len(samples) for n in COUNTER_NAMES}
-    restarts = [0] * len(samples)
-    for j in range(1, len(samples)):
-        a, b = samples[j - 1], samples[j]
-        new = a.incarnation != b.incarnation
-        restarts[j] = restarts[j - 1] + new
-        for n in COUNTER_NAMES:
-            vb = getattr(b.counters, n)
-            cum[n][j] = cum[n][j - 1] + (vb if new else max(0, vb - getattr(a.counters, n)))
-    return cum, restarts
-
-
 def series(worker_id: str, role: str, kv_bytes_per_token: int, block_size: int,
            samples: list[KVSample], since: float | None, until: float | None, t0: float,
            window_s: float, max_points: int | None) -> dict[str, Any]:
@@ -164,7 +164,6 @@ def series(worker_id: str, role: str, kv_bytes_per_token: int, block_size: int,
     if max_points is not None and len(keep) > max_points:
         step = (len(keep) - 1) / (max_points - 1)
         keep = sorted({keep[round(i * step)] for i in range(max_points)})
-    cum, restarts = increments(samples)
     out: dict[str, Any] = {
         "worker_id": worker_id, "role": role, "kv_bytes_per_token": kv_bytes_per_token,
         "block_size": block_size,
@@ -187,14 +186,14 @@ def series(worker_id: str, role: str, kv_bytes_per_token: int, block_size: int,
         out["requests"].append(s.requests)
         out["tokens_held"].append(s.tokens_held)
         for m in MARKERS:
-            if n := cum[m][i] - cum[m][prev]:
+            if n := s.cum[COUNTER_INDEX[m]] - samples[prev].cum[COUNTER_INDEX[m]]:
                 out["events"][m].append([t, n])
-        if n := restarts[i] - restarts[prev]:
+        if n := s.restarts - samples[prev].restarts:
             out["events"]["restarts"].append([t, n])
         while samples[w].t < s.t - window_s:
             w += 1
-        reused = cum["reused_tokens"][i] - cum["reused_tokens"][w]
-        prompt = cum["prompt_tokens"][i] - cum["prompt_tokens"][w]
+        reused = s.cum[REUSED] - samples[w].cum[REUSED]
+        prompt = s.cum[PROMPT] - samples[w].cum[PROMPT]
         out["reused_tokens"].append(reused)
         out["prompt_tokens"].append(prompt)
         out["hit_rate"].append(round(reused / prompt, 4) if prompt else None)
