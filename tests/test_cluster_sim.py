@@ -276,9 +276,12 @@ def test_validate_simulator_side_replays_the_same_requests():
     assert sim["tpot_p50_s"] > 0
 
 
-def test_validate_needs_cpu_here(capsys):
+def test_validate_needs_cpu_here_and_refuses_what_it_does_not_use(capsys):
     assert _cli(["--validate", "--gpu", "h100"]) == 2
     assert "cpu-here" in capsys.readouterr().err
+    # what it does not use is refused, never accepted and ignored
+    assert _cli(["trace.jsonl", "--validate", "--gpu", "cpu-here", "--rate-scale", "2"]) == 2
+    assert "TRACE, --rate-scale: not used by --validate" in capsys.readouterr().err
 
 
 def test_bench_engine_calibration_feeds_the_cpu_cost_model():

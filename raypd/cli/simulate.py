@@ -71,6 +71,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.max_tokens < 1 or args.max_decode_batch < 1:
             raise ValueError("--max-tokens and --max-decode-batch must be >= 1")
         if args.validate:
+            given = [d for d, v in args.not_for_validate.items() if getattr(args, d) != v]
+            if given:
+                names = ["TRACE" if d == "trace" else "--" + d.replace("_", "-") for d in given]
+                raise ValueError(f"{', '.join(names)}: not used by --validate (it replays its "
+                                 "own requests on 1P+1D; it takes --engine-json, --slo-ttft, "
+                                 "--slo-tpot, --json)")
             if args.gpu != "cpu-here":
                 raise ValueError("--validate compares with a real cluster here: use "
                                  "--gpu cpu-here (--engine-json optional)")
@@ -184,8 +190,13 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                         "sim_vs_real_error")
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--html", type=Path, default=None, metavar="PATH")
-    p.set_defaults(func=cmd_simulate)
+    # what --validate does not use: given with it, refused (never accepted and ignored)
+    p.set_defaults(func=cmd_simulate, not_for_validate={
+        a.dest: a.default for a in p._actions if a.dest not in VALIDATE_OPTIONS})
     return p
+
+
+VALIDATE_OPTIONS = ("help", "validate", "gpu", "engine_json", "slo_ttft", "slo_tpot", "json")
 
 
 
