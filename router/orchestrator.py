@@ -97,6 +97,7 @@ class FlowConfig:
     health_timeout_s: float = 10.0         # a worker whose report takes this long is unhealthy
     hang_timeout_s: float = 300.0          # one engine step running this long: the worker hangs
     max_retries: int = 2                   # re-runs of a request whose worker died
+    migrate_on_kv_pressure: bool = False   # move a running decode off a full D (no preemption)
 
     def validate(self) -> None:
         if self.failure_policy not in FAILURE_POLICIES:
