@@ -46,6 +46,7 @@ from kvcache.block_pool import BlockPool
 from kvcache.hashing import BlockHash
 from protocol.errors import RoutingRejected
 from protocol.messages import LoadReport
+from protocol.step_rates import StepRates
 from raypd.sim.colocated_sim import ColocatedGPU, decode_steps
 from raypd.sim.cost_model import CostModel
 from raypd.sim.routing_sim import (
@@ -60,6 +61,8 @@ from router.policies import BasePolicy, Locality, RoutingRequest, WorkerState, m
 from router.prefix_index import PrefixIndex
 from router.transfer_rates import TransferRates
 from router.worker_view import REPORT_INTERVAL_S, apply_load_report, note_decode, note_prefill
+
+DECODE_FIT_SAMPLE_S = 1.0   # a decode worker feeds its step fit one step a second at most
 
 
 @dataclass
@@ -126,6 +129,12 @@ class DecodeSim:
         self.busy_rate = busy_rate
         self._busy_i = 0
         self._n = 0
+        # its decode fit (LoadReport.decode_fit), from the steps it ran: one step of each jump,
+        # one a DECODE_FIT_SAMPLE_S at most (refitting on every jump costs more than the replay;
+        # the steps' form is the cost model's, so the fit is the same); not on a shared host,
+        # whose slowed steps the jump does not time one by one
+        self.rates = StepRates()
+        self._fit_fed_at = -math.inf
 
     def _busy_steps(self):
         if self.prefill is None:
@@ -228,6 +237,9 @@ class DecodeSim:
                 self.now = horizon
             if k:
                 self.last_step_s = dt
+                if self.prefill is None and self.now - self._fit_fed_at >= DECODE_FIT_SAMPLE_S:
+                    self.rates.observe_decode(dt, batch, ctx)
+                    self._fit_fed_at = self.now
                 self.running, done = decode_steps(self.running, k)
                 for s in done:
                     self.finished.append((s.rid, s.first_s, self.now))
@@ -244,8 +256,22 @@ class DecodeSim:
                           active_blocks=self.pool.num_used_blocks,
                           free_blocks=self.pool.num_free_blocks,
                           total_blocks=self.pool.num_blocks, decode_batch=len(self.running),
-                          decode_step_s=self.last_step_s,
+                          decode_step_s=self.last_step_s, decode_fit=self.rates.decode_fit(),
                           kv_bytes_per_token=self.cost.kv_bytes_per_token)
+
+    def evict(self, seq: _Seq) -> None:
+        """Take a running or slot-waiting sequence off this worker (it migrates); its blocks
+        stay the caller's to free."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.queued.remove(seq)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, waiting, landing, or reserved for a prefill still on its way."""
+        return not (self.running or self.queued or self.joins) and \
+            self.pool.num_used_blocks == 0
 
 
 def _slowed(start: float, step_s: float, busy_until: float, x: float) -> float:
@@ -259,14 +285,35 @@ def _slowed(start: float, step_s: float, busy_until: float, x: float) -> float:
     return overlap + step_s - overlap / x
 
 
+class RunHooks:
+    """What an instrumented replay is told (raypd/sim/autoscale_sim.py); no-ops here. `tick`
+    is called every `interval_s` of simulated time, after every worker was advanced to it
+    and the reports due by then were delivered; while `busy()` after the last arrival the
+    replay keeps ticking (a static replay jumps to the end)."""
+
+    interval_s: float = math.inf
+
+    def arrive(self, j: int, now: float) -> None:
+        """Request j arrived (before its admission is tried)."""
+
+    def shed(self, j: int, now: float, reason: str) -> None:
+        """Request j was refused (429) or gave up waiting for decode KV."""
+
+    def tick(self, now: float) -> None:
+        """The interval's turn."""
+
+
 class ClusterSim:
     """One replay of a cluster (module doc). Colocated: `gpus` (each both halves); else
-    `prefill` and `decode` pools."""
+    `prefill` and `decode` pools. Disaggregated pools may change during a run
+    (`add_prefill`, `add_decode`, `retire_prefill`, `retire_decode`: the autoscaler's), and
+    a `hooks` object hears arrivals, sheds and its ticks."""
 
     def __init__(self, cost: CostModel, cfg: ClusterConfig,
-                 policy: BasePolicy | None = None) -> None:
+                 policy: BasePolicy | None = None, hooks: RunHooks | None = None) -> None:
         cfg.validate()
         self.cost, self.cfg = cost, cfg
+        self.hooks = hooks
         self.policy = policy or make_policy(
             cfg.policy, **({"ttft_slo_s": cfg.slo_ttft_s}
                            if cfg.policy == "locality" and cfg.shed_on_slo else {}))
@@ -301,6 +348,57 @@ class ClusterSim:
         self._transfers_done: list[tuple[float, str, str, int, float]] = []
         self._tick = -1
         self._capacity_blocks = total_blocks
+        self.p_by_id = {w.worker_id: w for w in self.prefill}
+        self.d_by_id = {d.worker_id: d for d in self.decode}   # retired ones stay (late joins)
+        self.retired_prefill: list[SimWorker] = []
+        self.retired_decode: list[DecodeSim] = []
+        # of the run in progress (for hooks): per request its TTFT and output length
+        self.ttft: dict[int, float] = {}
+        self.out_len: list[int] = []
+
+    # ---- membership (disaggregated pools only) --------------------------------------------
+    def add_prefill(self, worker_id: str) -> SimWorker:
+        """A prefill worker joins: empty cache, no fit, in the index; its first report comes
+        on the next report tick (until then its state is empty)."""
+        assert not (self.cfg.colocated or self.cfg.shared_host)
+        w = SimWorker(worker_id, self._capacity_blocks, self.cost, 4,
+                      block_tokens=self.cfg.block_tokens)
+        self.prefill.append(w)
+        self.p_by_id[worker_id] = w
+        self.p_states[worker_id] = WorkerState(worker_id)
+        self.index.add_worker(worker_id)
+        return w
+
+    def add_decode(self, worker_id: str) -> DecodeSim:
+        assert not (self.cfg.colocated or self.cfg.shared_host)
+        d = DecodeSim(worker_id, self.cost, self._capacity_blocks, self.cfg.max_decode_batch)
+        self.decode.append(d)
+        self.d_by_id[worker_id] = d
+        self.d_states[worker_id] = WorkerState(worker_id)
+        return d
+
+    def prefill_idle(self, w: SimWorker) -> bool:
+        """Every prefill routed to w has been computed and handed on to its transfer."""
+        return not w.waiting and not w.finished_by(math.inf)
+
+    def retire_prefill(self, w: SimWorker) -> None:
+        """An idle prefill worker leaves: out of the pools, the router's view and index."""
+        assert self.prefill_idle(w), w.worker_id
+        self.prefill.remove(w)
+        del self.p_states[w.worker_id]
+        self.index.remove_worker(w.worker_id)
+        self.retired_prefill.append(w)
+
+    def retire_decode(self, d: DecodeSim) -> None:
+        assert d.idle, d.worker_id
+        self.decode.remove(d)
+        del self.d_states[d.worker_id]
+        self.retired_decode.append(d)
+
+    def work_left(self) -> bool:
+        """A prefill not yet handed on, or a sequence still decoding or on its way."""
+        return any(not self.prefill_idle(w) for w in self.prefill) or \
+            any(d.running or d.queued or d.joins for d in self.decode)
 
     @property
     def num_gpus(self) -> int:
@@ -342,17 +440,23 @@ class ClusterSim:
                              "adapter need disaggregated pools")
         hashes = trace_hashes(reqs) if hashes is None else hashes
         roots: dict[tuple[str, str], BlockHash] = {}
-        p_by_id = {w.worker_id: w for w in self.prefill}
-        d_by_id = {d.worker_id: d for d in self.decode}
+        p_by_id, d_by_id = self.p_by_id, self.d_by_id
         g_by_id = {g.worker_id: g for g in self.gpus}
+        hooks = self.hooks
         ttft: dict[int, float] = {}
         arrival: dict[int, float] = {}
         # what the engine generates: the trace's output, cut where the client's max_tokens stops it
         out_len = [max(1, min(r.output_tokens, cfg.max_tokens)) for r in reqs]
+        self.ttft, self.out_len = ttft, out_len
         route: dict[int, tuple[str, str, list]] = {}   # j -> (P, D, D's reserved blocks)
         shed = {"slo_reject": 0, "admission_timeout": 0, "too_large": 0}
         pending: deque[int] = deque()
         transferred_bytes = 0
+
+        def drop(j: int, now: float, reason: str) -> None:
+            shed[reason] += 1
+            if hooks is not None:
+                hooks.shed(j, now, reason)
         if cfg.shared_host:   # P i's step beside D i's batch, and the decodes P i just finished
             x = cost.shared_host.prefill_x
             for p, d in zip(self.prefill, self.decode, strict=True):
@@ -404,7 +508,7 @@ class ClusterSim:
             except RoutingRejected:
                 if blocks:
                     d_by_id[did].pool.free(blocks)
-                shed["slo_reject"] += 1
+                drop(j, now, "slo_reject")
                 return True
             note_prefill(self.p_states[pd.worker_id], req, pd, Locality.pooled_fit(p_states),
                          now)
@@ -441,11 +545,22 @@ class ClusterSim:
                 ttft[j] = first - arrival[j]
                 dsim.join(first, _Seq(j, out_len[j] - 1, r.num_tokens, first, blocks))
 
-        def step_to(t: float) -> None:
+        def advance_to(t: float) -> None:
             prefills_done(t)
             for d in self.decode:
                 d.advance(t)
             self._reports(t)
+
+        next_tick = reqs[0].timestamp_s if reqs else 0.0
+
+        def step_to(t: float) -> None:
+            nonlocal next_tick
+            if hooks is not None:       # the hooks' ticks up to t, each on workers advanced to it
+                while next_tick <= t:
+                    advance_to(next_tick)
+                    hooks.tick(next_tick)
+                    next_tick += hooks.interval_s
+            advance_to(t)
 
         last = 0.0
         for j, r in enumerate(reqs):
@@ -453,17 +568,19 @@ class ClusterSim:
             arrival[j] = now
             last = now
             step_to(now)
+            if hooks is not None:
+                hooks.arrive(j, now)
             while pending:               # waiting admissions first (FIFO)
                 k = pending[0]
                 if now - arrival[k] > cfg.slo_ttft_s:
                     pending.popleft()
-                    shed["admission_timeout"] += 1
+                    drop(k, now, "admission_timeout")
                     continue
                 if not try_admit(k, now):
                     break
                 pending.popleft()
             if reserve_blocks(r) > self._capacity_blocks:
-                shed["too_large"] += 1
+                drop(j, now, "too_large")
                 continue
             if pending or not try_admit(j, now):
                 pending.append(j)
@@ -474,9 +591,12 @@ class ClusterSim:
             k = pending[0]
             if t - arrival[k] > cfg.slo_ttft_s:
                 pending.popleft()
-                shed["admission_timeout"] += 1
+                drop(k, t, "admission_timeout")
             elif try_admit(k, t):
                 pending.popleft()
+        if hooks is not None:            # keep ticking while work is left (pools may change)
+            while self.work_left():
+                step_to(next_tick)
         prefills_done(math.inf)
         for d in self.decode:
             d.advance(math.inf)
@@ -485,7 +605,7 @@ class ClusterSim:
     def _result(self, reqs, arrival, out_len, ttft, shed, transferred_bytes) -> dict:
         cfg = self.cfg
         tpot: dict[int, float] = {}
-        for d in (*self.decode, *self.gpus):
+        for d in (*self.decode, *self.retired_decode, *self.gpus):
             for rid, first, fin in d.finished:
                 n = out_len[rid]
                 tpot[rid] = (fin - first) / (n - 1) if n > 1 else 0.0
