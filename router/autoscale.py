@@ -20,12 +20,15 @@ time; the pool is sized so the load sits at `target_utilisation` of it):
                  the reports show them), and the sequences needed are arrival rate x mean
                  output x the fitted step at that batch (Little's law); or the KV blocks the
                  decode pool holds now / one worker's blocks, when that is more
-  SLO feedback: when fewer than `percentile`% of the window's finished requests met the TTFT
-                SLO and the prefill queues are long (mean wait >= `queue_share` x TTFT SLO),
-                prefill gets one more worker; when the decode pool's KV is nearly full (free
-                share < `kv_free_share`), decode does (admission waits for decode KV);
-                TPOT misses push decode up. Misses no worker would fix (a prompt too long for
-                the SLO alone, queues empty) push nothing.
+  SLO feedback, on the requests that ended in the last `recent_s` (2 intervals), at least
+                `min_samples` of them, and only while no worker of the role is starting (the
+                last push has not shown yet): when fewer than `percentile`% met the TTFT SLO
+                among those whose uncached prompt alone fits it on the prefill fit (no worker
+                fixes the others), prefill gets one more worker when its queues are long
+                (mean wait >= `queue_share` x the SLO) and decode has KV free; else decode
+                does (admission waits for decode KV, or the handoff to decode is slow);
+                when fewer than that share of the requests that decoded met the TPOT SLO,
+                decode gets one more (a shed request is no decode worker's miss).
   up:   ceil(load / target_utilisation) workers, when more than now (starting ones count).
   down: one worker, when load / (workers - 1) < `shrink_utilisation` (hysteresis: a pool
         never shrinks to where it would grow again at once), the role has no SLO push, and
@@ -84,8 +87,9 @@ class AutoscaleConfig:
     window_s: float = 60.0        # observation window of the request figures
     target_utilisation: float = 0.7   # a pool is sized so its load is this share of it
     shrink_utilisation: float = 0.5   # shrink only if the load fits at this share in one less
-    queue_share: float = 0.25     # TTFT misses push prefill when its mean wait >= this x SLO
-    kv_free_share: float = 0.1    # ... or decode when its pool has less KV free than this
+    queue_share: float = 0.1      # TTFT misses push prefill when its mean wait >= this x SLO
+    kv_free_share: float = 0.1    # ... decode when its KV free share is under this, or when
+                                  # the prefill queues are shorter (the handoff, not the queue)
     min_samples: int = 10         # finished requests before the SLO feedback acts
     history: int = 256            # decisions kept for status
 
@@ -115,9 +119,12 @@ class AutoscaleConfig:
         if not 0 < self.percentile <= 100:
             raise AutoscaleConfigError("percentile", f"must be in (0, 100], got "
                                        f"{self.percentile}")
-        for name in ("target_utilisation", "queue_share"):
-            if not 0 < getattr(self, name) <= 1:
-                raise AutoscaleConfigError(name, f"must be in (0, 1], got {getattr(self, name)}")
+        if not 0 <= self.queue_share <= 1:
+            raise AutoscaleConfigError("queue_share", f"must be in [0, 1], got "
+                                       f"{self.queue_share}")
+        if not 0 < self.target_utilisation <= 1:
+            raise AutoscaleConfigError("target_utilisation", "must be in (0, 1], got "
+                                       f"{self.target_utilisation}")
         if not 0 < self.shrink_utilisation <= self.target_utilisation:
             raise AutoscaleConfigError("shrink_utilisation", "must be in (0, "
                                        f"target_utilisation], got {self.shrink_utilisation}")
@@ -150,6 +157,13 @@ class WindowFigures:
     tpot_attainment: float | None = None
     ttft_p_s: float | None = None              # at the window's percentile, ok requests
     tpot_p_s: float | None = None
+    # what the SLO feedback reads, over the last `recent_s` only (a change shows there first):
+    recent_finished: int = 0
+    recent_ttft_attainment: float | None = None  # of the requests whose prompt alone fits the
+                                                 # TTFT SLO on the prefill fit (more workers
+                                                 # cannot help the others); failed ones missed
+    recent_tpot_attainment: float | None = None  # of the requests that decoded (a shed one
+                                                 # is no decode worker's miss)
 
 
 class RequestWindow:
@@ -198,7 +212,9 @@ class RequestWindow:
         while self._ends and self._ends[0][0] < cut:
             self._ends.popleft()
 
-    def figures(self, now: float) -> WindowFigures:
+    def figures(self, now: float, prefill_fit: PrefillFit | None = None) -> WindowFigures:
+        """The window's figures at `now`; `prefill_fit` tells which requests could meet the
+        TTFT SLO at all (their uncached prompt alone within it; all of them without a fit)."""
         with self._lock:
             self._trim(now)
             arrivals, ends = list(self._arrivals), list(self._ends)
@@ -206,7 +222,7 @@ class RequestWindow:
         # a window younger than window_s divides by its age (at least one second)
         span = max(1.0, min(self.window_s, now - start))
         recent_span = max(1.0, min(self.recent_s, now - start))
-        recent = sum(1 for t, *_ in arrivals if t >= now - self.recent_s)
+        recent_arrivals = sum(1 for t, *_ in arrivals if t >= now - self.recent_s)
         ok = [e for e in ends if e[6]]
         mean_prompt = _mean([a[1] for a in arrivals])
         uncached = None
@@ -214,12 +230,17 @@ class RequestWindow:
         if mean_prompt is not None:
             share = 1.0 - sum(e[2] for e in ok) / prompt_done if prompt_done else 1.0
             uncached = mean_prompt * share
-        ttft_met = [e[6] and e[4] is not None and e[4] <= self.ttft_s for e in ends]
-        tpot_met = [e[6] and e[5] is not None and e[5] <= self.tpot_s for e in ends]
+        ttft_met = [self._ttft_met(e) for e in ends]
+        tpot_met = [self._tpot_met(e) for e in ends]
         n = len(ends)
+        cut = now - self.recent_s
+        recent = [e for e in ends if e[0] >= cut]
+        feasible = [e for e in recent if prefill_fit is None or
+                    prefill_fit.seconds(e[1], e[2]) <= self.ttft_s]
+        decoded = [e for e in recent if e[6]]
         return WindowFigures(
             arrivals=len(arrivals), arrival_rate=len(arrivals) / span,
-            recent_arrival_rate=recent / recent_span, mean_prompt_tokens=mean_prompt,
+            recent_arrival_rate=recent_arrivals / recent_span, mean_prompt_tokens=mean_prompt,
             mean_max_tokens=_mean([a[2] for a in arrivals]), finished=n,
             failed=n - len(ok), mean_uncached_tokens=uncached,
             mean_output_tokens=_mean([e[3] for e in ok]),
@@ -228,7 +249,18 @@ class RequestWindow:
             ttft_attainment=sum(ttft_met) / n if n else None,
             tpot_attainment=sum(tpot_met) / n if n else None,
             ttft_p_s=_pct([e[4] for e in ok if e[4] is not None], self.percentile),
-            tpot_p_s=_pct([e[5] for e in ok if e[5] is not None], self.percentile))
+            tpot_p_s=_pct([e[5] for e in ok if e[5] is not None], self.percentile),
+            recent_finished=len(recent),
+            recent_ttft_attainment=sum(self._ttft_met(e) for e in feasible) / len(feasible)
+            if feasible else None,
+            recent_tpot_attainment=sum(self._tpot_met(e) for e in decoded) / len(decoded)
+            if decoded else None)
+
+    def _ttft_met(self, e: tuple) -> bool:
+        return e[6] and e[4] is not None and e[4] <= self.ttft_s
+
+    def _tpot_met(self, e: tuple) -> bool:
+        return e[6] and e[5] is not None and e[5] <= self.tpot_s
 
 
 def _mean(xs: Sequence[float]) -> float | None:
@@ -291,7 +323,7 @@ def observe(prefill_states: Sequence[WorkerState], decode_states: Sequence[Worke
         decode_active_blocks=sum(s.active_blocks for s in d_live),
         decode_total_blocks=sum(s.total_blocks for s in d_live),
         decode_free_blocks=sum(s.free_blocks for s in d_live),
-        window=window.figures(now))
+        window=window.figures(now, pfit))
 
 
 def _median_decode_fit(states: Sequence[WorkerState]) -> DecodeFit | None:
@@ -329,9 +361,12 @@ def _share(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0%}"
 
 
-def _missed(att: float | None, obs: Observation, cfg: AutoscaleConfig) -> bool:
-    return att is not None and obs.window.finished >= cfg.min_samples and \
-        att < _slo_share(cfg)
+def _missed(att: float | None, obs: Observation, cfg: AutoscaleConfig,
+            starting: int) -> bool:
+    """Recent requests missed the SLO share (enough of them to tell), and no worker of the
+    role is still starting (the last push has not shown its effect yet)."""
+    return att is not None and obs.window.recent_finished >= cfg.min_samples and \
+        att < _slo_share(cfg) and starting == 0
 
 
 def _size(load: float, current: int, cfg: AutoscaleConfig, push: bool, why: str,
@@ -367,10 +402,14 @@ def _plan_prefill(obs: Observation, cfg: AutoscaleConfig) -> RolePlan:
     backlog = obs.prefill_wait_s / cfg.ttft_s
     load = max(flow, backlog)
     mean_wait = obs.prefill_wait_s / obs.prefill_workers if obs.prefill_workers else 0.0
-    push = _missed(w.ttft_attainment, obs, cfg) and mean_wait >= cfg.queue_share * cfg.ttft_s
-    target, reason = _size(load, cur, cfg, push, f"TTFT attainment {_share(w.ttft_attainment)} "
-                           f"under {_slo_share(cfg):.0%} with prefill queues {mean_wait:.2f} s",
-                           floor=0)
+    free_share = obs.decode_free_blocks / obs.decode_total_blocks if obs.decode_total_blocks \
+        else 1.0
+    queued = mean_wait >= cfg.queue_share * cfg.ttft_s
+    push = _missed(w.recent_ttft_attainment, obs, cfg, obs.prefill_starting) and queued and \
+        free_share >= cfg.kv_free_share       # else admission waits for decode KV: decode's
+    target, reason = _size(load, cur, cfg, push, "recent TTFT attainment "
+                           f"{_share(w.recent_ttft_attainment)} under {_slo_share(cfg):.0%} "
+                           f"(prefill queues {mean_wait:.2f} s)", floor=0)
     return RolePlan("prefill", cur, load, target, reason, {
         "arrival_rate": rate, "mean_prompt_tokens": prompt, "mean_uncached_tokens": uncached,
         "request_prefill_s": per_req, "flow_load": flow, "backlog_load": backlog,
@@ -409,10 +448,14 @@ def _plan_decode(obs: Observation, cfg: AutoscaleConfig) -> RolePlan:
     load = max(flow, held)
     free_share = obs.decode_free_blocks / obs.decode_total_blocks if obs.decode_total_blocks \
         else 1.0
-    kv_push = _missed(w.ttft_attainment, obs, cfg) and free_share < cfg.kv_free_share
-    tpot_push = _missed(w.tpot_attainment, obs, cfg)
-    why = f"TPOT attainment {_share(w.tpot_attainment)} under {_slo_share(cfg):.0%}" if tpot_push \
-        else f"TTFT misses with decode KV {free_share:.0%} free"
+    mean_wait = obs.prefill_wait_s / obs.prefill_workers if obs.prefill_workers else 0.0
+    kv_push = _missed(w.recent_ttft_attainment, obs, cfg, obs.decode_starting) and \
+        (free_share < cfg.kv_free_share or mean_wait < cfg.queue_share * cfg.ttft_s)
+    tpot_push = _missed(w.recent_tpot_attainment, obs, cfg, obs.decode_starting)
+    why = f"recent TPOT attainment {_share(w.recent_tpot_attainment)} under " \
+          f"{_slo_share(cfg):.0%}" if tpot_push else \
+        f"recent TTFT misses with decode KV {free_share:.0%} free, prefill queues " \
+        f"{mean_wait:.2f} s"
     target, reason = _size(load, cur, cfg, kv_push or tpot_push, why, floor=1)
     return RolePlan("decode", cur, load, target, reason, {
         "arrival_rate": rate, "mean_output_tokens": out, "mean_context_tokens": ctx,
