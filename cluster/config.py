@@ -23,6 +23,7 @@ import yaml
 from cluster.pd import PDConfig
 from ingress.limits import IngressLimits
 from ingress.request_checks import RequestLimits
+from router.autoscale import AutoscaleConfig, AutoscaleConfigError
 from router.orchestrator import FlowConfig
 from workers.kv_gate import MAX_PPL_DELTA_PCT, NOISE_FLOOR_MULTIPLE
 
@@ -116,6 +117,8 @@ class RouterSection:
     report_interval_s: float = _opt(0.1, gt=0)  # the router polls every worker's load this often
     health_timeout_s: float = _opt(10.0, gt=0)  # a worker whose report takes longer: unhealthy
     hang_timeout_s: float = _opt(300.0, gt=0)   # an engine step running longer: unhealthy
+    migrate_on_kv_pressure: bool = False        # move a running decode off a full decode worker
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)   # router/autoscale.py
 
 
 @dataclass
@@ -176,7 +179,12 @@ class RaypdConfig:
                           request_timeout_s=r.request_timeout_s,
                           report_interval_s=r.report_interval_s,
                           health_timeout_s=r.health_timeout_s, hang_timeout_s=r.hang_timeout_s,
-                          max_retries=r.max_retries)
+                          max_retries=r.max_retries,
+                          migrate_on_kv_pressure=r.migrate_on_kv_pressure)
+
+    def autoscale_config(self) -> AutoscaleConfig:
+        """`router.autoscale` (validated at load)."""
+        return self.router.autoscale
 
     def to_pd_config(self) -> PDConfig:
         w = self.workers
@@ -323,6 +331,10 @@ class _Validator:
         if r.slo.ttft_s is not None and r.policy != "locality":
             self.fail("router.slo.ttft_s", f"only the locality policy enforces a TTFT SLO "
                       f"(router.policy is {r.policy!r})")
+        try:
+            r.autoscale.validate()
+        except AutoscaleConfigError as e:
+            self.fail(f"router.autoscale.{e.field}", str(e).removeprefix(f"{e.field}: "))
         try:
             make_policy(r.policy, **r.policy_options)
         except TypeError as e:
