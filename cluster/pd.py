@@ -159,10 +159,16 @@ class PDCluster:
                 "decode": len(self.orchestrator.fleet.live("decode"))}
 
     def _reap(self, worker_id: str, timeout_s: float) -> None:
-        """Wait until a draining worker has nothing in flight, then remove and kill it."""
+        """Wait until a draining worker has nothing in flight, then remove and kill it. A
+        draining decode worker's running decodes move to the other decode workers with their
+        KV (live migration); one that cannot move now is asked again, or finishes here."""
         deadline = time.monotonic() + timeout_s
-        w = self.orchestrator.fleet.handle(worker_id)
+        o = self.orchestrator
+        w = o.fleet.handle(worker_id)
+        decode = o.fleet.role_of(worker_id) == "decode"
         while time.monotonic() < deadline and not self._closed.is_set():
+            if decode:
+                o.move_off(worker_id, cause="drain")
             try:
                 idle = not self.orchestrator.busy(worker_id) and \
                     ray.get(w.load_report.remote(), timeout=30).num_requests == 0

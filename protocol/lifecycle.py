@@ -31,6 +31,8 @@ class RequestLifecycle:
     handoff_round_trips: int = 0  # router -> worker calls awaited before the first token
     router_overhead_ms: float | None = None   # router's own time before the first token
     retries: int = 0              # re-runs after its workers died (router)
+    migrations: int = 0           # live moves to another decode worker (KV moved, not recomputed)
+    migration_fallbacks: int = 0  # moves that failed and re-prefilled elsewhere (router)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -10,6 +10,18 @@ Torch-free and Ray-free plain data, imported by the router and by both worker ro
     D -> router   deltas()  (one per D, all requests) -> StepDeltas: RequestDelta... (tokens,
                                                       text; RequestDone at the end)
 
+A running decode moves D1 -> D2 by the same rules (live migration: drain, KV pressure):
+
+    router -> D1  freeze(worker request id)        -> FrozenDecode (D1 stops decoding it between
+                                                      two steps and keeps its blocks)
+    router -> D2  admit_migration(MigratedRequest) -> Admission (reserves prompt + output so far,
+                                                      plans the blocks D2 lacks; next epoch)
+    router -> D1  stage_migration(id, plan)        -> PrefillResult (the last sampled token as
+                                                      "first token", sampler state, checksums)
+    router -> D2  land(PrefillResult)              -> D2 replays the output so far on its stream
+                                                      (the router forwards only what the client
+                                                      lacks) and decodes on
+
 The request is tokenized, validated and hashed once (by D at admission); the AdmittedRequest
 travels from then on. D computes the TransferPlan (which of the prompt's blocks P sends into
 which of D's reserved blocks); P executes exactly that plan. Each PrefillResult names the
@@ -190,6 +202,42 @@ class PrefillResult:
     @property
     def worker_request_id(self) -> str:
         return worker_request_id(self.request_id, self.epoch)
+
+
+@dataclass(frozen=True)
+class FrozenDecode:
+    """A running decode that its worker (D1) stopped between two engine steps so that it can
+    move to another decode worker: what D2 needs to go on exactly where D1 stopped.
+
+    Invariant: D1 computed the KV of every token but the last output token (prompt +
+    output_token_ids[:-1]); it keeps the blocks until it stages them (stage_migration) or the
+    request is aborted. The sampler state travels with the staged pages (PrefillResult). `since_*` are D1's clocks at `frozen_at` (wall clock), so D2 keeps the
+    request's TTFT and TPOT measured from the request's own start."""
+
+    worker_request_id: str
+    output_token_ids: tuple[int, ...]
+    lifecycle: RequestLifecycle
+    since_arrival_s: float
+    since_first_token_s: float
+    frozen_at: float
+
+    def __post_init__(self) -> None:
+        assert self.output_token_ids, "only a decode with an output token can move"
+
+
+@dataclass(frozen=True)
+class MigratedRequest:
+    """What D2 admits for a live migration: the request as admitted, under the next epoch, and
+    the frozen decode it continues (from `source_worker`)."""
+
+    admitted: AdmittedRequest
+    source_worker: str
+    frozen: FrozenDecode
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV D1 holds (the last output token is still to compute)."""
+        return self.admitted.num_tokens + len(self.frozen.output_token_ids) - 1
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,10 @@ ROUTER_METRICS = {
     "raypd_router_hash_drift": "1 while the router's predicted prefix hits exceed the hits the "
                                "engines report beyond the drift margin (router/drift.py)",
     "raypd_router_hash_drift_alarms": "times the hash drift alarm went on",
+    "raypd_router_migrations": "live moves of a running decode to another decode worker, by "
+                               "outcome (moved: its KV went with it; fallback: the move failed "
+                               "and it re-prefilled elsewhere; unplaced: no worker had room, it "
+                               "stayed) and cause (drain, kv_pressure, rebalance)",
 }
 
 

@@ -67,9 +67,18 @@ class AttemptClock:
         return max(0.0, time.perf_counter() - self.started - self.waited_s) * 1e3
 
 
+@dataclass(frozen=True)
+class MoveSignal:
+    """An inbox item: move this request's running decode to another decode worker (`target`,
+    or the policy's pick); `cause` says why (drain, kv_pressure, rebalance)."""
+
+    target: str | None = None
+    cause: str = "rebalance"
+
+
 @dataclass
 class Flight:
-    """Where one request is, so an abort can release it everywhere."""
+    """Where one request is, so an abort can release it everywhere, and a move can find it."""
 
     request_id: str
     epoch: int = 0
@@ -84,10 +93,15 @@ class Flight:
     clock: AttemptClock | None = None   # the attempt's clock (cleanup waits count as waiting)
     admitted: Any = None            # the AdmittedRequest, once a decode worker tokenized it
     inbox: Any = None               # this attempt's deltas from D (router/streams.py)
+    moving: bool = False            # a move was asked and its thread has not taken it yet
+    move_after: float = 0.0         # monotonic: no move asked before (one just failed to place)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)   # moves vs inbox
 
     def new_attempt(self, epoch: int, attempt_id: str) -> None:
-        self.epoch, self.attempt_id = epoch, attempt_id
-        self.decode = self.prefill = self.transfer_id = self.inbox = None
+        with self.lock:
+            self.epoch, self.attempt_id = epoch, attempt_id
+            self.decode = self.prefill = self.transfer_id = self.inbox = None
+            self.moving = False
 
 
 class DeliveredTokens:

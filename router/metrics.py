@@ -47,6 +47,15 @@ class RouterMetrics:
                                          ROUTER_METRICS["raypd_router_hash_drift_alarms"],
                                          tag_keys=ROUTER_TAGS).set_default_tags(tags)
 
+        self.migrations = Counter("raypd_router_migrations",
+                                  ROUTER_METRICS["raypd_router_migrations"],
+                                  tag_keys=(*ROUTER_TAGS, "outcome", "cause")
+                                  ).set_default_tags(tags)
+
+    def record_migration(self, outcome: str, cause: str) -> None:
+        """One live move of a running decode ended with `outcome` (moved, fallback, unplaced)."""
+        self.migrations.inc(1, tags={"outcome": outcome, "cause": cause})
+
     def record_hash_drift(self, alarm: bool, went_on: bool) -> None:
         """The hash drift alarm's state after a request (router/drift.py)."""
         self.hash_drift.set(1.0 if alarm else 0.0)

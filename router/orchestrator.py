@@ -49,6 +49,7 @@ from protocol.errors import (
 )
 from protocol.ledger import (
     ABORTED,
+    ACKED,
     FALLBACK_LOCAL,
     FILLED,
     RESERVED,
@@ -59,6 +60,7 @@ from protocol.ledger import (
 from protocol.messages import (
     Admission,
     AdmittedRequest,
+    MigratedRequest,
     PrefillResult,
     RequestDelta,
     RequestDone,
@@ -69,7 +71,14 @@ from protocol.messages import (
 from protocol.sampling import SamplingParams
 from router.drift import HashDriftAlarm
 from router.fleet import Fleet
-from router.flight import AttemptClock, DeliveredTokens, Flight, HandoffReleases
+from router.flight import (
+    CLEANUP_WAIT_S,
+    AttemptClock,
+    DeliveredTokens,
+    Flight,
+    HandoffReleases,
+    MoveSignal,
+)
 from router.policies import Locality, RoutingRequest, make_policy
 from router.prefix_index import ApproxPrefixIndex
 from router.request_traces import TraceStore  # trace hook
@@ -78,6 +87,15 @@ from router.transfer_rates import TransferRates
 from router.worker_view import REPORT_INTERVAL_S, note_decode, note_prefill
 
 FAILURE_POLICIES = ("recompute", "fail")
+MOVED = object()            # a request's item stream: its decode moved to another worker
+MAX_MOVE_FALLBACKS = 8      # re-prefills after failed moves, per request
+PRESSURE_FREE_SHARE = 0.05  # migrate_on_kv_pressure: a decode worker this full sheds a request
+ROOM_FREE_SHARE = 0.25      # ... to a decode worker with at least this share of its pool free
+MOVE_RETRY_S = 1.0          # a request whose move did not happen is asked again after this
+
+
+class MoveFailed(Exception):
+    """A live move failed after its source froze the decode: the request re-prefills."""
 
 
 @dataclass
@@ -126,6 +144,8 @@ class Orchestrator:
         self.decisions: dict[str, int] = {}     # "policy:reason" -> count
         self.retries = 0                         # request re-runs after a worker failure
         self.prefill_retries = 0                 # prefills re-run on another prefill worker
+        # live moves of running decodes (outcome -> count: moved, fallback, unplaced)
+        self.migrations: dict[str, int] = {"moved": 0, "fallback": 0, "unplaced": 0}
         self.rejected: dict[str, int] = {}       # TransferRejected reason -> count (router view)
         # the latest rejections, (reason, prefill worker, worker request id): an audit trail
         # that outlives a decode worker's restart (chaos checks corruption against it)
@@ -150,6 +170,10 @@ class Orchestrator:
         self.releases = HandoffReleases(self.ledger, self.fleet.worker_id)
         self.streams = DeltaStreams(lambda wid: wid in self.fleet.state)   # tokens from D
         self.fleet.start()
+        self._stop = threading.Event()
+        if cfg.migrate_on_kv_pressure:
+            threading.Thread(target=self._pressure_loop, daemon=True,
+                             name="raypd-kv-pressure").start()
 
     def _worker_released(self, worker_id: str, released) -> None:
         self.releases.worker_released(worker_id, released)
@@ -262,14 +286,24 @@ class Orchestrator:
         already got are not sent twice (the re-run yields the same ones for greedy or seeded
         sampling). After max_retries the request ends with an error."""
         sent = DeliveredTokens(on_delta)
-        for epoch in range(self.cfg.max_retries + 1):
+        epoch = failures = fallbacks = 0
+        while True:
             # a retry re-admits the request as the last decode worker tokenized it
             current = replace(flight.admitted or request, epoch=epoch)
             flight.new_attempt(epoch, current.worker_request_id)
             try:
-                result = self._run(flight, current, sent.new_attempt())
-                result.lifecycle.retries = epoch
+                result = self._run(flight, current, sent)
+                result.lifecycle.retries = failures
+                result.lifecycle.migration_fallbacks = fallbacks
                 return result
+            except MoveFailed as e:       # its KV did not move: re-prefill elsewhere
+                self.releases.release(flight)
+                if flight.aborted:
+                    raise _aborted(flight) from None
+                fallbacks += 1
+                if fallbacks > MAX_MOVE_FALLBACKS:
+                    raise WorkerFailed(f"request {flight.request_id}: {fallbacks} live moves "
+                                       f"failed (last: {e})") from e
             except ray.exceptions.RayActorError as e:
                 self.releases.release(flight)
                 if flight.aborted:
@@ -277,17 +311,20 @@ class Orchestrator:
                 with self._lock:
                     self.retries += 1
                 self.traces.retried(flight.request_id)  # trace hook
-                if epoch == self.cfg.max_retries:
+                failures += 1
+                if failures > self.cfg.max_retries:
                     raise WorkerFailed(f"request {flight.request_id} failed: its workers died "
-                                       f"{epoch + 1} times (last: {type(e).__name__})") from e
+                                       f"{failures} times (last: {type(e).__name__})") from e
                 self.fleet.refresh()     # see who is gone before routing again
+            epoch = flight.epoch + 1     # past any epoch a move used
             if time.time() > request.deadline:
                 break
         raise WorkerFailed(f"request {flight.request_id} passed its deadline while its "
                            "workers kept failing")
 
     def _run(self, flight: Flight, request: RequestInput | AdmittedRequest,
-             on_delta: Callable[[TokenDelta], None]) -> RequestResult:
+             sent: DeliveredTokens) -> RequestResult:
+        on_delta = sent.new_attempt()
         clock = flight.clock = AttemptClock()
         try:
             admission = self._admit(flight, request, clock)
@@ -299,7 +336,9 @@ class Orchestrator:
             done = RequestDone()
             try:
                 for item in items:
-                    if isinstance(item, RequestDone):
+                    if item is MOVED:        # the new decode worker replays the output
+                        on_delta = sent.new_attempt()
+                    elif isinstance(item, RequestDone):
                         done = item
                     else:
                         self.traces.tokens(flight.request_id, len(item.token_ids))  # trace hook
@@ -312,7 +351,7 @@ class Orchestrator:
             raise _aborted(flight)
         lc = replace(done.lifecycle, handoff_round_trips=round_trips,
                      router_overhead_ms=overhead_ms)
-        if lc.prefill_worker and lc.decode_worker:
+        if lc.prefill_worker and lc.decode_worker and not lc.migrations:
             with self._lock:
                 self.transfer_rates.observe(lc.prefill_worker, lc.decode_worker,
                                             lc.transfer_bytes, lc.transfer_s)
@@ -474,36 +513,210 @@ class Orchestrator:
         d, rid = flight.decode, flight.attempt_id
         timeout = max(1.0, self._deadline_left(flight))
         if result is not None:
-            with contextlib.ExitStack() as stack:
-                if result.handle is not None and self.cfg.transport == "rdt":
-                    stack.enter_context(self._rdt_exclusive(flight.prefill, d))
-                    send = flight.prefill.kv_send.options(tensor_transport=self.cfg.rdt_backend)
-                    pages = send.remote(result.handle.transfer_id)
-                    landed = d.land.remote(flight.request_id, flight.epoch, result, pages,
-                                           sent_at=time.time())
-                else:
-                    landed = d.land.remote(flight.request_id, flight.epoch, result)
-                _unwrap(lambda: clock.get(landed, timeout=timeout))
+            self._land(flight.prefill, d, flight.request_id, flight.epoch, result, clock,
+                       timeout)
             did = self.fleet.worker_id(d)
             self.traces.transferred(flight.request_id, did)  # trace hook: D landed the pages
             self.ledger.release(did, RESERVED, rid, FILLED)
             if result.handle is not None:    # off the critical path: settled at the end
                 flight.ack = flight.prefill.ack.remote(result.handle.transfer_id)
-        inbox = flight.inbox
         waited = time.perf_counter()
-        first = _next_delta(inbox, timeout)
+        first = _next_delta(flight.inbox, timeout)
         clock.waited_s += time.perf_counter() - waited
 
         def items():
             delta = first
             while True:
-                if delta.token_ids or delta.text:
-                    yield TokenDelta(delta.token_ids, delta.text)
-                if delta.done is not None:
-                    yield delta.done
-                    return
-                delta = _next_delta(inbox, max(1.0, self._deadline_left(flight)))
+                if isinstance(delta, MoveSignal):
+                    if self._move(flight, delta):
+                        yield MOVED
+                else:
+                    if delta.token_ids or delta.text:
+                        yield TokenDelta(delta.token_ids, delta.text)
+                    if delta.done is not None:
+                        yield delta.done
+                        return
+                delta = _next_delta(flight.inbox, max(1.0, self._deadline_left(flight)))
         return items()
+
+    def _land(self, source: Any, d: Any, request_id: str, epoch: int, result: PrefillResult,
+              clock: AttemptClock, timeout: float) -> None:
+        """D pulls, verifies and lands `result`'s pages, staged by `source` (a prefill worker,
+        or the decode worker a running request moves from)."""
+        with contextlib.ExitStack() as stack:
+            if result.handle is not None and self.cfg.transport == "rdt":
+                stack.enter_context(self._rdt_exclusive(source, d))
+                send = source.kv_send.options(tensor_transport=self.cfg.rdt_backend)
+                pages = send.remote(result.handle.transfer_id)
+                landed = d.land.remote(request_id, epoch, result, pages, sent_at=time.time())
+            else:
+                landed = d.land.remote(request_id, epoch, result)
+            _unwrap(lambda: clock.get(landed, timeout=timeout))
+
+    # ---- live migration ----------------------------------------------------------------------
+    def migrate(self, request_id: str, target: str | None = None, cause: str = "rebalance"
+                ) -> bool:
+        """Ask a request to move its running decode to another decode worker (`target`, or
+        the policy's pick among the others), with its KV, sampler state and stream position.
+        The request's own thread does the move between two of its tokens (`_move`). False
+        when the request is not on a decode worker now or a move is already asked."""
+        with self._lock:
+            flight = self._flights.get(request_id)
+        if flight is None:
+            return False
+        with flight.lock:
+            inbox = flight.inbox
+            if inbox is None or flight.moving or flight.aborted:
+                return False
+            flight.moving = True
+            inbox.put(MoveSignal(target, cause))
+        return True
+
+    def move_off(self, worker_id: str, cause: str = "drain") -> int:
+        """Ask every request decoding on `worker_id` to move away (a drain); a request whose
+        last move did not happen is asked again after MOVE_RETRY_S. Returns how many were
+        asked now."""
+        w = self.fleet.handle(worker_id)
+        now, asked = time.monotonic(), 0
+        for f in self.in_flight_flights():
+            if f.decode is w and now >= f.move_after and \
+                    self.migrate(f.request_id, cause=cause):
+                asked += 1
+        return asked
+
+    def _move(self, flight: Flight, signal: MoveSignal) -> bool:
+        """In the request's thread, between two of its tokens: move its running decode from
+        D1 (flight.decode) to D2. D1 freezes it (None: not a running decode there now: nothing
+        to do); D2 admits it under the next epoch, reserving what D1 computed and planning the
+        blocks it lacks; D1 stages exactly that plan (checksums, sampler state); D2 pulls,
+        verifies and lands it, then replays the output so far on its stream. No room on any
+        D2: D1 decodes it on. D1 or D2 failing after the freeze: MoveFailed (the request
+        re-prefills elsewhere; both sides are released). True when it moved."""
+        with flight.lock:
+            flight.moving = False
+            flight.move_after = time.monotonic() + MOVE_RETRY_S
+        d1, old = flight.decode, flight.attempt_id
+        d1_id = self.fleet.worker_id(d1)
+        if flight.aborted or flight.admitted is None:
+            return False
+        left = max(1.0, self._deadline_left(flight))
+        frozen = _unwrap(lambda: ray.get(d1.freeze.remote(old), timeout=left))
+        if frozen is None:
+            return False
+        self.releases.settle_ack(flight)     # P's ack (its ledger key names this attempt)
+        epoch = flight.epoch + 1
+        admitted = replace(flight.admitted, epoch=epoch)
+        new = admitted.worker_request_id
+        moved = MigratedRequest(admitted, d1_id, frozen)
+        placed = self._admit_moved(moved, d1_id, signal.target)
+        if placed is None:                   # nobody has room: it goes on where it is
+            ray.get(d1.unfreeze.remote(old), timeout=left)
+            self._count_move("unplaced", signal.cause)
+            return False
+        d2, adm, inbox = placed
+        d2_id = self.fleet.worker_id(d2)
+        self.ledger.hold(d2_id, RESERVED, new, adm.reserved_blocks, left)
+        transfer_id = None
+        try:
+            result: PrefillResult = _unwrap(lambda: ray.get(
+                d1.stage_migration.remote(old, adm.plan), timeout=left))
+            if result.handle is not None:
+                transfer_id = result.handle.transfer_id
+                self.ledger.hold(d1_id, STAGED, old, adm.plan.num_blocks, result.lease_s)
+            self._land(d1, d2, flight.request_id, epoch, result, AttemptClock(), left)
+        except Exception as e:   # noqa: BLE001 - any failure after the freeze re-prefills
+            if isinstance(e, ray.exceptions.RayTaskError) and \
+                    isinstance(getattr(e, "cause", None), TransferRejected):
+                reason = e.cause.reason
+                with self._lock:
+                    self.rejected[reason] = self.rejected.get(reason, 0) + 1
+                    self.recent_rejections.append((reason, d1_id, new))
+            if transfer_id is not None:
+                self.releases.confirm(d1.abort_transfer.remote(transfer_id), d1_id, STAGED,
+                                      old, TRANSFER_FAILED)
+            self.releases.confirm(d2.abort.remote(new), d2_id, RESERVED, new, ABORTED)
+            self.streams.close(d2_id, new)
+            self._count_move("fallback", signal.cause)
+            raise MoveFailed(f"moving request {flight.request_id} from {d1_id} to {d2_id} "
+                             f"failed: {type(e).__name__}: {e}"[:400]) from e
+        self.ledger.release(d2_id, RESERVED, new, FILLED)
+        if transfer_id is not None:
+            self.releases.confirm(d1.ack.remote(transfer_id), d1_id, STAGED, old, ACKED)
+        self.streams.close(d1_id, old)
+        with flight.lock:
+            flight.decode, flight.inbox, flight.epoch, flight.attempt_id = d2, inbox, epoch, new
+            flight.prefill, flight.transfer_id = None, None
+        self._count_move("moved", signal.cause)
+        return True
+
+    def _admit_moved(self, moved: MigratedRequest, source: str, target: str | None):
+        """The first decode worker other than `source` (`target` alone when given) that
+        admits the moved request: (handle, Admission, its inbox), or None."""
+        if target is not None:
+            order = [self.fleet.handle(target)] if self.fleet.takes_requests(target) else []
+        else:
+            live = [d for d in self.fleet.live("decode") if self.fleet.worker_id(d) != source]
+            try:
+                first = self._decide("decode", self._routing_request(moved.admitted),
+                                     frozenset({source}))
+                order = [first] + [d for d in live if d is not first]
+            except RoutingRejected:
+                order = live
+        new = moved.admitted.worker_request_id
+        for d in order:
+            did = self.fleet.worker_id(d)
+            inbox = self.streams.open(d, did, new)
+            try:
+                adm: Admission = _unwrap(lambda d=d: ray.get(d.admit_migration.remote(moved),
+                                                             timeout=CLEANUP_WAIT_S))
+            except (ray.exceptions.RayError, RequestError):
+                self.streams.close(did, new)
+                continue
+            if adm.admitted:
+                return d, adm, inbox
+            self.streams.close(did, new)
+        return None
+
+    def _count_move(self, outcome: str, cause: str) -> None:
+        with self._lock:
+            self.migrations[outcome] += 1
+        record = getattr(self.metrics, "record_migration", None)
+        if record is not None:
+            record(outcome, cause)
+
+    def relieve_kv_pressure(self) -> int:
+        """migrate_on_kv_pressure: for each live decode worker whose pool is nearly full
+        (free share under PRESSURE_FREE_SHARE, by its last report) while another has room
+        (ROOM_FREE_SHARE), ask its largest request to move, one move at a time per worker,
+        before its engine would have to preempt and recompute. Returns the moves asked."""
+        fleet, asked = self.fleet, 0
+        with fleet.lock:
+            states = [st for st in fleet.states("decode") if not st.draining]
+        room = [st for st in states if st.total_blocks and
+                st.free_blocks >= ROOM_FREE_SHARE * st.total_blocks]
+        flights = self.in_flight_flights()
+        now = time.monotonic()
+        for st in states:
+            if not st.total_blocks or st.free_blocks >= PRESSURE_FREE_SHARE * st.total_blocks:
+                continue
+            if not any(r.worker_id != st.worker_id for r in room):
+                continue
+            w = fleet.handle(st.worker_id)
+            mine = [f for f in flights if f.decode is w and f.admitted is not None]
+            if not mine or any(f.moving for f in mine):
+                continue
+            ready = [f for f in mine if now >= f.move_after]
+            if ready:
+                biggest = max(ready, key=lambda f: f.admitted.num_tokens)
+                asked += self.migrate(biggest.request_id, cause="kv_pressure")
+        return asked
+
+    def _pressure_loop(self) -> None:
+        while not self._stop.wait(self.cfg.report_interval_s):
+            try:
+                self.relieve_kv_pressure()
+            except Exception:   # noqa: BLE001 - a worker left meanwhile: next round
+                pass
 
     def _close_inbox(self, flight: Flight) -> None:
         if flight.inbox is not None:
@@ -559,6 +772,7 @@ class Orchestrator:
     def close(self, wait_s: float | None = None) -> None:
         """Stop the load reporter. With `wait_s`, also wait (that long at most) until it has
         made its last Ray call: a Ray call after ray.shutdown() would start a new local Ray."""
+        self._stop.set()
         self.fleet.close(wait_s)
         self.streams.close_all(wait_s)
 
@@ -579,8 +793,8 @@ def _unwrap(call: Callable[[], Any]) -> Any:
         raise
 
 
-def _next_delta(inbox: Any, timeout: float) -> RequestDelta:
-    """The next delta of a request's inbox; a dead worker's as Ray's RayActorError (the attempt
+def _next_delta(inbox: Any, timeout: float) -> RequestDelta | MoveSignal:
+    """The next delta of a request's inbox (or a move asked of it); a dead worker's as Ray's RayActorError (the attempt
     fails and runs again elsewhere), a failed step's as StepFailed, none in time as Ray's
     GetTimeoutError."""
     try:
@@ -588,6 +802,8 @@ def _next_delta(inbox: Any, timeout: float) -> RequestDelta:
     except queue.Empty:
         raise ray.exceptions.GetTimeoutError(
             f"no token from the decode worker in {timeout:.0f} s") from None
+    if isinstance(item, MoveSignal):
+        return item
     if isinstance(item, WorkerGone):
         raise ray.exceptions.RayActorError(error_msg=f"the decode worker's stream broke: "
                                                      f"{item.reason}")

@@ -5,6 +5,11 @@ transfer), pulls P's staged pages into a private buffer, verifies each page's ch
 page was whole, then decodes with continuous batching. Short
 uncached prompts (or no prefill workers) it prefills itself.
 
+Live migration: a running decode moves to another decode worker with its KV (freeze ->
+the other's admit_migration -> stage_migration here -> the other's land): this worker is then
+the source, staging the plan's pages under a lease as a prefill worker does (its producer is
+made on the first move); the destination replays the output so far on its stream.
+
 Tokens leave through one stream per worker (`deltas`, a Ray streaming generator the router
 reads once): each message carries the new tokens and text of every request that got some since
 the last one (one engine step's, or a few), so a token costs no Ray call of its own.
@@ -14,26 +19,38 @@ Detokenization runs in that stream's thread, not in the engine loop.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import ray
 
-from kvtransfer.endpoint import KVConsumer
-from protocol.ledger import ABORTED
+from kvtransfer import rdt
+from kvtransfer.endpoint import KVConsumer, KVProducer
+from protocol.errors import RequestError
+from protocol.ledger import ABORTED, ACKED
 from protocol.messages import (
     Admission,
     AdmittedRequest,
+    FrozenDecode,
+    MigratedRequest,
     PrefillResult,
     RequestDelta,
     RequestDone,
     RequestInput,
     StepDeltas,
+    TransferPlan,
 )
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import StepOutput
 from workers.host import EngineHost
-from workers.kv_handoff import DecodeHandoff, PulledPages, Reservation, verify_pages
+from workers.kv_handoff import (
+    DecodeHandoff,
+    PulledPages,
+    Reservation,
+    stage_plan,
+    verify_pages,
+)
 
 
 class DecodeHost(EngineHost):
@@ -46,7 +63,10 @@ class DecodeHost(EngineHost):
         self._outbox: deque[tuple[str, tuple[int, ...], bool, str | None]] = deque()
         self._outbox_cv = threading.Condition()
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._replay: set[str] = set()     # moved-in requests: their first post is the output
         super().__init__(*args, **kw)
+        self._lease_s = kw.get("lease_s", 30.0)
+        self._producer: KVProducer | None = None   # made on the first move away (migration)
         self.consumer = KVConsumer(self.transport_name, **self._transport_cfg)
         self.handoff = DecodeHandoff(self.engine, self.worker_id, self.ledger)
         self._start_loop()
@@ -60,6 +80,8 @@ class DecodeHost(EngineHost):
     def _housekeeping(self) -> None:
         for rid in self.handoff.expire():     # the router gave up on them (or died)
             self._post(rid, (), True)
+        if self._producer is not None:
+            self._producer.expire()
 
     def stats(self) -> dict:
         d = super().stats()
@@ -160,6 +182,7 @@ class DecodeHost(EngineHost):
         return done
 
     def abort(self, request_id: str) -> bool:
+        self._replay.discard(request_id)
         with self._lock:
             if self.handoff.cancel(request_id, ABORTED):
                 done = True
@@ -175,6 +198,78 @@ class DecodeHost(EngineHost):
         and the rest go out on the delta stream."""
         assert prefill.epoch == epoch and prefill.request_id == request_id
         self._fill(prefill, pages, sent_at)
+
+    # ---- live migration ----------------------------------------------------------------------
+    def freeze(self, request_id: str) -> FrozenDecode | None:
+        """Source side: stop decoding a running request between two steps so that it can move
+        (its blocks stay held; its stream stays open until it is staged). None when it is not a
+        running decode here (queued, prefilling, finished, unknown): nothing changed."""
+        with self._call_lock():
+            req = self.engine.freeze(request_id)
+            if req is None:
+                return None
+            now = time.perf_counter()
+            return FrozenDecode(request_id, tuple(req.output_token_ids),
+                                replace(req.lifecycle), now - req.arrival_time,
+                                now - (req.first_token_time or now), time.time())
+
+    def unfreeze(self, request_id: str) -> bool:
+        """Source side: the move did not happen; the request decodes here again."""
+        with self._call_lock():
+            done = self.engine.unfreeze(request_id)
+        self._work.set()
+        return done
+
+    def stage_migration(self, request_id: str, plan: TransferPlan) -> PrefillResult:
+        """Source side: stage exactly the destination's plan of the frozen request's blocks under
+        a lease (checksums per page, the sampler state, the last sampled token as the "first
+        token") and let the blocks go here (they stay in this worker's prefix cache). Its
+        stream here ends without an end: the destination's stream goes on."""
+        with self._call_lock():
+            if request_id not in self.engine.frozen:
+                raise RequestError(f"request {request_id} is not frozen on {self.worker_id}")
+            req = self.engine.requests[request_id]
+            self._detok.pop(request_id, None)
+            return stage_plan(self.engine, self._source(), self.ledger, self.worker_id, req,
+                              plan, req.output_token_ids[-1])
+
+    def admit_migration(self, moved: MigratedRequest) -> Admission:
+        """Destination side: reserve blocks for the moved decode's computed tokens (taking this
+        worker's own prefix hit) and plan the transfer of the rest from the source; or say no
+        room now. Its stream opens here: the first post replays the output so far."""
+        with self._call_lock():
+            req = self.engine.resumed_request(moved)
+            plan = self.handoff.reserve_migration(req, moved)
+            if plan is None:
+                return Admission(moved.admitted, self.worker_id, False,
+                                 free_blocks=self.engine.num_free_blocks)
+            self._open_stream(req)
+            self._replay.add(req.request_id)
+            return Admission(moved.admitted, self.worker_id, True,
+                             decode_cached_blocks=plan.first_block, plan=plan,
+                             free_blocks=self.engine.num_free_blocks,
+                             reserved_blocks=len(self.engine.block_table(req.request_id)))
+
+    def _source(self) -> KVProducer:
+        """Under the lock: this worker's producer for moves away (made once)."""
+        if self._producer is None:
+            self._producer = KVProducer(self.transport_name, self._lease_s,
+                                        **{"checksum": False, **self._transport_cfg})
+        return self._producer
+
+    def kv_send(self, transfer_id: str):
+        """RDT producer method of a move away (called with .options(tensor_transport=...))."""
+        return rdt.send_pages(self._source(), transfer_id)
+
+    def ack(self, transfer_id: str) -> str:
+        """The destination has a moved request's pages: drop the staged copy (see
+        PrefillHost.ack)."""
+        if self._producer is not None and self._producer.ack(transfer_id):
+            return ACKED
+        return "ended"
+
+    def abort_transfer(self, transfer_id: str) -> bool:
+        return self._producer is not None and self._producer.abort(transfer_id)
 
     # ---- the delta stream --------------------------------------------------------------------
     def _open_stream(self, req) -> None:
@@ -194,8 +289,12 @@ class DecodeHost(EngineHost):
             self.metrics.observe_finished(r.lifecycle)
             self._finished[r.request_id] = RequestDone(r.output_text, tuple(r.output_token_ids),
                                                        r.lifecycle)
-        if out.new_token_ids or out.finished:
-            self._post(r.request_id, tuple(out.new_token_ids), out.finished)
+        tokens = tuple(out.new_token_ids)
+        if r.request_id in self._replay:     # moved in: the stream starts with all its output
+            self._replay.discard(r.request_id)
+            tokens = tuple(r.output_token_ids)
+        if tokens or out.finished:
+            self._post(r.request_id, tokens, out.finished)
 
     def _fail_requests(self, msg: str) -> None:
         for rid in list(self._detok):

@@ -18,7 +18,7 @@ from kvcache.kv_sizing import bytes_per_layer_block, kv_layout
 from kvcache.manager import KVCacheManager, cdiv
 from protocol.errors import RequestError, UnknownLoRAError
 from protocol.lifecycle import EngineStats
-from protocol.messages import AdmittedRequest
+from protocol.messages import AdmittedRequest, MigratedRequest
 from workers.device import DEVICES, DTYPES, device_name, load_dtype, resolve_device
 from workers.kv_quant import QUANT_FORMATS, is_quantized
 from workers.kv_tier2 import attach_tier2, observe_prefill_cost, tier2_counters
@@ -135,6 +135,7 @@ class LLMEngine:
         self.namespace = CacheNamespace(self.info.model_id, self.info.revision,
                                         self.info.tokenizer_fingerprint, kv_dtype)
         self.requests: dict[str, Request] = {}
+        self.frozen: set[str] = set()    # running decodes stopped to move away (migration)
         self._ids = itertools.count()
 
     # ---- requests in -------------------------------------------------------------------------
@@ -306,6 +307,7 @@ class LLMEngine:
                                                     req.lifecycle.cached_tokens)
         self.scheduler.finish(req, free_blocks=not (req.hold_kv and reason != "abort"))
         self.requests.pop(req.request_id, None)
+        self.frozen.discard(req.request_id)
         self.stats.requests_finished += 1
 
     # ---- disaggregation hooks (the narrow API the P/D handoff uses) -------------------------
@@ -335,13 +337,58 @@ class LLMEngine:
         req.block_hashes = list(admitted.block_hashes)
         return req
 
+    def resumed_request(self, m: MigratedRequest) -> Request:
+        """Decode side of a live migration: the engine request that goes on with a decode
+        another worker froze (its prompt, its output so far but the last token, which `fill`
+        appends; its lifecycle and clocks carried over). Same namespace checks as
+        `admitted_request`."""
+        req = self.admitted_request(m.admitted)
+        out, f = list(m.frozen.output_token_ids), m.frozen
+        if cdiv(len(req.prompt_token_ids) + len(out) + 1, self.cfg.block_size) \
+                > self.kv.pool.num_blocks:
+            raise RequestError(f"request {m.admitted.request_id} holds more tokens than this "
+                               "worker's whole pool")
+        req.output_token_ids = out[:-1]
+        req.lifecycle = replace(f.lifecycle)
+        now, gap = time.perf_counter(), max(0.0, time.time() - f.frozen_at)
+        req.arrival_time = now - f.since_arrival_s - gap
+        req.first_token_time = req.first_scheduled_time = now - f.since_first_token_s - gap
+        req.update_block_hashes()
+        return req
+
+    def freeze(self, request_id: str) -> Request | None:
+        """Decode side, between two steps: stop decoding a running request so that it can move
+        to another worker (live migration). Its blocks stay held (KV of every token but the
+        last sampled one) until `release` or `abort`; `unfreeze` puts it back. None (nothing
+        changed) unless it is a running decode: not queued, prefilling, frozen or finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING or req.is_prefill \
+                or not req.output_token_ids or req not in self.scheduler.running:
+            return None
+        assert req.num_computed_tokens == req.num_tokens - 1, req
+        self.scheduler.running.remove(req)
+        req.status = RequestStatus.WAITING
+        self.frozen.add(request_id)
+        return req
+
+    def unfreeze(self, request_id: str) -> bool:
+        """A frozen request decodes here again (its move did not happen)."""
+        req = self.requests.get(request_id)
+        if request_id not in self.frozen or req is None:
+            return False
+        self.frozen.discard(request_id)
+        req.status = RequestStatus.RUNNING
+        self.scheduler.running.append(req)
+        return True
+
     def match_prefix(self, req: Request) -> list:
         """The cached blocks of the request's longest cached prefix (at least its last prompt
         token is left to compute)."""
         return self.kv.match_prefix(req.namespace_root, req.block_hashes, req.all_token_ids,
                                     req.num_tokens - 1)
 
-    def reserve(self, req: Request, hits: list | None = None) -> int | None:
+    def reserve(self, req: Request, hits: list | None = None,
+                migrated: bool = False) -> int | None:
         """Decode side: take the request's prefix hit (`hits`: `match_prefix(req)` when the
         caller has it already) and reserve blocks for its whole prompt before anyone computes
         it (decode-first admission). Returns the hit in blocks, or None (nothing reserved) when
@@ -356,9 +403,10 @@ class LLMEngine:
             return None
         self.requests[req.request_id] = req
         req.lifecycle.blocks_allocated += len(new)
-        req.lifecycle.cached_tokens = len(hits) * self.cfg.block_size
-        self.stats.prompt_tokens += len(req.prompt_token_ids)
-        self.stats.reused_tokens += req.lifecycle.cached_tokens
+        if not migrated:     # a moved decode's prompt was counted where it was admitted
+            req.lifecycle.cached_tokens = len(hits) * self.cfg.block_size
+            self.stats.prompt_tokens += len(req.prompt_token_ids)
+            self.stats.reused_tokens += req.lifecycle.cached_tokens
         return len(hits)
 
     def fill(self, req: Request, dest_block_ids: Sequence[int], pages: torch.Tensor | None,
@@ -398,6 +446,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is not None and req.status is RequestStatus.WAITING:
             self._finish(req, "abort", time.perf_counter())
+        self.frozen.discard(request_id)
         self.kv.free(request_id)
 
     def read_pages(self, block_ids: Sequence[int]) -> torch.Tensor:

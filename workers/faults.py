@@ -17,6 +17,7 @@ Each fault counts when it is applied, not when it is armed (`fault_counts()`).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -154,6 +155,7 @@ class FaultyDecodeHost(EngineFaults, DecodeHost):
         self.pull_delays_applied: Counter[str] = Counter()       # tag -> pulls delayed
         self._count_lock = threading.Lock()    # the counts (read without the engine lock)
         self.transfer_faults_applied = 0
+        self._exit_on_pull = False
         # (prefill worker, worker request id): transfers whose pages reached verification
         # here, and of those the ones refused as corrupt
         self.pages_received: set[tuple[str, str]] = set()
@@ -163,6 +165,10 @@ class FaultyDecodeHost(EngineFaults, DecodeHost):
     def inject_transfer_faults(self, n: int) -> None:
         """Make the next `n` transfers into this worker fail (for failure-policy tests)."""
         self._faults_left = n
+
+    def inject_exit_on_pull(self) -> None:
+        """The next pull into this worker kills its process (a worker dying mid-transfer)."""
+        self._exit_on_pull = True
 
     def inject_pull_delay(self, seconds: float, n: int = 1, tag: str = "delay") -> None:
         """The next `n` pulls not yet delayed start `seconds` late (a pull slower than the
@@ -185,6 +191,8 @@ class FaultyDecodeHost(EngineFaults, DecodeHost):
             return got, [t for t in got if t in self.corrupt_rejected]
 
     def _before_pull(self) -> None:
+        if self._exit_on_pull:
+            os._exit(75)
         with self._lock:
             delay, tag = self._pull_delays.popleft() if self._pull_delays else (0.0, "")
         if tag:

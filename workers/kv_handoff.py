@@ -45,7 +45,7 @@ from protocol.ledger import (
     STAGED,
     HandoffLedger,
 )
-from protocol.messages import AdmittedRequest, PrefillResult, TransferPlan
+from protocol.messages import AdmittedRequest, MigratedRequest, PrefillResult, TransferPlan
 from workers.engine import LLMEngine, StepOutput
 from workers.request import Request
 
@@ -126,6 +126,7 @@ class Reservation:
     plan: TransferPlan
     deadline: float          # wall clock: the request's own deadline
     state: PullState = PullState.RESERVED
+    migrated_from: str = ""  # a live migration's source decode worker ("" : a prefill's pages)
 
 
 class DecodeHandoff:
@@ -154,6 +155,29 @@ class DecodeHandoff:
         plan = TransferPlan(admitted.request_id, admitted.epoch, self.worker_id, d_hit,
                             tuple(blocks[d_hit:n]), tuple(hashes))
         self.reservations[req.request_id] = Reservation(req, plan, admitted.deadline)
+        self.ledger.hold(self.worker_id, RESERVED, req.request_id, len(blocks),
+                         max(0.0, admitted.deadline - self._clock()))
+        return plan
+
+    def reserve_migration(self, req: Request, m: MigratedRequest) -> TransferPlan | None:
+        """Live migration, D2's side: reserve blocks for every token the source computed
+        (prompt + output but the last, `req` from engine.resumed_request), taking D2's own
+        prefix hit over them; the plan names the source's blocks D2 lacks, the trailing partial
+        block included. None (nothing reserved) when there is no room now."""
+        hits = self.engine.match_prefix(req)
+        d_hit = self.engine.reserve(req, hits, migrated=True)
+        if d_hit is None:
+            return None
+        blocks = self.engine.block_table(req.request_id)
+        n = -(-req.num_tokens // req.block_size)
+        assert len(blocks) == n > d_hit, (len(blocks), n, d_hit)
+        hashes = list(req.block_hashes[d_hit:n])
+        hashes += [0] * (n - d_hit - len(hashes))    # the trailing partial block
+        admitted = m.admitted
+        plan = TransferPlan(admitted.request_id, admitted.epoch, self.worker_id, d_hit,
+                            tuple(blocks[d_hit:n]), tuple(hashes))
+        self.reservations[req.request_id] = Reservation(req, plan, admitted.deadline,
+                                                        migrated_from=m.source_worker)
         self.ledger.hold(self.worker_id, RESERVED, req.request_id, len(blocks),
                          max(0.0, admitted.deadline - self._clock()))
         return plan
@@ -213,11 +237,16 @@ class DecodeHandoff:
         self.ledger.release(self.worker_id, RESERVED, rid, FILLED)
         lc = res.request.lifecycle
         lc.decode_worker = self.worker_id
+        pages = None if pulled is None else pulled.pages
+        if res.migrated_from:      # a moved decode: its lifecycle so far came with it
+            lc.migrations += 1
+            lc.transferred_blocks += res.plan.num_blocks if pages is not None else 0
+            return self.engine.fill(res.request, res.plan.dest_block_ids, pages,
+                                    result.first_token, result.sampler_state)
         lc.skipped_blocks = res.plan.first_block
         lc.prefill_worker = result.prefill_worker
         lc.cached_tokens = max(lc.cached_tokens, result.cached_tokens)
         lc.computed_tokens += result.computed_tokens
-        pages = None if pulled is None else pulled.pages
         if pages is not None:
             lc.transferred_blocks = res.plan.num_blocks
         return self.engine.fill(res.request, res.plan.dest_block_ids, pages, result.first_token,

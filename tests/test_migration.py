@@ -1,0 +1,178 @@
+"""Live decode-to-decode migration: a running request moves D1 -> D2 with its KV blocks, its
+sampler state and its stream position; the client's stream neither repeats nor loses a token;
+a move that fails after the freeze re-prefills elsewhere, never an error."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import ray
+from conftest import hf_greedy, random_prompt
+
+from cluster.pd import PDCluster, PDConfig
+from protocol.ledger import ACKED, FILLED
+from router.orchestrator import FlowConfig
+from workers.request import SamplingParams
+
+ENGINE = dict(model="tiny", num_blocks=128, block_size=16)
+LONG = SamplingParams(max_tokens=160, ignore_eos=True)
+PROMPT = random_prompt(37, seed=11)        # 2 full blocks + a partial one
+MOVE_AT = 5                                # tokens streamed before the move is asked
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_reference):
+    return hf_greedy(tiny_reference, PROMPT, LONG.max_tokens)
+
+
+@pytest.fixture(scope="module")
+def clusters():
+    made: dict[str, PDCluster] = {}
+
+    def get(transport: str) -> PDCluster:
+        if transport not in made:
+            made[transport] = PDCluster(PDConfig(engine=ENGINE, num_prefill=1, num_decode=2,
+                                                 fault_injection=True,
+                                                 flow=FlowConfig(transport=transport)))
+        return made[transport]
+    yield get
+    for c in made.values():
+        c.shutdown()
+
+
+def run_moving(cluster: PDCluster, sampling: SamplingParams, rid: str,
+               target: str | None = None, arm=None):
+    """Run PROMPT, asking its decode to move once MOVE_AT tokens reached the client (from
+    the request's own thread: no sleep, no race with its end). `target` "other": the decode
+    worker it is not on, after `arm(that worker's handle)`. Returns (result, streamed token
+    ids, streamed text, whether the move was asked)."""
+    tokens: list[int] = []
+    text: list[str] = []
+    asked: list[bool] = []
+    o = cluster.orchestrator
+
+    def on_delta(d) -> None:
+        tokens.extend(d.token_ids)
+        text.append(d.text)
+        if len(tokens) >= MOVE_AT and not asked:
+            to = target
+            if to == "other":
+                here = o.fleet.worker_id(o._flights[rid].decode)
+                to = next(w for w in ("decode-0", "decode-1") if w != here)
+                arm(o.fleet.handle(to))
+            asked.append(o.migrate(rid, target=to))
+    result = cluster.run_request(PROMPT, sampling, request_id=rid, on_delta=on_delta)
+    return result, tokens, "".join(text), asked == [True]
+
+
+def _clean(cluster: PDCluster) -> None:
+    for counts in cluster.check_invariants():
+        assert counts["referenced"] == 0, counts
+    assert cluster.leaked_blocks() == 0
+
+
+@pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "rdt", "cuda_ipc"])
+def test_migration_mid_stream_gives_generate_tokens_with_no_gap_or_repeat(transport, expected,
+                                                                         clusters):
+    cluster = clusters(transport)
+    result, streamed, text, asked = run_moving(cluster, LONG, f"mig-{transport}")
+    assert asked
+    lc = result.lifecycle
+    assert lc.migrations == 1 and lc.migration_fallbacks == 0 and lc.retries == 0
+    assert result.token_ids == expected
+    assert streamed == result.token_ids           # every token once, in order
+    assert text == result.text
+    assert lc.decode_worker in ("decode-0", "decode-1")
+    assert lc.transferred_blocks > -(-len(PROMPT) // 16)   # the prompt's and the output's
+    assert cluster.orchestrator.migrations["moved"] >= 1
+    ledger = cluster.orchestrator.ledger
+    assert ledger.released[ACKED] >= 2 and ledger.released[FILLED] >= 2
+    _clean(cluster)
+
+
+def test_migration_to_a_named_worker_and_back(expected, clusters):
+    cluster = clusters("shm")
+    first, *_ = run_moving(cluster, LONG, "to-1", target="decode-1")
+    assert first.lifecycle.decode_worker == "decode-1" and first.lifecycle.migrations == 1
+    second, *_ = run_moving(cluster, LONG, "to-0", target="decode-0")
+    assert second.lifecycle.migrations in (0, 1)       # already there: nothing to move
+    assert second.lifecycle.decode_worker == "decode-0"
+    assert first.token_ids == second.token_ids == expected
+    _clean(cluster)
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_a_move(clusters):
+    cluster = clusters("shm")
+    seeded = SamplingParams(max_tokens=60, temperature=0.9, top_p=0.95, seed=4321,
+                            ignore_eos=True)
+    still = cluster.run_request(PROMPT, seeded)
+    moved, streamed, _, asked = run_moving(cluster, seeded, "seeded")
+    assert asked and moved.lifecycle.migrations == 1
+    assert moved.token_ids == still.token_ids == streamed
+    _clean(cluster)
+
+
+@pytest.mark.parametrize("fault", ["refused", "died"])
+def test_a_failed_move_re_prefills_and_completes(fault, expected, clusters):
+    """D2 refuses the pages (a failed pull) or dies pulling them: the request re-prefills on a
+    live worker and completes with the same tokens; no block stays held anywhere."""
+    cluster = clusters("object_store")
+
+    def arm(d2) -> None:
+        if fault == "refused":
+            ray.get(d2.inject_transfer_faults.remote(1))
+        else:
+            ray.get(d2.inject_exit_on_pull.remote())
+    result, streamed, text, asked = run_moving(cluster, LONG, f"fail-{fault}", "other", arm)
+    assert asked
+    assert result.lifecycle.migration_fallbacks == 1 and result.lifecycle.migrations == 0
+    assert result.token_ids == expected == streamed
+    assert text == result.text
+    assert cluster.orchestrator.migrations["fallback"] >= 1
+    if fault == "died":
+        cluster.orchestrator.fleet.refresh()
+    _clean(cluster)
+
+
+def test_drain_under_load_moves_running_decodes_and_loses_nothing(tiny_reference):
+    """Scale decode workers 2 -> 1 while both decode: the drained worker's running requests
+    move with their KV (not recomputed), all complete with generate()'s tokens, the worker is
+    removed, and every hold on it ended with a release reason."""
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=1, num_decode=2,
+                                 flow=FlowConfig(policy="round_robin")))
+    try:
+        prompts = [random_prompt(20 + 7 * i, seed=100 + i) for i in range(6)]
+        want = [hf_greedy(tiny_reference, p, LONG.max_tokens) for p in prompts]
+        started = threading.Barrier(len(prompts) + 1)
+        results: list = [None] * len(prompts)
+
+        def one(i: int) -> None:
+            hit = []
+
+            def on_delta(d) -> None:
+                if not hit:
+                    hit.append(1)
+                    started.wait()
+            results[i] = cluster.run_request(prompts[i], LONG, on_delta=on_delta)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        started.wait()                  # every request is streaming
+        cluster.scale(decode=1, wait=True, timeout_s=120)
+        for t in threads:
+            t.join(120)
+        assert [r.token_ids for r in results] == want
+        moved = sum(r.lifecycle.migrations for r in results)
+        assert moved >= 1 and cluster.orchestrator.migrations["moved"] == moved
+        assert all(r.lifecycle.decode_worker != "decode-1" for r in results
+                   if r.lifecycle.migrations)
+        assert [cluster.orchestrator.fleet.worker_id(w) for w in cluster.decode] == ["decode-0"]
+        ledger = cluster.orchestrator.ledger
+        assert ledger.open_holds() == []          # every hold ended with a release reason
+        assert ledger.released[ACKED] >= moved
+        _clean(cluster)
+    finally:
+        cluster.shutdown()
