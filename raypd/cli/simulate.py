@@ -70,6 +70,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              "(--plan sweeps --colocated-budgets)")
         if args.max_tokens < 1 or args.max_decode_batch < 1:
             raise ValueError("--max-tokens and --max-decode-batch must be >= 1")
+        given = [d for d in AUTOSCALE_ONLY if getattr(args, d) != args.defaults[d]]
+        if given and not args.autoscale:
+            raise ValueError(f"{', '.join(_flags(given))}: only with --autoscale")
+        if args.autoscale:
+            given = [d for d, v in args.defaults.items()
+                     if d not in AUTOSCALE_OPTIONS and getattr(args, d) != v]
+            if given:
+                raise ValueError(f"{', '.join(_flags(given))}: not used by --autoscale (it "
+                                 "sizes the pools itself, up to --gpus, against the static "
+                                 "P:D splits of that size)")
+            if args.trace is None:
+                raise ValueError("a TRACE is needed")
+            return _autoscale(args, cost)
         if args.validate:
             given = [d for d, v in args.not_for_validate.items() if getattr(args, d) != v]
             if given:
@@ -188,15 +201,95 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                    help="a short replay on a real 1P+1D cluster here against the simulator "
                         "(cpu-here, calibrated here first unless --engine-json is given): "
                         "sim_vs_real_error")
+    p.add_argument("--autoscale", action="store_true",
+                   help="the autoscaler (router/autoscale.py) sizing P and D during the replay, "
+                        "up to --gpus in all, against every static P:D split of --gpus on the "
+                        "same requests (the trace scaled to the size as --plan does): "
+                        "worker-seconds and SLO attainment")
+    p.add_argument("--startup-s", type=float, default=30.0,
+                   help="--autoscale: seconds from a scale-up decision until the worker serves "
+                        "(default %(default)s: a GPU worker's launch and weight load)")
+    p.add_argument("--interval-s", type=float, default=5.0,
+                   help="--autoscale: evaluation interval (default %(default)s)")
+    p.add_argument("--cooldown-s", type=float, default=30.0,
+                   help="--autoscale: no scale-down of a role within this of its last change "
+                        "(default %(default)s)")
+    p.add_argument("--up-cooldown-s", type=float, default=10.0,
+                   help="--autoscale: no scale-up of a role within this of its last change "
+                        "(default %(default)s)")
+    p.add_argument("--initial", default=None, metavar="P:D",
+                   help="--autoscale: pool sizes at the start (default 1:1, the minimum)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--html", type=Path, default=None, metavar="PATH")
-    # what --validate does not use: given with it, refused (never accepted and ignored)
-    p.set_defaults(func=cmd_simulate, not_for_validate={
-        a.dest: a.default for a in p._actions if a.dest not in VALIDATE_OPTIONS})
+    # what --validate / --autoscale do not use: given with it, refused (never accepted and
+    # ignored)
+    defaults = {a.dest: a.default for a in p._actions if a.dest != "help"}
+    p.set_defaults(func=cmd_simulate, defaults=defaults, not_for_validate={
+        d: v for d, v in defaults.items() if d not in VALIDATE_OPTIONS})
     return p
 
 
 VALIDATE_OPTIONS = ("help", "validate", "gpu", "engine_json", "slo_ttft", "slo_tpot", "json")
+AUTOSCALE_ONLY = ("startup_s", "interval_s", "cooldown_s", "up_cooldown_s", "initial")
+AUTOSCALE_OPTIONS = (*AUTOSCALE_ONLY, "autoscale", "trace", "gpu", "model", "link",
+                     "engine_json", "policy", "slo_ttft", "slo_tpot", "rate_scale", "gpus",
+                     "plan_requests", "max_tokens", "max_decode_batch", "json")
+
+
+def _flags(dests) -> list[str]:
+    return ["TRACE" if d == "trace" else "--" + d.replace("_", "-") for d in dests]
+
+
+def _autoscale(args: argparse.Namespace, cost: CostModel) -> int:
+    """`simulate --autoscale`: per size in --gpus, the autoscaled replay against the static
+    P:D splits; a table on stdout, everything in --json."""
+    from raypd.sim.autoscale_sim import compare, compare_text
+    from raypd.sim.cluster_sim import ClusterConfig
+    from raypd.sim.planner import parse_gpus
+    from router.autoscale import AutoscaleConfig
+    initial = None
+    if args.initial is not None:
+        try:
+            p0, d0 = (int(x) for x in args.initial.split(":"))
+            if p0 < 1 or d0 < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--initial must be P:D with both >= 1, got {args.initial!r}") \
+                from None
+        initial = (p0, d0)
+    if args.startup_s < 0:
+        raise ValueError(f"--startup-s must be >= 0, got {args.startup_s}")
+    _positive("--rate-scale", args.rate_scale)
+    trace = load_trace(args.trace)
+    if not trace:
+        raise ValueError(f"{args.trace}: the trace is empty")
+    results = []
+    for g in parse_gpus(args.gpus):
+        cfg = AutoscaleConfig(enabled=True, min_prefill=1, max_prefill=g - 1, min_decode=1,
+                              max_decode=g - 1, max_total=g, ttft_s=args.slo_ttft,
+                              tpot_s=args.slo_tpot, interval_s=args.interval_s,
+                              cooldown_s=args.cooldown_s, up_cooldown_s=args.up_cooldown_s)
+        cfg.validate()
+        if initial and sum(initial) > g:
+            raise ValueError(f"--initial {args.initial}: more than --gpus {g}")
+        cluster = ClusterConfig(policy=args.policy, slo_ttft_s=args.slo_ttft,
+                                slo_tpot_s=args.slo_tpot, max_tokens=args.max_tokens,
+                                max_decode_batch=args.max_decode_batch)
+        results.append(compare(trace, cost, g, cfg, cluster, args.plan_requests,
+                               args.rate_scale, args.startup_s, initial))
+    header = (f"raypd simulate --autoscale  simulated ({cost.label}), trace "
+              f"{args.trace.name} (head {args.plan_requests} requests per 16 GPUs, replicated "
+              f"as --plan does), rate x{args.rate_scale:g}; SLO TTFT <= {args.slo_ttft:g} s, "
+              f"TPOT <= {args.slo_tpot:g} s; start-up {args.startup_s:g} s, interval "
+              f"{args.interval_s:g} s, cooldown {args.cooldown_s:g} s (up "
+              f"{args.up_cooldown_s:g} s), initial {args.initial or '1:1'}")
+    print(compare_text(results, header))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"label": f"simulated ({cost.label})",
+                                         "cost_model": cost.to_dict(), "sizes": results},
+                                        indent=2, default=str) + "\n")
+    return 0
 
 
 
