@@ -261,3 +261,18 @@ def test_simulate_autoscale_prints_the_table_and_writes_json(capsys, tmp_path):
     res = json.loads(out.read_text())["sizes"][0]
     assert res["gpus"] == 4 and res["best_static"] in res["static"]
     assert {"worker_seconds", "slo_attainment", "goodput_rps"} <= set(res["autoscaled"])
+
+
+def test_a_drained_decode_worker_migrates_its_running_sequences_and_nothing_is_lost():
+    """Long outputs: a decode worker drained after the burst still runs sequences; they move
+    to another decode worker (KV over its link) and finish there; every request ends."""
+    from raypd.sim.autoscale_sim import run_autoscaled
+    reqs = [r._replace(output_tokens=2000) for r in quiet_burst_quiet()]
+    cfg = AutoscaleConfig(enabled=True, min_prefill=1, max_prefill=7, min_decode=1,
+                          max_decode=7, max_total=8, ttft_s=2.0, tpot_s=0.1)
+    auto = run_autoscaled(reqs, gpu_cost_model("h100"),
+                          ClusterConfig(slo_ttft_s=2.0, slo_tpot_s=0.1, max_tokens=2048), cfg,
+                          startup_s=10.0)
+    assert auto["migrations"] >= 1 and auto["migrated_gb"] > 0
+    assert auto["scale_downs_by_role"]["decode"] >= 1
+    assert auto["served"] + auto["shed_total"] == len(reqs)
