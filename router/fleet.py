@@ -119,6 +119,13 @@ class Fleet:
             if worker_id in self.state:
                 self.state[worker_id].draining = True
 
+    def undrain(self, worker_id: str) -> None:
+        """A draining worker takes new requests again (a scale-down called off)."""
+        with self.lock:
+            self.draining.discard(worker_id)
+            if worker_id in self.state:
+                self.state[worker_id].draining = worker_id in self.unhealthy
+
     def remove_worker(self, worker_id: str) -> Any:
         """Forget a worker (drained, or dead); returns its handle."""
         with self.lock:

@@ -89,7 +89,9 @@ from router.worker_view import REPORT_INTERVAL_S, note_decode, note_prefill
 FAILURE_POLICIES = ("recompute", "fail")
 MOVED = object()            # a request's item stream: its decode moved to another worker
 MAX_MOVE_FALLBACKS = 8      # re-prefills after failed moves, per request
-PRESSURE_FREE_SHARE = 0.05  # migrate_on_kv_pressure: a decode worker this full sheds a request
+PRESSURE_FREE_SHARE = 0.05  # migrate_on_kv_pressure: a decode worker with fewer free blocks
+PRESSURE_BLOCKS_PER_SEQ = 4  # than this share of its pool, or than this many per running
+                             # sequence (each takes a block every block_size steps), sheds one
 ROOM_FREE_SHARE = 0.25      # ... to a decode worker with at least this share of its pool free
 MOVE_RETRY_S = 1.0          # a request whose move did not happen is asked again after this
 
@@ -685,10 +687,12 @@ class Orchestrator:
             record(outcome, cause)
 
     def relieve_kv_pressure(self) -> int:
-        """migrate_on_kv_pressure: for each live decode worker whose pool is nearly full
-        (free share under PRESSURE_FREE_SHARE, by its last report) while another has room
-        (ROOM_FREE_SHARE), ask its largest request to move, one move at a time per worker,
-        before its engine would have to preempt and recompute. Returns the moves asked."""
+        """migrate_on_kv_pressure: for each live decode worker whose pool is nearly full by its
+        last report (free blocks under PRESSURE_FREE_SHARE of the pool, or under
+        PRESSURE_BLOCKS_PER_SEQ per running sequence: its batch would exhaust them within a few
+        blocks' steps) while another has room (ROOM_FREE_SHARE), ask its largest request to
+        move, one move at a time per worker, before its engine would have to preempt and
+        recompute. Returns the moves asked."""
         fleet, asked = self.fleet, 0
         with fleet.lock:
             states = [st for st in fleet.states("decode") if not st.draining]
@@ -697,7 +701,9 @@ class Orchestrator:
         flights = self.in_flight_flights()
         now = time.monotonic()
         for st in states:
-            if not st.total_blocks or st.free_blocks >= PRESSURE_FREE_SHARE * st.total_blocks:
+            low = max(PRESSURE_FREE_SHARE * st.total_blocks,
+                      PRESSURE_BLOCKS_PER_SEQ * st.decode_batch)
+            if not st.total_blocks or not st.decode_batch or st.free_blocks >= low:
                 continue
             if not any(r.worker_id != st.worker_id for r in room):
                 continue

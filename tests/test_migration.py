@@ -176,3 +176,45 @@ def test_drain_under_load_moves_running_decodes_and_loses_nothing(tiny_reference
         _clean(cluster)
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.parametrize("migrate", [False, True])
+def test_kv_pressure_moves_a_decode_instead_of_preempting(migrate, tiny_reference):
+    """Two long requests start on decode-0 while decode-1 is draining; decode-0's pool cannot
+    hold both to the end (36 blocks of 32). decode-1 then takes requests again. Without
+    migrate_on_kv_pressure decode-0 preempts and recomputes; with it the router moves one to
+    decode-1 first: no preemption, the same tokens."""
+    engine = dict(ENGINE, num_blocks=32)
+    flow = FlowConfig(report_interval_s=0.02, migrate_on_kv_pressure=migrate)
+    cluster = PDCluster(PDConfig(engine=engine, num_prefill=1, num_decode=2, flow=flow))
+    try:
+        fleet = cluster.orchestrator.fleet
+        fleet.drain("decode-1")
+        shared = random_prompt(64, seed=5)
+        prompts = [shared + random_prompt(6, seed=6), shared + random_prompt(6, seed=7)]
+        sampling = SamplingParams(max_tokens=250, ignore_eos=True)
+        want = [hf_greedy(tiny_reference, p, sampling.max_tokens) for p in prompts]
+        streaming = [threading.Event(), threading.Event()]
+        results: list = [None, None]
+
+        def one(i: int) -> None:
+            results[i] = cluster.run_request(prompts[i], sampling,
+                                             on_delta=lambda d: streaming[i].set())
+        threads = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in streaming)
+        fleet.undrain("decode-1")
+        for t in threads:
+            t.join(120)
+        assert [r.token_ids for r in results] == want
+        preempted = sum(s.get("preemptions", 0) for s in cluster.stats())
+        moved = sum(r.lifecycle.migrations for r in results)
+        if migrate:
+            assert moved >= 1 and preempted == 0
+            assert {r.lifecycle.decode_worker for r in results} == {"decode-0", "decode-1"}
+        else:
+            assert moved == 0 and preempted >= 1   # the scenario does exhaust decode-0
+        _clean(cluster)
+    finally:
+        cluster.shutdown()
