@@ -194,7 +194,9 @@ class RaypdConfig:
                         threads_per_actor=self.engine.threads_per_worker,
                         prefill_resources=dict(w.prefill.resources),
                         decode_resources=dict(w.decode.resources), num_gpus_per_worker=w.num_gpus,
-                        max_restarts=w.max_restarts, flow=self.flow_config())
+                        max_restarts=w.max_restarts, flow=self.flow_config(),
+                        autoscale=self.router.autoscale if self.router.autoscale.enabled
+                        else None)
 
     def to_dict(self) -> dict:
         from dataclasses import asdict

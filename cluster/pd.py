@@ -11,11 +11,13 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 
 from ingress.backend import RouterView
 from kvtransfer.base import TRANSPORT_NAMES
+from router.autoscale import AutoscaleConfig
 from router.kv_timeline import HIT_WINDOW_S
 from router.orchestrator import FlowConfig, Orchestrator
 
@@ -38,6 +40,7 @@ class PDConfig:
     max_restarts: int = 3                 # Ray restarts a dead worker actor this many times
     fault_injection: bool = False         # workers/faults.py hosts (chaos bench, tests)
     flow: FlowConfig = field(default_factory=FlowConfig)
+    autoscale: AutoscaleConfig | None = None   # enabled: the live autoscaler sizes the pools
 
     def validate(self) -> None:
         if self.flow.transport not in TRANSPORT_NAMES:
@@ -48,6 +51,8 @@ class PDConfig:
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         self.flow.validate()
+        if self.autoscale is not None:
+            self.autoscale.validate()
 
 
 class PDCluster:
@@ -82,6 +87,8 @@ class PDCluster:
         self._scale_lock = threading.Lock()   # one scale() at a time
         self._closed = threading.Event()      # shutdown(): reapers stop
         self._reapers: list[threading.Thread] = []
+        self._born: dict[Any, float] = {}      # worker handle -> monotonic launch time
+        self._lived_s = 0.0                    # worker-seconds of the workers removed
         self.prefill = [self._launch("prefill") for _ in range(cfg.num_prefill)]
         self.decode = [self._launch("decode") for _ in range(cfg.num_decode)]
         self.workers = self.prefill + self.decode
@@ -102,16 +109,32 @@ class PDCluster:
         self._ensure_rdt_group()
         ids = {w: i["worker_id"] for w, i in zip(self.workers, self.info, strict=True)}
         from router.metrics import RouterMetrics
+        metrics = RouterMetrics()
         self.orchestrator = Orchestrator(self.prefill, self.decode, self.flow, ids,
-                                         metrics=RouterMetrics())
+                                         metrics=metrics)
         self.run_request = self.orchestrator.run_request
         self.generate = self.orchestrator.generate
         self.abort = self.orchestrator.abort
+        self.autoscaler = None
+        if cfg.autoscale is not None and cfg.autoscale.enabled:
+            from cluster.autoscaler import LiveAutoscaler
+            self.autoscaler = LiveAutoscaler(self, cfg.autoscale, metrics=metrics)
+            self.orchestrator.request_window = self.autoscaler.window
+            self.autoscaler.start()
 
     def _launch(self, role: str):
         i = self._next_index[role]
         self._next_index[role] += 1
-        return self._classes[role].remote(f"{role}-{i}", **self._args)
+        w = self._classes[role].remote(f"{role}-{i}", **self._args)
+        self._born[w] = time.monotonic()
+        return w
+
+    def worker_seconds(self) -> float:
+        """Seconds each worker actor lived, summed: from its launch (model load included) to
+        its removal, or to now (draining ones included)."""
+        now = time.monotonic()
+        with self._lock:
+            return self._lived_s + sum(now - t for t in self._born.values())
 
     def _ensure_rdt_group(self) -> None:
         if self.flow.transport == "rdt" and self.prefill:
@@ -135,6 +158,12 @@ class PDCluster:
                 fleet = self.orchestrator.fleet
                 with self._lock:
                     live = [w for w in group if fleet.worker_id(w) not in fleet.draining]
+                    back = [w for w in group if fleet.worker_id(w) in fleet.draining]
+                # a draining worker is taken back before a new one is launched (its reaper
+                # sees it is no longer draining and leaves it)
+                for w in back[:max(0, want - len(live))]:
+                    fleet.undrain(fleet.worker_id(w))
+                    live.append(w)
                 # new workers load their model in parallel, with no lock held: stats(),
                 # routing and reaping go on meanwhile
                 new = [self._launch(role) for _ in range(want - len(live))]
@@ -167,6 +196,8 @@ class PDCluster:
         w = o.fleet.handle(worker_id)
         decode = o.fleet.role_of(worker_id) == "decode"
         while time.monotonic() < deadline and not self._closed.is_set():
+            if worker_id not in o.fleet.draining:     # taken back by a scale-up
+                return
             if decode:
                 o.move_off(worker_id, cause="drain")
             try:
@@ -183,6 +214,9 @@ class PDCluster:
                 if w in group:
                     group.remove(w)
             self.info = [i for i in self.info if i["worker_id"] != worker_id]
+            born = self._born.pop(w, None)
+            if born is not None:
+                self._lived_s += time.monotonic() - born
         try:
             ray.kill(w, no_restart=True)
         except Exception:
@@ -194,7 +228,9 @@ class PDCluster:
         return RouterView(policy=o.policy.name, decisions=dict(o.decisions),
                           in_flight=len(o.in_flight()), retries=o.retries,
                           draining=frozenset(o.fleet.draining),
-                          unhealthy=frozenset(o.fleet.unhealthy))
+                          unhealthy=frozenset(o.fleet.unhealthy),
+                          migrations=dict(o.migrations),
+                          autoscale=self.autoscaler.to_dict() if self.autoscaler else None)
 
     def request_traces(self):
         return self.orchestrator.traces
@@ -262,6 +298,8 @@ class PDCluster:
         """Kill every worker; returns once no thread of this cluster calls Ray any more (a Ray
         call after ray.shutdown() would quietly start a new local Ray)."""
         self._closed.set()
+        if self.autoscaler is not None:
+            self.autoscaler.stop(wait_s=5)
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)

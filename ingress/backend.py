@@ -41,6 +41,8 @@ class RouterView:
     retries: int = 0                                           # re-runs after worker deaths
     draining: frozenset[str] = frozenset()                     # worker ids
     unhealthy: frozenset[str] = frozenset()                    # worker ids
+    migrations: dict[str, int] = field(default_factory=dict)   # live moves by outcome
+    autoscale: dict | None = None      # the autoscaler's state (None: off; cluster/autoscaler.py)
 
 
 @runtime_checkable

@@ -139,6 +139,8 @@ class Operations:
                   "peak_in_flight": peak,
                   "backend_in_flight": view.in_flight if view else None,
                   "retries": view.retries if view else 0,
+                  "migrations": dict(view.migrations) if view else {},
+                  "autoscale": view.autoscale if view else None,
                   "live": {role: sum(a["role"] == role and a["state"] == "active"
                                      for a in actors) for role in ("prefill", "decode")},
                   "draining": sorted(draining & rows.keys()),

@@ -131,6 +131,9 @@ ROUTER_METRICS = {
                                "outcome (moved: its KV went with it; fallback: the move failed "
                                "and it re-prefilled elsewhere; unplaced: no worker had room, it "
                                "stayed) and cause (drain, kv_pressure, rebalance)",
+    "raypd_autoscale_workers": "the autoscaler's view of each pool at its last evaluation, by "
+                               "role and kind (live, starting, draining, target)",
+    "raypd_autoscale_decisions": "autoscaler evaluations by role and direction (up, down, hold)",
 }
 
 
@@ -138,14 +141,16 @@ COUNTER_NAMES = (*WORKER_COUNTERS, *WORKER_REASON_COUNTERS, *WORKER_ADAPTER_COUN
                  *WORKER_REQUEST_COUNTERS,
                  "raypd_router_requests", "raypd_router_decisions",
                  "raypd_router_pair_transfer_bytes", "raypd_router_pair_transfer_seconds",
-                 "raypd_router_hash_drift_alarms")
+                 "raypd_router_hash_drift_alarms", "raypd_router_migrations",
+                 "raypd_autoscale_decisions")
 
 
 HISTOGRAM_NAMES = (*WORKER_HISTOGRAMS, "raypd_router_request_seconds",
                    "raypd_router_stage_seconds")
 
 
-GAUGE_NAMES = (*WORKER_GAUGES, "raypd_router_in_flight", "raypd_router_hash_drift")
+GAUGE_NAMES = (*WORKER_GAUGES, "raypd_router_in_flight", "raypd_router_hash_drift",
+               "raypd_autoscale_workers")
 
 
 METRIC_NAMES = (*WORKER_GAUGES, *WORKER_COUNTERS, *WORKER_REASON_COUNTERS,

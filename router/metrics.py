@@ -52,6 +52,28 @@ class RouterMetrics:
                                   tag_keys=(*ROUTER_TAGS, "outcome", "cause")
                                   ).set_default_tags(tags)
 
+        self.autoscale_workers = Gauge("raypd_autoscale_workers",
+                                       ROUTER_METRICS["raypd_autoscale_workers"],
+                                       tag_keys=(*ROUTER_TAGS, "role", "kind")
+                                       ).set_default_tags(tags)
+        self.autoscale_decisions = Counter("raypd_autoscale_decisions",
+                                           ROUTER_METRICS["raypd_autoscale_decisions"],
+                                           tag_keys=(*ROUTER_TAGS, "role", "direction")
+                                           ).set_default_tags(tags)
+
+    def record_autoscale(self, decision: Any) -> None:
+        """One autoscaler evaluation (router/autoscale.py Decision): each pool's live,
+        starting, draining and target sizes, and the direction it took per role."""
+        obs = decision.observation
+        for r in decision.roles:
+            for kind in ("workers", "starting", "draining"):
+                self.autoscale_workers.set(float(getattr(obs, f"{r.role}_{kind}")),
+                                           tags={"role": r.role,
+                                                 "kind": "live" if kind == "workers" else kind})
+            self.autoscale_workers.set(float(r.target), tags={"role": r.role, "kind": "target"})
+            direction = "hold" if not r.changed else "up" if r.target > r.current else "down"
+            self.autoscale_decisions.inc(1, tags={"role": r.role, "direction": direction})
+
     def record_migration(self, outcome: str, cause: str) -> None:
         """One live move of a running decode ended with `outcome` (moved, fallback, unplaced)."""
         self.migrations.inc(1, tags={"outcome": outcome, "cause": cause})

@@ -153,6 +153,7 @@ class Orchestrator:
         # that outlives a decode worker's restart (chaos checks corruption against it)
         self.recent_rejections: deque[tuple[str, str, str]] = deque(maxlen=4096)
         self.ledger = HandoffLedger()            # both sides' handoff holds, router's view
+        self.request_window = None               # the autoscaler's RequestWindow (None: off)
         self._block_size = 16                    # learned from the first admission
         self.metrics = metrics or _NoMetrics()
         self._flights: dict[str, Flight] = {}
@@ -256,7 +257,17 @@ class Orchestrator:
             self._flights[rid] = flight
             self.metrics.set_in_flight(len(self._flights))
         self.traces.start(rid)  # trace hook
-        t0, status = time.monotonic(), 500
+        t0, status, result = time.monotonic(), 500, None
+        window, first_at = self.request_window, []
+        if window is not None:        # the autoscaler's view: TTFT as the client sees it
+            window.arrive(t0, _prompt_tokens(prompt), sampling.max_tokens)
+            client_delta = on_delta
+
+            def on_delta(d: TokenDelta) -> None:
+                if not first_at:
+                    first_at.append(time.monotonic())
+                if client_delta is not None:
+                    client_delta(d)
         try:
             deadline = time.time() + (timeout_s or self.cfg.request_timeout_s)
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -279,6 +290,8 @@ class Orchestrator:
                 self.metrics.set_in_flight(len(self._flights))
             self.metrics.record_request(status, time.monotonic() - t0)
             self.traces.finish(rid, status)  # trace hook
+            if window is not None:
+                _window_end(window, t0, first_at, result, status == 200)
 
     def _run_with_retries(self, flight: Flight, request: RequestInput,
                           on_delta: Callable[[TokenDelta], None] | None) -> RequestResult:
@@ -816,6 +829,27 @@ def _next_delta(inbox: Any, timeout: float) -> RequestDelta | MoveSignal:
     if item.error is not None:
         raise StepFailed(item.error)
     return item
+
+
+def _prompt_tokens(prompt: Any) -> int:
+    """A prompt's length before tokenization: exact for token ids, ~3 characters a token
+    for text (the router tokenizes nothing; the window's means are estimates for text)."""
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    return max(1, len(str(prompt)) // 3)
+
+
+def _window_end(window: Any, t0: float, first_at: list[float], result: RequestResult | None,
+                ok: bool) -> None:
+    """A request's end into the autoscaler's window: TTFT from its arrival at the router to
+    its first token at the client, TPOT over the rest; a failed request counts as a miss."""
+    now = time.monotonic()
+    lc = result.lifecycle if result is not None else None
+    n = len(result.token_ids) if result is not None else 0
+    ttft = first_at[0] - t0 if first_at else None
+    tpot = (now - first_at[0]) / (n - 1) if first_at and n > 1 else None
+    window.record(now, lc.prompt_tokens if lc else 0, lc.cached_tokens if lc else 0, n, ttft,
+                  tpot, ok and lc is not None)
 
 
 def _aborted(flight: Flight) -> RequestAborted:

@@ -142,9 +142,35 @@ def format_status(stats: dict) -> str:
                  f"{', '.join(r.get('draining') or []) or 'none'}, unhealthy: "
                  f"{', '.join(r.get('unhealthy') or []) or 'none'}, retries {r.get('retries')}")
     lines.append(f"requests by status: {reqs}")
+    moves = r.get("migrations") or {}
+    if any(moves.values()):
+        lines.append("live migrations: " + ", ".join(f"{k} {v}" for k, v in moves.items()))
+    lines.extend(autoscale_lines(r.get("autoscale")))
     if stats.get("stats_error"):
         lines.append(f"warning: {stats['stats_error']}")
     return "\n".join(lines)
+
+
+def autoscale_lines(a: dict | None) -> list[str]:
+    """The autoscaler's part of `raypd status`: off, or its bounds, counts and last decision
+    with the reason per role."""
+    if not a:
+        return ["autoscale: off"]
+    c = a.get("config", {})
+    ups, downs = a.get("scale_ups", {}), a.get("scale_downs", {})
+    out = [f"autoscale: on (prefill {c.get('min_prefill')}..{c.get('max_prefill')}, decode "
+           f"{c.get('min_decode')}..{c.get('max_decode')}; SLO TTFT {c.get('ttft_s')} s, TPOT "
+           f"{c.get('tpot_s')} s at p{c.get('percentile'):g}); scale-ups prefill "
+           f"{ups.get('prefill', 0)} decode {ups.get('decode', 0)}, scale-downs prefill "
+           f"{downs.get('prefill', 0)} decode {downs.get('decode', 0)}; starting "
+           f"{a.get('starting')}" + (f"; last scale error: {a['last_error']}"
+                                      if a.get("last_error") else "")]
+    last = a.get("last")
+    if last:
+        for role, r in (last.get("roles") or {}).items():
+            out.append(f"  last decision, {role}: {r.get('current')} -> {r.get('target')} "
+                       f"({r.get('reason')})")
+    return out
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -55,6 +55,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--transport", help="transfer.transport")
     p.add_argument("--policy", help="router.policy")
     p.add_argument("--max-inflight", type=int, help="router.max_inflight (then 429)")
+    p.add_argument("--autoscale", action="store_true",
+                   help="router.autoscale.enabled: size the prefill and decode pools from the "
+                        "SLOs and the load (bounds, SLOs, cooldowns: router.autoscale.*); a "
+                        "pool shrinks by draining a worker, its running decodes move away")
     add_device_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
@@ -74,6 +78,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
             "workers.prefill.count": g("prefill"), "workers.decode.count": g("decode"),
             "transfer.transport": g("transport"), "router.policy": g("policy"),
             "router.max_inflight": g("max_inflight"),
+            "router.autoscale.enabled": True if g("autoscale") else None,
             "model.lora_adapters": lora_adapters_from_args(args),
             "engine.device": g("device"),
             "engine.cuda_graphs": False if g("no_cuda_graphs") else None}
