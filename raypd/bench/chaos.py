@@ -46,13 +46,15 @@ def _workload(n: int, seed: int, vocab: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def _references(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Stock transformers generate(), greedy, one prompt at a time, own copy of the model."""
+def references(model: str, prompts: list[list[int]], max_tokens: int,
+               ignore_eos: bool = False) -> list[list[int]]:
+    """Stock transformers generate(), greedy, one prompt at a time, own copy of the model
+    (`ignore_eos`: exactly max_tokens each, as SamplingParams.ignore_eos decodes)."""
     import torch
 
     from workers.model_loader import load_model
     hf, _, info = load_model(model)
-    eos = list(info.eos_token_ids) or None
+    eos = None if ignore_eos else list(info.eos_token_ids) or None
     out = []
     with torch.inference_mode():
         for p in prompts:
@@ -289,7 +291,7 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
     vocab = min(load_model(model)[2].vocab_size, 30000)
     prompts = _workload(requests, seed, vocab)
     sampling = SamplingParams(max_tokens=max_tokens)
-    reference = _references(model, prompts, max_tokens)
+    reference = references(model, prompts, max_tokens)
 
     started_ray = not ray.is_initialized()
     if started_ray:

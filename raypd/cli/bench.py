@@ -54,6 +54,29 @@ def register(sub) -> None:
     bc.add_argument("--json", metavar="PATH")
     bc.set_defaults(func=cmd_bench_chaos)
 
+    ba = bsub.add_parser("autoscale", help="a live run with the autoscaler on (quiet, burst, "
+                         "quiet) against the best static P:D of its peak size (exit 1 unless: "
+                         "0 lost, 0 leaked, 0 mismatches, a scale-down that migrated, SLO "
+                         "attainment within 5 points of static with fewer worker-seconds)")
+    ba.add_argument("--model", default="tiny")
+    ba.add_argument("--quiet-rps", type=float, default=1.0)
+    ba.add_argument("--burst-rps", type=float, default=25.0)
+    ba.add_argument("--quiet-s", type=float, default=10.0, help="the first quiet phase")
+    ba.add_argument("--burst-s", type=float, default=20.0)
+    ba.add_argument("--tail-s", type=float, default=20.0, help="the quiet phase after it")
+    ba.add_argument("--max-tokens", type=int, default=256)
+    ba.add_argument("--slo-ttft-s", type=float, default=0.25)
+    ba.add_argument("--slo-tpot-s", type=float, default=0.012)
+    ba.add_argument("--max-prefill", type=int, default=2)
+    ba.add_argument("--max-decode", type=int, default=3)
+    ba.add_argument("--max-statics", type=int, default=2,
+                    help="static splits of the autoscaled peak size tried (its own first)")
+    ba.add_argument("--initial", default="1:2", metavar="P:D",
+                    help="the autoscaled cluster's size at start (the deployment's config)")
+    ba.add_argument("--seed", type=int, default=0)
+    ba.add_argument("--json", metavar="PATH")
+    ba.set_defaults(func=cmd_bench_autoscale)
+
     add_bench_routing_parser(bsub)
     add_bench_transfer_parser(bsub)
     add_bench_disagg_parser(bsub)
@@ -83,6 +106,33 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
     emit(result, args)
     for why in result["failures"]:
         print(f"chaos: FAILED: {why}", file=sys.stderr)
+    return 0 if result["passed"] else 1
+
+
+def _sizes(text: str) -> tuple[int, int]:
+    """"1:2" -> (1, 2): prefill and decode workers (P >= 0, D >= 1)."""
+    try:
+        p, d = (int(x) for x in text.split(":"))
+        if p < 0 or d < 1:
+            raise ValueError
+        return p, d
+    except ValueError:
+        raise ValueError(f"--initial must be P:D with P >= 0 and D >= 1, got {text!r}") \
+            from None
+
+
+def cmd_bench_autoscale(args: argparse.Namespace) -> int:
+    from raypd.bench.autoscale import run_autoscale_bench, summary_text
+    result = run_autoscale_bench(
+        model=args.model, quiet_rps=args.quiet_rps, burst_rps=args.burst_rps,
+        quiet_s=args.quiet_s, burst_s=args.burst_s, tail_s=args.tail_s,
+        max_tokens=args.max_tokens, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
+        max_prefill=args.max_prefill, max_decode=args.max_decode,
+        max_statics=args.max_statics, seed=args.seed, initial=_sizes(args.initial))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    print(summary_text(result))
     return 0 if result["passed"] else 1
 
 
