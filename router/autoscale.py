@@ -37,7 +37,8 @@ A role without a fit (no worker measured its speed yet) holds its size and says 
 
 Cooldowns (per role, from its last change): `up_cooldown_s` before another scale-up (shorter:
 a burst must be met; workers still starting count in the size, so this does not overshoot),
-`cooldown_s` before a scale-down (longer: a pool grown for a burst stays while it may return).
+`cooldown_s` before a scale-down (longer: a pool grown for a burst stays while it may return),
+and a scale-down only when every plan of the last `cooldown_s` asked for fewer.
 """
 
 from __future__ import annotations
@@ -507,7 +508,10 @@ class Controller:
     """Decides every `interval_s` (the caller's clock: `due(now)`, then `decide(obs, now)`).
     Invariants of every Decision: min <= size <= max per role (a size outside is brought
     back first, even without a fit), prefill + decode <= max_total when set, a scale-down
-    is one worker, and no role changes within its cooldown of its last change."""
+    is one worker, no role changes within its cooldown of its last change, and a pool
+    shrinks only when every plan of the last `cooldown_s` asked for fewer workers (the
+    stabilization window Kubernetes' autoscaler uses for scale-down: one low reading inside a
+    burst does not drain a worker that the next reading wants back)."""
 
     def __init__(self, cfg: AutoscaleConfig) -> None:
         cfg.validate()
@@ -518,6 +522,9 @@ class Controller:
         self.scale_downs = {r: 0 for r in ROLES}
         self._last_eval: float | None = None
         self._lock = threading.Lock()
+        # per role, (time, planned size) of the evaluations of the last cooldown_s: a pool
+        # shrinks only when every one of them asked for fewer (a dip inside a burst does not)
+        self._planned: dict[str, deque[tuple[float, int]]] = {r: deque() for r in ROLES}
 
     def due(self, now: float) -> bool:
         return self._last_eval is None or now - self._last_eval >= self.cfg.interval_s - 1e-9
@@ -546,6 +553,11 @@ class Controller:
         lo, hi = self.cfg.bounds(p.role)
         cur, want, reason = p.current, p.target, p.reason
         since = now - self.last_change.get(p.role, -math.inf)
+        planned = self._planned[p.role]
+        planned.append((now, p.target))
+        while planned and planned[0][0] < now - self.cfg.cooldown_s:
+            planned.popleft()
+        stable = max(t for _, t in planned)    # the most any plan of the window asked for
         if cur < lo:
             want, reason = lo, f"below min_{p.role} {lo}"
         elif cur > hi:
@@ -556,6 +568,9 @@ class Controller:
                 want = cur - 1          # down one worker at a time
                 if since < self.cfg.cooldown_s:
                     want, reason = cur, f"hold (cooldown {self.cfg.cooldown_s:g} s): {reason}"
+                elif stable >= cur:
+                    want, reason = cur, f"hold (a plan of the last {self.cfg.cooldown_s:g} s " \
+                                        f"asked for {stable}): {reason}"
             elif want > cur and since < self.cfg.up_cooldown_s:
                 want, reason = cur, f"hold (up cooldown {self.cfg.up_cooldown_s:g} s): " \
                                     f"{reason}"

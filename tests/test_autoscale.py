@@ -276,3 +276,17 @@ def test_a_drained_decode_worker_migrates_its_running_sequences_and_nothing_is_l
     assert auto["migrations"] >= 1 and auto["migrated_gb"] > 0
     assert auto["scale_downs_by_role"]["decode"] >= 1
     assert auto["served"] + auto["shed_total"] == len(reqs)
+
+
+def test_one_low_reading_inside_a_burst_does_not_shrink_the_pool():
+    """Plans at 110 and 120 still want the burst's size; the one at 131 reads low (past the
+    cooldown since the change at 100): held, since a plan of the last cooldown_s wanted more.
+    Once every plan of the window is low, the pool shrinks by one."""
+    ctrl = Controller(CFG)
+    assert decide(ctrl, 2, 2, rate=30.0, now=100.0).prefill == 5
+    for now in (110.0, 120.0):
+        assert not decide(ctrl, 5, 2, rate=30.0, now=now).roles[0].changed
+    held = decide(ctrl, 5, 2, rate=1.0, now=131.0)
+    assert held.prefill == 5 and "asked for 5" in held.prefill_reason
+    assert decide(ctrl, 5, 2, rate=1.0, now=141.0).prefill == 5   # 120's plan: in the window
+    assert decide(ctrl, 5, 2, rate=1.0, now=151.0).prefill == 4   # every plan since 121: low
