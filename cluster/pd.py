@@ -222,6 +222,19 @@ class PDCluster:
         except Exception:
             pass
 
+    def migrate(self, request_id: str, to: str | None = None) -> bool:
+        """Move a request's running decode to decode worker `to` (None: the policy's pick)
+        with its KV, sampler state and stream position (rebalancing by hand); False when the
+        request is not on a decode worker now or already moving (LookupError: not in flight;
+        ValueError: `to` is not a live decode worker)."""
+        fleet = self.orchestrator.fleet
+        if request_id not in self.orchestrator.in_flight():
+            raise LookupError(f"request_id: {request_id!r} is not in flight")
+        if to is not None and (fleet.role_of(to) != "decode" or not fleet.takes_requests(to)):
+            live = ", ".join(fleet.worker_id(w) for w in fleet.live("decode"))
+            raise ValueError(f"to: {to!r} is not a live decode worker (live: {live})")
+        return self.orchestrator.migrate(request_id, target=to, cause="rebalance")
+
     # ---- what the ingress's operations routes ask (ingress/backend.py) -------------------------
     def router_view(self) -> RouterView:
         o = self.orchestrator

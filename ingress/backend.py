@@ -56,6 +56,11 @@ class OperatedBackend(Backend, Protocol):
               wait: bool = False, timeout_s: float = 600.0) -> dict[str, int]:
         """Add workers, or drain the newest ones; returns the live counts per role."""
 
+    def migrate(self, request_id: str, to: str | None = None) -> bool:
+        """Ask a request's running decode to move to decode worker `to` (None: the policy's
+        pick) with its KV; False when it is not on a decode worker now or already moving
+        (LookupError: not in flight; ValueError: `to` is not a live decode worker)."""
+
     def report_params(self) -> dict:
         """The fixed parameters a report records (model, dtypes, pool, counts, transport)."""
 

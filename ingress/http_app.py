@@ -3,7 +3,8 @@
     app = build_app(cluster, IngressSettings(model_name="smollm2"))
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not), GET /v1/models
-(scope inference); GET /api/stats, GET /api/kv_timeline, GET /admin/status, POST /admin/scale
+(scope inference); GET /api/stats, GET /api/kv_timeline, GET /admin/status, POST /admin/scale,
+POST /admin/migrate
 (scope admin: a JSON body, bounded counts), GET /metrics (admin when `protect_metrics`),
 GET /health, GET /dashboard. The body is read here within `server.limits` (413 / 408 / 400), parsed by
 openai_protocol.py, run by http_jobs.py and answered by http_answers.py.
@@ -165,14 +166,21 @@ class HttpIngress:
         self.authorize(request, "admin")
         return await self.ops.api_kv_timeline(dict(request.query_params))
 
-    async def admin_scale(self, request: Request) -> Response:
+    async def admin_body(self, request: Request) -> dict:
+        """An admin route's JSON body (admin scope, application/json)."""
         self.authorize(request, "admin")
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             raise IngressError(415, f"Content-Type: must be application/json, got "
                                f"{ctype or 'none'}", code="unsupported_media_type")
-        return await self.ops.admin_scale(await self.read_json(request),
+        return await self.read_json(request)
+
+    async def admin_scale(self, request: Request) -> Response:
+        return await self.ops.admin_scale(await self.admin_body(request),
                                           self.settings.limits.max_scale_workers)
+
+    async def admin_migrate(self, request: Request) -> Response:
+        return await self.ops.admin_migrate(await self.admin_body(request))
 
     async def render_metrics(self, request: Request) -> Response:
         if self.settings.protect_metrics:
@@ -218,6 +226,8 @@ def build_app(backend: Any, settings: IngressSettings, *,
     app.add_api_route("/dashboard", dashboard, methods=["GET"])
     app.add_api_route("/admin/status", route("admin_status", ing.api_stats), methods=["GET"])
     app.add_api_route("/admin/scale", route("admin_scale", ing.admin_scale), methods=["POST"])
+    app.add_api_route("/admin/migrate", route("admin_migrate", ing.admin_migrate),
+                      methods=["POST"])
     add_trace_routes(app, route, ing.authorize,   # /v1/requests/{id}/trace, /api/traces
                      lambda: backend.request_traces()
                      if isinstance(backend, OperatedBackend) else None)

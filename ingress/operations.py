@@ -218,6 +218,34 @@ class Operations:
                              "draining": sorted(self.backend.router_view().draining),
                              "seconds": round(time.monotonic() - t0, 3)})
 
+    # ---- /admin/migrate ----
+    async def admin_migrate(self, body: dict) -> Response:
+        """{"request_id": ID, "to": WORKER (optional)} -> the request's running decode moves
+        to that decode worker (or the policy's pick) with its KV; 409 when it is not decoding
+        now (queued, prefilling, ended) or already moving, 404 when not in flight."""
+        if not isinstance(self.backend, OperatedBackend):
+            raise IngressError(501, "this backend cannot migrate", code="not_supported")
+        unknown = sorted(set(body) - {"request_id", "to"})
+        if unknown:
+            raise IngressError(400, f"{unknown[0]}: unknown field (expected request_id, to)",
+                               param=unknown[0])
+        rid, to = body.get("request_id"), body.get("to")
+        if not isinstance(rid, str) or not rid:
+            raise IngressError(400, "request_id: must be a request id string", param="request_id")
+        if to is not None and not isinstance(to, str):
+            raise IngressError(400, "to: must be a worker id string", param="to")
+        loop = asyncio.get_running_loop()
+        try:
+            asked = await loop.run_in_executor(None, lambda: self.backend.migrate(rid, to))
+        except LookupError as e:
+            raise IngressError(404, str(e), param="request_id", code="not_found") from None
+        except ValueError as e:
+            raise IngressError(400, str(e), param="to") from None
+        if not asked:
+            raise IngressError(409, f"request {rid!r} is not on a decode worker now, or is "
+                               "already moving", code="conflict")
+        return JSONResponse({"request_id": rid, "to": to, "asked": True})
+
     async def dashboard(self) -> Response:
         return HTMLResponse(DASHBOARD_HTML.read_text(encoding="utf-8"),
                             headers={"Cache-Control": "no-store"})

@@ -1,7 +1,8 @@
 """`raypd status` and `raypd scale` against an in-process server (tiny model, 1P + 1D): the
 status table has a row per actor; scaling 1+1 -> 2+2 -> 1+1 while requests run loses none of
-them (each gets the same greedy answer as before scaling), the router shows the drained
-workers draining and then removes them; errors (no server, wrong key) exit 2."""
+them (each gets the same greedy answer as before scaling), a drained decode worker's running
+request moves to the other, the router shows the drained workers draining and then removes
+them; `raypd migrate` moves a streaming request; errors (no server, wrong key) exit 2."""
 
 from __future__ import annotations
 
@@ -126,13 +127,17 @@ def test_scale_up_and_down_while_requests_run_loses_none(server, capsys):
         out = capsys.readouterr().out
         assert "live: 1 prefill + 1 decode" in out and "draining" in out and "decode-1" in out
         rows = status_table(server, capsys)
-        assert rows["decode-1"][3] == "draining" and rows["decode-0"][3] == "active"
+        assert rows["decode-0"][3] == "active"
+        # decode-1's running long request moves to decode-0 with its KV (live migration), so
+        # decode-1 may already be gone
+        assert "decode-1" not in rows or rows["decode-1"][3] == "draining"
         time.sleep(1.5)                  # traffic meanwhile goes to the active workers only
         later = [q for q in _requests(server) if q["arrival"] > drained_at]
         assert later and {q["decode_worker"] for q in later} == {"decode-0"}
         assert {q["prefill_worker"] for q in later} <= {"prefill-0"}
 
-        for r in long_streams:           # its last request ends (client gone: aborted)
+        assert server.backend.orchestrator.migrations["moved"] >= 1   # not aborted: moved
+        for r in long_streams:           # the long requests end (client gone: aborted)
             r.close()
         long_streams.clear()
         deadline = time.monotonic() + 60
@@ -196,3 +201,45 @@ def test_no_server_is_a_clear_error_and_exit_2(capsys):
         assert raypd(*argv, "--url", f"http://127.0.0.1:{port}") == 2
         err = capsys.readouterr().err
         assert "cannot connect" in err and "raypd serve" in err, err
+
+
+def test_migrate_moves_a_streaming_request_and_refuses_what_it_cannot_move(server, capsys):
+    """`raypd migrate ID --to W` moves a streaming request's decode to W with its KV: the
+    client's stream goes on with generate()'s greedy tokens, none lost or repeated; an id not
+    in flight is 404, a worker that is not a live decode worker 400."""
+    key = ("--api-key", KEY)
+    assert raypd("scale", "--url", server.url, *key, "--decode", "2") == 0
+    capsys.readouterr()
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 600, "ignore_eos": True,
+            "temperature": 0}
+    whole = requests.post(server.url + "/v1/completions", timeout=120, json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}).json()
+    r = requests.post(server.url + "/v1/completions", stream=True, timeout=120,
+                      json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"})
+    rid = r.headers["X-Request-Id"]
+    flights = server.backend.orchestrator
+    lines = r.iter_lines()
+    text = []
+    for line in lines:                       # the first token: it decodes now
+        if line.startswith(b"data: {"):
+            text.append(json.loads(line[6:])["choices"][0]["text"])
+            break
+    here = flights.fleet.worker_id(flights._flights[rid].decode)
+    there = "decode-1" if here == "decode-0" else "decode-0"
+    moved_before = flights.migrations["moved"]
+    assert raypd("migrate", rid, "--to", there, "--url", server.url, *key) == 0
+    for line in lines:
+        if line.startswith(b"data: {"):
+            text.append(json.loads(line[6:])["choices"][0]["text"])
+    assert "".join(text) == whole["choices"][0]["text"]
+    assert flights.migrations["moved"] == moved_before + 1
+    assert raypd("migrate", "no-such-request", "--url", server.url, *key) == 2
+    assert "404" in capsys.readouterr().err
+    r2 = requests.post(server.url + "/v1/completions", stream=True, timeout=120,
+                       json={**body, "stream": True}, headers={"Authorization": f"Bearer {KEY}"})
+    assert raypd("migrate", r2.headers["X-Request-Id"], "--to", "prefill-0", "--url",
+                 server.url, *key) == 2
+    assert "400" in capsys.readouterr().err
+    r2.close()
+    assert raypd("scale", "--url", server.url, *key, "--decode", "1", "--wait") == 0

@@ -1,13 +1,17 @@
-"""`raypd status` and `raypd scale`: operate a running `raypd serve` over HTTP.
+"""`raypd status`, `raypd scale` and `raypd migrate`: operate a running `raypd serve` over HTTP.
 
     raypd status [--url http://127.0.0.1:8000] [--json]
     raypd scale --prefill 2 --decode 2 [--wait]
+    raypd migrate REQUEST_ID [--to decode-1]
 
 `status` reads /api/stats and prints one row per worker actor (role, node, state, queue,
 KV blocks used/total, prefix hit rate) and a router summary; it exits 1 when a worker is
 unhealthy. `scale` posts the wanted worker counts to /admin/scale: new workers are launched
 (the call returns once they serve), surplus ones drain (no new requests; removed once their
-requests finish; --wait returns only then). Both send the API key (--api-key, else
+requests finish; --wait returns only then; a draining decode worker's running requests move
+to the others with their KV). `migrate` asks /admin/migrate to move one running request's
+decode to another decode worker with its KV (404: not in flight; 409: not decoding now).
+All send the API key (--api-key, else
 $RAYPD_API_KEY) as a bearer token. A server that cannot be reached, or that refuses, is
 an error (exit 2). Only HTTP here: no Ray, no torch.
 """
@@ -36,7 +40,7 @@ def register(sub) -> None:
 
 
 def add_ops_parsers(subparsers: Any) -> None:
-    """Register `status` and `scale` on the `raypd` subparsers."""
+    """Register `status`, `scale` and `migrate` on the `raypd` subparsers."""
     st = subparsers.add_parser("status", help="show every worker actor of a running server",
                                description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,6 +58,16 @@ def add_ops_parsers(subparsers: Any) -> None:
                     help="return only once the drained workers are removed")
     sc.add_argument("--json", action="store_true", help="print the server's answer as JSON")
     sc.set_defaults(func=cmd_scale)
+
+    mg = subparsers.add_parser("migrate", help="move a running request's decode to another "
+                               "decode worker with its KV (rebalancing)",
+                               description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_common(mg)
+    mg.add_argument("request_id", help="the request's id (as `raypd status --json` lists)")
+    mg.add_argument("--to", metavar="WORKER", help="the decode worker (default: the policy's "
+                    "pick among the others)")
+    mg.set_defaults(func=cmd_migrate)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -214,6 +228,23 @@ def cmd_scale(args: argparse.Namespace) -> int:
     elif args.wait:
         line += "; no worker left draining"
     print(f"{line} ({out.get('seconds', 0):.1f} s)")
+    return 0
+
+
+# ---- migrate -----------------------------------------------------------------------------------
+def cmd_migrate(args: argparse.Namespace) -> int:
+    body = {"request_id": args.request_id}
+    if args.to:
+        body["to"] = args.to
+    try:
+        request("POST", args.url, "/admin/migrate", api_key=args.api_key, body=body,
+                timeout=args.timeout)
+    except OpsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    where = args.to or "the policy's pick"
+    print(f"asked {args.request_id} to move to {where}: it moves between two of its tokens "
+          "(or stays, if no decode worker has room)")
     return 0
 
 
