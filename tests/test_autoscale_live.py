@@ -3,6 +3,7 @@ cluster; a scale-down drains a worker whose running decodes move away with their
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ from conftest import hf_greedy, random_prompt
 
 from cluster.autoscaler import LiveAutoscaler
 from cluster.pd import PDCluster, PDConfig
+from raypd.cli.ops import format_status
 from router.autoscale import AutoscaleConfig
 from router.orchestrator import FlowConfig
 from router.policies import WorkerState
@@ -76,8 +78,13 @@ def test_a_decision_is_applied_once_and_its_new_workers_count_as_starting():
         cluster.release.set()
         auto.stop(wait_s=5)
     assert auto.starting == {"prefill": 0, "decode": 0}
-    d = auto.to_dict()
+    d = json.loads(json.dumps(auto.to_dict()))          # what /api/stats carries
     assert d["scale_ups"]["decode"] == 1 and d["last"]["roles"]["decode"]["target"] == 2
+    text = format_status({"actors": [], "router": {"autoscale": d,
+                                                   "migrations": {"moved": 3}}})
+    assert "autoscale: on (prefill 1..1, decode 2..2" in text
+    assert "last decision, decode: 2 -> 2" in text and "live migrations: moved 3" in text
+    assert "autoscale: off" in format_status({"actors": [], "router": {}})
 
 
 @pytest.mark.usefixtures("ray_session")
