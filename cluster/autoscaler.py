@@ -7,7 +7,10 @@ TPOT as the client saw them), and the workers it launched that do not report yet
 is applied by `PDCluster.scale` on one applier thread (launching actors takes seconds; the next
 evaluation counts them as starting): scale-up takes back a draining worker of the role before
 it launches one; scale-down drains a worker, whose running decodes move to the others with
-their KV (live migration) and whose prefills finish, before it is removed. Every decision is
+their KV (live migration) and whose prefills finish, before it is removed. With `rebalance`,
+each evaluation also moves running decodes from the busiest decode worker to the idlest when
+their batches are far apart (a worker that joined takes its share at once, not only new
+requests: Orchestrator.rebalance_decodes). Every decision is
 logged with its inputs (router/autoscale.py), kept for `raypd status`, and exported as metrics.
 """
 
@@ -39,6 +42,7 @@ class LiveAutoscaler:
         self.metrics = metrics
         self.starting = {"prefill": 0, "decode": 0}    # launched, not reporting yet
         self.errors = 0                               # scale() calls that raised
+        self.rebalanced = 0                           # moves asked to even the decode batches
         self.last_error: str | None = None
         self._want: tuple[int, int] | None = None     # the latest target not applied yet
         self._cv = threading.Condition()
@@ -71,6 +75,8 @@ class LiveAutoscaler:
             starting = dict(self.starting)
         obs = observe(p, d, self.window, now, starting["prefill"], starting["decode"])
         decision = self.controller.decide(obs, now)
+        if self.cfg.rebalance:      # a decode worker that joined takes its share at once
+            self.rebalanced += self.cluster.orchestrator.rebalance_decodes()
         if decision.changed:
             with self._cv:
                 self._want = (decision.prefill, decision.decode)
@@ -127,5 +133,5 @@ class LiveAutoscaler:
         d = self.controller.to_dict()
         d["history"] = d["history"][-20:]
         d.update(enabled=True, starting=dict(self.starting), errors=self.errors,
-                 last_error=self.last_error)
+                 last_error=self.last_error, rebalance_moves_asked=self.rebalanced)
         return d

@@ -93,6 +93,8 @@ class AutoscaleConfig:
                                   # the prefill queues are shorter (the handoff, not the queue)
     min_samples: int = 10         # finished requests before the SLO feedback acts
     history: int = 256            # decisions kept for status
+    rebalance: bool = True        # live: running decodes move from the busiest decode worker
+                                  # to the idlest (a worker that joined takes its share)
 
     def validate(self) -> None:
         """Raises AutoscaleConfigError naming the first wrong field."""

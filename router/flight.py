@@ -93,6 +93,7 @@ class Flight:
     clock: AttemptClock | None = None   # the attempt's clock (cleanup waits count as waiting)
     admitted: Any = None            # the AdmittedRequest, once a decode worker tokenized it
     inbox: Any = None               # this attempt's deltas from D (router/streams.py)
+    started: float = field(default_factory=time.monotonic)
     moving: bool = False            # a move was asked and its thread has not taken it yet
     move_after: float = 0.0         # monotonic: no move asked before (one just failed to place)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)   # moves vs inbox

@@ -94,6 +94,8 @@ PRESSURE_BLOCKS_PER_SEQ = 4  # than this share of its pool, or than this many pe
                              # sequence (each takes a block every block_size steps), sheds one
 ROOM_FREE_SHARE = 0.25      # ... to a decode worker with at least this share of its pool free
 MOVE_RETRY_S = 1.0          # a request whose move did not happen is asked again after this
+REBALANCE_MIN_GAP = 4       # rebalance: decode batches this far apart (and the busier at
+                            # least twice the idler) move half the gap to the idler
 
 
 class MoveFailed(Exception):
@@ -729,6 +731,30 @@ class Orchestrator:
                 biggest = max(ready, key=lambda f: f.admitted.num_tokens)
                 asked += self.migrate(biggest.request_id, cause="kv_pressure")
         return asked
+
+    def rebalance_decodes(self, max_moves: int = 8) -> int:
+        """Move running decodes from the busiest live decode worker to the idlest (a worker
+        that just joined takes its share at once instead of only new requests) when the
+        requests the router has on them differ by at least REBALANCE_MIN_GAP and the busiest
+        has at least twice the idlest's: half the gap (at most `max_moves`), the requests with
+        the most output asked for first (then the newest). The router's own flights, not the
+        reports, so a move is counted where it went at once; nothing while a move off the
+        busiest is still under way. Returns the moves asked."""
+        live = self.fleet.live("decode")
+        if len(live) < 2:
+            return 0
+        flights = [f for f in self.in_flight_flights() if f.admitted is not None]
+        on = {id(w): [f for f in flights if f.decode is w] for w in live}
+        hi = max(live, key=lambda w: len(on[id(w)]))
+        lo = min(live, key=lambda w: len(on[id(w)]))
+        mine, gap = on[id(hi)], len(on[id(hi)]) - len(on[id(lo)])
+        if gap < REBALANCE_MIN_GAP or len(mine) < 2 * len(on[id(lo)]) or \
+                any(f.moving for f in mine):
+            return 0
+        mine.sort(key=lambda f: (f.admitted.sampling.max_tokens, f.started), reverse=True)
+        to = self.fleet.worker_id(lo)
+        return sum(self.migrate(f.request_id, target=to, cause="rebalance")
+                   for f in mine[:min(max_moves, gap // 2)])
 
     def _pressure_loop(self) -> None:
         while not self._stop.wait(self.cfg.report_interval_s):

@@ -49,7 +49,8 @@ class _Cluster:
     """scale() blocks until released, recording what the autoscaler saw meanwhile."""
 
     def __init__(self, fleet: _Fleet) -> None:
-        self.orchestrator = type("O", (), {"fleet": fleet})()
+        self.orchestrator = type("O", (), {"fleet": fleet,
+                                           "rebalance_decodes": lambda self: 0})()
         self.calls: list[tuple[int, int]] = []
         self.entered, self.release = threading.Event(), threading.Event()
 

@@ -10,15 +10,19 @@ from raypd.cli import main
 
 
 def test_trace_has_a_quiet_phase_a_burst_and_a_quiet_phase_again():
-    reqs = trace([Phase(1.0, 60), Phase(20.0, 30), Phase(1.0, 60)], (8, 16), 250, seed=3)
-    at = [t for t, _ in reqs]
+    reqs = trace([Phase(1.0, 60), Phase(20.0, 30), Phase(1.0, 60)], (8, 16), 250, seed=3,
+                 max_tokens=64, long_share=0.2, long_tokens=900)
+    at = [t for t, _, _ in reqs]
     assert at == sorted(at)
     quiet1 = sum(t < 60 for t in at)
     burst = sum(60 <= t < 90 for t in at)
     quiet2 = sum(t >= 90 for t in at)
     assert 30 < quiet1 < 100 and 450 < burst < 750 and 30 < quiet2 < 100
-    assert all(8 <= len(p) <= 16 and min(p) >= 3 for _, p in reqs)
-    assert reqs == trace([Phase(1.0, 60), Phase(20.0, 30), Phase(1.0, 60)], (8, 16), 250, 3)
+    assert all(8 <= len(p) <= 16 and min(p) >= 3 for _, p, _ in reqs)
+    longs = sum(n == 900 for _, _, n in reqs)
+    assert {n for _, _, n in reqs} == {64, 900} and 0.1 < longs / len(reqs) < 0.3
+    assert reqs == trace([Phase(1.0, 60), Phase(20.0, 30), Phase(1.0, 60)], (8, 16), 250, 3,
+                         64, 0.2, 900)
 
 
 def test_static_splits_keep_both_roles_and_try_the_autoscaled_split_first():

@@ -218,3 +218,40 @@ def test_kv_pressure_moves_a_decode_instead_of_preempting(migrate, tiny_referenc
         _clean(cluster)
     finally:
         cluster.shutdown()
+
+
+def test_rebalance_moves_half_the_gap_to_a_worker_that_joined(tiny_reference):
+    """Four long requests decode on decode-0 while decode-1 drains; decode-1 takes requests
+    again (a worker that joined): rebalance_decodes moves half the gap (2) to it, the
+    requests asking for the most output first; every request ends with generate()'s tokens."""
+    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=1, num_decode=2,
+                                 flow=FlowConfig(report_interval_s=0.05)))
+    try:
+        fleet, o = cluster.orchestrator.fleet, cluster.orchestrator
+        fleet.drain("decode-1")
+        prompts = [random_prompt(20 + 3 * i, seed=400 + i) for i in range(4)]
+        lengths = [300, 400, 500, 600]
+        want = [hf_greedy(tiny_reference, p, n) for p, n in zip(prompts, lengths, strict=True)]
+        streaming = [threading.Event() for _ in prompts]
+        results: list = [None] * len(prompts)
+
+        def one(i: int) -> None:
+            results[i] = cluster.run_request(
+                prompts[i], SamplingParams(max_tokens=lengths[i], ignore_eos=True),
+                on_delta=lambda d: streaming[i].set())
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in streaming)
+        fleet.undrain("decode-1")
+        assert o.rebalance_decodes() == 2    # 4 on decode-0, 0 on decode-1
+        assert o.rebalance_decodes() == 0    # under way, or done: 2 and 2
+        for t in threads:
+            t.join(120)
+        assert [r.token_ids for r in results] == want
+        moved = [r.lifecycle.migrations for r in results]
+        assert moved == [0, 0, 1, 1]         # the two asking for the most output
+        assert {r.lifecycle.decode_worker for r in results[2:]} == {"decode-1"}
+        _clean(cluster)
+    finally:
+        cluster.shutdown()

@@ -2,8 +2,9 @@
 the same peak size, on one trace with a quiet phase, a burst and a quiet phase again.
 
 The trace: Poisson arrivals (seeded) at `quiet_rps` for `quiet_s`, `burst_rps` for `burst_s`,
-`quiet_rps` for `tail_s`; random prompts of `prompt_tokens` (a range) and `max_tokens` outputs
-(ignore_eos: every request decodes that long, so decodes run while pools shrink). Each request
+`quiet_rps` for `tail_s`; random prompts of `prompt_tokens` (a range); outputs of `max_tokens`,
+a `long_share` of them `long_tokens` (long-form answers: they run for seconds, so some are
+decoding when a pool shrinks); ignore_eos, so every request decodes exactly that long. Each request
 is sent at its arrival time (open loop) and must end within `deadline_s`. The defaults are
 sized for the tiny model on a 2-core machine: its decode step is ~2 ms, so the SLOs are in
 its units (TPOT 12 ms, TTFT 0.25 s) and the burst (25 requests/s of 256 tokens) needs more
@@ -47,9 +48,12 @@ class Phase:
     seconds: float
 
 
-def trace(phases: list[Phase], prompt_tokens: tuple[int, int], vocab: int, seed: int
-          ) -> list[tuple[float, list[int]]]:
-    """(arrival offset s, prompt token ids) of every request: Poisson arrivals per phase."""
+def trace(phases: list[Phase], prompt_tokens: tuple[int, int], vocab: int, seed: int,
+          max_tokens: int = 256, long_share: float = 0.0, long_tokens: int = 0
+          ) -> list[tuple[float, list[int], int]]:
+    """(arrival offset s, prompt token ids, max_tokens) of every request: Poisson arrivals per
+    phase; a `long_share` of the requests generate `long_tokens` (long-form answers), the
+    others `max_tokens`."""
     rng = random.Random(seed)
     out, t0 = [], 0.0
     for ph in phases:
@@ -59,7 +63,8 @@ def trace(phases: list[Phase], prompt_tokens: tuple[int, int], vocab: int, seed:
             if t >= t0 + ph.seconds:
                 break
             n = rng.randint(*prompt_tokens)
-            out.append((t, [rng.randrange(3, vocab) for _ in range(n)]))
+            out_tokens = long_tokens if rng.random() < long_share else max_tokens
+            out.append((t, [rng.randrange(3, vocab) for _ in range(n)], out_tokens))
         t0 += ph.seconds
     return out
 
@@ -67,9 +72,8 @@ def trace(phases: list[Phase], prompt_tokens: tuple[int, int], vocab: int, seed:
 class _Replay:
     """Open loop: each request starts at its arrival offset; outcomes and client-side times."""
 
-    def __init__(self, cluster: PDCluster, requests: list, sampling: SamplingParams,
-                 deadline_s: float) -> None:
-        self.cluster, self.requests, self.sampling = cluster, requests, sampling
+    def __init__(self, cluster: PDCluster, requests: list, deadline_s: float) -> None:
+        self.cluster, self.requests = cluster, requests
         self.deadline_s = deadline_s
         self.out: list[dict | None] = [None] * len(requests)
         self._done = threading.Semaphore(0)
@@ -79,7 +83,7 @@ class _Replay:
         lost); returns (monotonic start, monotonic end)."""
         start = time.monotonic()
         threads = []
-        for i, (at, _) in enumerate(self.requests):
+        for i, (at, _, _) in enumerate(self.requests):
             delay = start + at - time.monotonic()
             if delay > 0:
                 time.sleep(delay)      # the trace's own clock (open loop)
@@ -99,7 +103,9 @@ class _Replay:
             if not first:
                 first.append(time.monotonic())
         try:
-            r = self.cluster.run_request(self.requests[i][1], self.sampling,
+            _, prompt, max_tokens = self.requests[i]
+            r = self.cluster.run_request(prompt, SamplingParams(max_tokens=max_tokens,
+                                                                ignore_eos=True),
                                          request_id=f"as-{i}", on_delta=on_delta,
                                          timeout_s=self.deadline_s)
             o = {"tokens": r.token_ids, "migrations": r.lifecycle.migrations,
@@ -115,8 +121,8 @@ class _Replay:
         self.out[i] = o
 
 
-def _run(cfg: PDConfig, requests: list, sampling: SamplingParams, reference: list,
-         deadline_s: float, slo: tuple[float, float], label: str) -> dict:
+def _run(cfg: PDConfig, requests: list, reference: list, deadline_s: float,
+         slo: tuple[float, float], label: str) -> dict:
     cluster = PDCluster(cfg)
     peak = {"prefill": 0, "decode": 0, "total": 0}
     sampling_stop = threading.Event()
@@ -134,7 +140,7 @@ def _run(cfg: PDConfig, requests: list, sampling: SamplingParams, reference: lis
         ws0 = cluster.worker_seconds()
         sampler = threading.Thread(target=sample_sizes, daemon=True)
         sampler.start()
-        replay = _Replay(cluster, requests, sampling, deadline_s)
+        replay = _Replay(cluster, requests, deadline_s)
         t_start, t_end = replay.run()
         worker_seconds = cluster.worker_seconds() - ws0
         # the workers' seconds between the first arrival and the last end
@@ -199,6 +205,7 @@ def static_splits(total: int, first: tuple[int, int] | None, max_statics: int
 def run_autoscale_bench(model: str = "tiny", quiet_rps: float = 1.0, burst_rps: float = 25.0,
                         quiet_s: float = 10.0, burst_s: float = 20.0, tail_s: float = 20.0,
                         prompt_tokens: tuple[int, int] = (32, 160), max_tokens: int = 256,
+                        long_share: float = 0.1, long_tokens: int = 1024,
                         slo_ttft_s: float = 0.25, slo_tpot_s: float = 0.012,
                         max_prefill: int = 2, max_decode: int = 3, deadline_s: float = 120.0,
                         max_statics: int = 2, seed: int = 0, initial: tuple[int, int] = (1, 2),
@@ -210,9 +217,15 @@ def run_autoscale_bench(model: str = "tiny", quiet_rps: float = 1.0, burst_rps: 
         raise ValueError(f"prompt tokens must be a range LOW..HIGH >= 1, got {prompt_tokens}")
     vocab = min(load_model(model)[2].vocab_size, 30000)
     phases = [Phase(quiet_rps, quiet_s), Phase(burst_rps, burst_s), Phase(quiet_rps, tail_s)]
-    requests = trace(phases, prompt_tokens, vocab, seed)
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    reference = references(model, [p for _, p in requests], max_tokens, ignore_eos=True)
+    if not 0 <= long_share <= 1 or max_tokens < 1 or (long_share and long_tokens < 1):
+        raise ValueError("max tokens must be >= 1 and the long share in [0, 1]")
+    requests = trace(phases, prompt_tokens, vocab, seed, max_tokens, long_share, long_tokens)
+    reference: list = [None] * len(requests)
+    for n in {m for _, _, m in requests}:      # stock generate(), each length's requests
+        idx = [i for i, r in enumerate(requests) if r[2] == n]
+        for i, toks in zip(idx, references(model, [requests[i][1] for i in idx], n,
+                                           ignore_eos=True), strict=True):
+            reference[i] = toks
     auto_cfg = autoscale or AutoscaleConfig(
         enabled=True, min_prefill=1, max_prefill=max_prefill, min_decode=1,
         max_decode=max_decode, ttft_s=slo_ttft_s, tpot_s=slo_tpot_s, interval_s=1.0,
@@ -226,11 +239,11 @@ def run_autoscale_bench(model: str = "tiny", quiet_rps: float = 1.0, burst_rps: 
     try:
         auto = _run(PDConfig(engine=engine, num_prefill=initial[0], num_decode=initial[1],
                              flow=flow, autoscale=auto_cfg),
-                    requests, sampling, reference, deadline_s, slo, "autoscaled")
+                    requests, reference, deadline_s, slo, "autoscaled")
         total = max(2, auto["peak"]["total"])
         first = (auto["peak"]["prefill"], total - auto["peak"]["prefill"])
         statics = [_run(PDConfig(engine=engine, num_prefill=p, num_decode=d, flow=flow),
-                        requests, sampling, reference, deadline_s, slo, f"static {p}P:{d}D")
+                        requests, reference, deadline_s, slo, f"static {p}P:{d}D")
                    for p, d in static_splits(total, first, max_statics)]
     finally:
         if started_ray:
@@ -241,7 +254,8 @@ def run_autoscale_bench(model: str = "tiny", quiet_rps: float = 1.0, burst_rps: 
         "initial": list(initial),
         "trace": {"phases": [{"rps": p.rps, "seconds": p.seconds} for p in phases],
                   "requests": len(requests), "prompt_tokens": list(prompt_tokens),
-                  "max_tokens": max_tokens, "seed": seed},
+                  "max_tokens": max_tokens, "long_share": long_share,
+                  "long_tokens": long_tokens, "seed": seed},
         "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
         "autoscale_config": {k: v for k, v in vars(auto_cfg).items()},
         "requests_total": auto["requests_total"], "requests_ok": auto["requests_ok"],

@@ -65,6 +65,9 @@ def register(sub) -> None:
     ba.add_argument("--burst-s", type=float, default=20.0)
     ba.add_argument("--tail-s", type=float, default=20.0, help="the quiet phase after it")
     ba.add_argument("--max-tokens", type=int, default=256)
+    ba.add_argument("--long-share", type=float, default=0.1,
+                    help="share of requests that generate --long-tokens instead")
+    ba.add_argument("--long-tokens", type=int, default=1024)
     ba.add_argument("--slo-ttft-s", type=float, default=0.25)
     ba.add_argument("--slo-tpot-s", type=float, default=0.012)
     ba.add_argument("--max-prefill", type=int, default=2)
@@ -126,7 +129,8 @@ def cmd_bench_autoscale(args: argparse.Namespace) -> int:
     result = run_autoscale_bench(
         model=args.model, quiet_rps=args.quiet_rps, burst_rps=args.burst_rps,
         quiet_s=args.quiet_s, burst_s=args.burst_s, tail_s=args.tail_s,
-        max_tokens=args.max_tokens, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
+        max_tokens=args.max_tokens, long_share=args.long_share, long_tokens=args.long_tokens,
+        slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
         max_prefill=args.max_prefill, max_decode=args.max_decode,
         max_statics=args.max_statics, seed=args.seed, initial=_sizes(args.initial))
     if args.json:
