@@ -43,6 +43,7 @@ class LiveAutoscaler:
         self.starting = {"prefill": 0, "decode": 0}    # launched, not reporting yet
         self.errors = 0                               # scale() calls that raised
         self.rebalanced = 0                           # moves asked to even the decode batches
+        self.applied: list[dict] = []                 # each scale(): sizes, launched, seconds
         self.last_error: str | None = None
         self._want: tuple[int, int] | None = None     # the latest target not applied yet
         self._cv = threading.Condition()
@@ -115,8 +116,11 @@ class LiveAutoscaler:
         with fleet.lock:
             for role, n in launching.items():
                 self.starting[role] += n
+        t0 = self._clock()
         try:
             self.cluster.scale(prefill=prefill, decode=decode)
+            self.applied.append({"at": t0, "prefill": prefill, "decode": decode,
+                                 "launched": dict(launching), "seconds": self._clock() - t0})
         except Exception as e:   # noqa: BLE001 - kept for status; the next interval decides again
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"[:300]
@@ -133,5 +137,6 @@ class LiveAutoscaler:
         d = self.controller.to_dict()
         d["history"] = d["history"][-20:]
         d.update(enabled=True, starting=dict(self.starting), errors=self.errors,
-                 last_error=self.last_error, rebalance_moves_asked=self.rebalanced)
+                 last_error=self.last_error, rebalance_moves_asked=self.rebalanced,
+                 applied=self.applied[-20:])
         return d

@@ -150,6 +150,7 @@ class Orchestrator:
         self.prefill_retries = 0                 # prefills re-run on another prefill worker
         # live moves of running decodes (outcome -> count: moved, fallback, unplaced)
         self.migrations: dict[str, int] = {"moved": 0, "fallback": 0, "unplaced": 0}
+        self.moved_by_cause: dict[str, int] = {}  # moves that happened: cause -> count
         self.rejected: dict[str, int] = {}       # TransferRejected reason -> count (router view)
         # the latest rejections, (reason, prefill worker, worker request id): an audit trail
         # that outlives a decode worker's restart (chaos checks corruption against it)
@@ -697,6 +698,8 @@ class Orchestrator:
     def _count_move(self, outcome: str, cause: str) -> None:
         with self._lock:
             self.migrations[outcome] += 1
+            if outcome == "moved":
+                self.moved_by_cause[cause] = self.moved_by_cause.get(cause, 0) + 1
         record = getattr(self.metrics, "record_migration", None)
         if record is not None:
             record(outcome, cause)

@@ -33,7 +33,7 @@ def test_static_splits_keep_both_roles_and_try_the_autoscaled_split_first():
 
 def _run(**kw) -> dict:
     r = {"requests_lost": 0, "leaked_blocks": 0, "greedy_mismatches": 0, "scale_downs": 1,
-         "migrations": 1, "slo_attainment": 0.95, "slo_attainment_static": 0.97,
+         "migrations": 1, "migrations_by_cause": {"drain": 1}, "slo_attainment": 0.95, "slo_attainment_static": 0.97,
          "worker_seconds": 100.0, "worker_seconds_static": 150.0}
     r.update(kw)
     return r
@@ -41,7 +41,8 @@ def _run(**kw) -> dict:
 
 @pytest.mark.parametrize("change, target", [
     ({"requests_lost": 1}, "no_lost"), ({"leaked_blocks": 2}, "no_leaked"),
-    ({"greedy_mismatches": 1}, "no_mismatches"), ({"migrations": 0}, "scale_down_migrated"),
+    ({"greedy_mismatches": 1}, "no_mismatches"),
+    ({"migrations_by_cause": {"rebalance": 3}}, "scale_down_migrated"),
     ({"scale_downs": 0}, "scale_down_migrated"), ({"slo_attainment": 0.91},
                                                   "slo_within_5_points"),
     ({"worker_seconds": 150.0}, "fewer_worker_seconds")])

@@ -7,8 +7,10 @@ a `long_share` of them `long_tokens` (long-form answers: they run for seconds, s
 decoding when a pool shrinks); ignore_eos, so every request decodes exactly that long. Each request
 is sent at its arrival time (open loop) and must end within `deadline_s`. The defaults are
 sized for the tiny model on a 2-core machine: its decode step is ~2 ms, so the SLOs are in
-its units (TPOT 12 ms, TTFT 0.25 s) and the burst (25 requests/s of 256 tokens) needs more
-than one decode worker at that TPOT by the workers' own fits; other models take other values.
+its units (TPOT 12 ms, TTFT 0.25 s) and the burst (18 requests/s, 256 tokens each, 1024 for a
+tenth) needs more than one decode worker at that TPOT by the workers' own fits while every
+worker still shares the same 2 cores (a heavier burst overloads the machine whatever the
+split: then the static runs miss too); other models take other values.
 
 Autoscaled run: the cluster starts at `initial` (P, D), as a deployment starts at its
 configured size; cluster/autoscaler.py sizes it from what the router sees from then on. Its peak size (live + starting, sampled every 0.25 s) is
@@ -166,8 +168,17 @@ def _figures(label: str, out: list, reference: list, slo: tuple[float, float],
     lost = sum(o is None for o in out)
     failed = [o["error"] for o in out if o is not None and "error" in o]
     mismatches = sum(out[i]["tokens"] != reference[i] for i in ok)
-    met = sum(1 for i in ok if out[i]["ttft"] is not None and out[i]["ttft"] <= slo[0]
-              and (out[i]["tpot"] is None or out[i]["tpot"] <= slo[1]))
+    def attained(i: int) -> bool:
+        o = out[i]
+        return o is not None and "tokens" in o and o["ttft"] is not None and \
+            o["ttft"] <= slo[0] and (o["tpot"] is None or o["tpot"] <= slo[1])
+    met = sum(attained(i) for i in ok)
+    by_second: dict[int, list[int]] = {}      # arrival second -> [requests, attained]
+    for i, o in enumerate(out):
+        if o is not None:
+            cell = by_second.setdefault(int(o["start"] - t0), [0, 0])
+            cell[0] += 1
+            cell[1] += attained(i)
     auto = cluster.autoscaler.to_dict() if cluster.autoscaler else None
     history = list(cluster.autoscaler.controller.history) if cluster.autoscaler else []
     return {
@@ -177,12 +188,15 @@ def _figures(label: str, out: list, reference: list, slo: tuple[float, float],
             1 for o in out if o is not None and o.get("undocumented")),
         "leaked_blocks": leaked, "greedy_mismatches": mismatches,
         "slo_attainment": met / len(out) if out else 0.0,
+        "attainment_by_arrival_second": {k: v for k, v in sorted(by_second.items())},
         "worker_seconds": worker_seconds, "span_s": span_s, "peak": dict(peak),
         "ttft_s": percentiles([out[i]["ttft"] for i in ok if out[i]["ttft"] is not None]),
         "tpot_s": percentiles([out[i]["tpot"] for i in ok if out[i]["tpot"] is not None]),
         "migrations": sum(out[i]["migrations"] for i in ok),
         "migrations_fallback": sum(out[i]["fallbacks"] for i in ok),
         "router_migrations": dict(cluster.orchestrator.migrations),
+        "moved_by_cause": dict(cluster.orchestrator.moved_by_cause),
+        "scale_applied": [{**a, "at": a["at"] - t0} for a in auto["applied"]] if auto else [],
         "scale_ups": sum(auto["scale_ups"].values()) if auto else 0,
         "scale_downs": sum(auto["scale_downs"].values()) if auto else 0,
         "decisions": [{"at_s": d.at - t0, "prefill": d.prefill, "decode": d.decode,
@@ -202,7 +216,7 @@ def static_splits(total: int, first: tuple[int, int] | None, max_statics: int
     return splits[:max(1, max_statics)]
 
 
-def run_autoscale_bench(model: str = "tiny", quiet_rps: float = 1.0, burst_rps: float = 25.0,
+def run_autoscale_bench(model: str = "tiny", quiet_rps: float = 1.0, burst_rps: float = 18.0,
                         quiet_s: float = 10.0, burst_s: float = 20.0, tail_s: float = 20.0,
                         prompt_tokens: tuple[int, int] = (32, 160), max_tokens: int = 256,
                         long_share: float = 0.1, long_tokens: int = 1024,
@@ -263,6 +277,7 @@ def run_autoscale_bench(model: str = "tiny", quiet_rps: float = 1.0, burst_rps: 
         "greedy_mismatches": auto["greedy_mismatches"], "scale_ups": auto["scale_ups"],
         "scale_downs": auto["scale_downs"], "migrations": auto["migrations"],
         "migrations_fallback": auto["migrations_fallback"],
+        "migrations_by_cause": auto["moved_by_cause"],
         "worker_seconds": auto["worker_seconds"],
         "worker_seconds_static": best["worker_seconds"],
         "slo_attainment": auto["slo_attainment"],
@@ -280,7 +295,8 @@ def verdict(r: dict, statics: list[dict]) -> dict[str, bool]:
         "no_lost": r["requests_lost"] == 0 and all(s["requests_lost"] == 0 for s in statics),
         "no_leaked": r["leaked_blocks"] == 0 and all(s["leaked_blocks"] == 0 for s in statics),
         "no_mismatches": r["greedy_mismatches"] == 0,
-        "scale_down_migrated": r["scale_downs"] >= 1 and r["migrations"] >= 1,
+        "scale_down_migrated": r["scale_downs"] >= 1 and
+        r.get("migrations_by_cause", {}).get("drain", 0) >= 1,
         "slo_within_5_points": r["slo_attainment"] >= r["slo_attainment_static"] - 0.05,
         "fewer_worker_seconds": r["worker_seconds"] < r["worker_seconds_static"],
     }
@@ -299,6 +315,9 @@ def summary_text(r: dict) -> str:
                      f"{x['worker_seconds']:>9.0f} "
                      f"{x['peak']['prefill']:>4}/{x['peak']['decode']:<3} "
                      f"{x['scale_ups']:>3}/{x['scale_downs']:<3} {x['migrations']:>5}")
+    lines.append(f"autoscaled moves by cause: {a.get('moved_by_cause') or 'none'}; scale-ups "
+                 "took " + ", ".join(f"{x['seconds']:.1f} s" for x in a["scale_applied"]
+                                     if any(x["launched"].values())))
     lines.append("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
                                          for k, v in r["targets"].items()))
     return "\n".join(lines)
