@@ -52,6 +52,8 @@ from workers.kv_handoff import (
     verify_pages,
 )
 
+FROZEN_LIMIT_S = 60.0     # a request frozen this long (its move never came) is ended
+
 
 class DecodeHost(EngineHost):
     role = "decode"
@@ -64,8 +66,11 @@ class DecodeHost(EngineHost):
         self._outbox_cv = threading.Condition()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._replay: set[str] = set()     # moved-in requests: their first post is the output
+        self._frozen_at: dict[str, float] = {}   # frozen request -> monotonic freeze time
         super().__init__(*args, **kw)
         self._lease_s = kw.get("lease_s", 30.0)
+        # a move is staged within seconds of its freeze; this long frozen, it never will be
+        self._frozen_limit_s = max(FROZEN_LIMIT_S, 2 * self._lease_s)
         self._producer: KVProducer | None = None   # made on the first move away (migration)
         self.consumer = KVConsumer(self.transport_name, **self._transport_cfg)
         self.handoff = DecodeHandoff(self.engine, self.worker_id, self.ledger)
@@ -82,6 +87,12 @@ class DecodeHost(EngineHost):
             self._post(rid, (), True)
         if self._producer is not None:
             self._producer.expire()
+        # a frozen request whose move never came (the router died mid-move) ends here
+        now = time.monotonic()
+        for rid in [r for r, t in self._frozen_at.items() if now - t > self._frozen_limit_s]:
+            self._frozen_at.pop(rid, None)
+            if self.engine.abort(rid):
+                self._post(rid, (), True)
 
     def stats(self) -> dict:
         d = super().stats()
@@ -208,6 +219,7 @@ class DecodeHost(EngineHost):
             req = self.engine.freeze(request_id)
             if req is None:
                 return None
+            self._frozen_at[request_id] = time.monotonic()
             now = time.perf_counter()
             return FrozenDecode(request_id, tuple(req.output_token_ids),
                                 replace(req.lifecycle), now - req.arrival_time,
@@ -216,6 +228,7 @@ class DecodeHost(EngineHost):
     def unfreeze(self, request_id: str) -> bool:
         """Source side: the move did not happen; the request decodes here again."""
         with self._call_lock():
+            self._frozen_at.pop(request_id, None)
             done = self.engine.unfreeze(request_id)
         self._work.set()
         return done
@@ -229,6 +242,7 @@ class DecodeHost(EngineHost):
             if request_id not in self.engine.frozen:
                 raise RequestError(f"request {request_id} is not frozen on {self.worker_id}")
             req = self.engine.requests[request_id]
+            self._frozen_at.pop(request_id, None)
             self._detok.pop(request_id, None)
             return stage_plan(self.engine, self._source(), self.ledger, self.worker_id, req,
                               plan, req.output_token_ids[-1])
