@@ -94,6 +94,7 @@ class Flight:
     admitted: Any = None            # the AdmittedRequest, once a decode worker tokenized it
     inbox: Any = None               # this attempt's deltas from D (router/streams.py)
     started: float = field(default_factory=time.monotonic)
+    sent: Any = None                # DeliveredTokens: what the client has of its output
     moving: bool = False            # a move was asked and its thread has not taken it yet
     move_after: float = 0.0         # monotonic: no move asked before (one just failed to place)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)   # moves vs inbox

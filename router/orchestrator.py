@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import queue
 import threading
 import time
@@ -151,6 +152,7 @@ class Orchestrator:
         # live moves of running decodes (outcome -> count: moved, fallback, unplaced)
         self.migrations: dict[str, int] = {"moved": 0, "fallback": 0, "unplaced": 0}
         self.moved_by_cause: dict[str, int] = {}  # moves that happened: cause -> count
+        self._move_ended: dict[str, float] = {}   # worker id -> monotonic end of its last move
         self.rejected: dict[str, int] = {}       # TransferRejected reason -> count (router view)
         # the latest rejections, (reason, prefill worker, worker request id): an audit trail
         # that outlives a decode worker's restart (chaos checks corruption against it)
@@ -303,7 +305,7 @@ class Orchestrator:
         and decode again; the admitted request is not tokenized again). Tokens the client
         already got are not sent twice (the re-run yields the same ones for greedy or seeded
         sampling). After max_retries the request ends with an error."""
-        sent = DeliveredTokens(on_delta)
+        sent = flight.sent = DeliveredTokens(on_delta)
         epoch = failures = fallbacks = 0
         while True:
             # a retry re-admits the request as the last decode worker tokenized it
@@ -610,9 +612,16 @@ class Orchestrator:
         verifies and lands it, then replays the output so far on its stream. No room on any
         D2: D1 decodes it on. D1 or D2 failing after the freeze: MoveFailed (the request
         re-prefills elsewhere; both sides are released). True when it moved."""
-        with flight.lock:
-            flight.moving = False
-            flight.move_after = time.monotonic() + MOVE_RETRY_S
+        source = self.fleet.worker_id(flight.decode)
+        try:
+            return self._move_now(flight, signal)
+        finally:      # a move is "moving" until it ended, whichever way (no second ask)
+            self._move_ended[source] = time.monotonic()
+            with flight.lock:
+                flight.moving = False
+                flight.move_after = time.monotonic() + MOVE_RETRY_S
+
+    def _move_now(self, flight: Flight, signal: MoveSignal) -> bool:
         d1, old = flight.decode, flight.attempt_id
         d1_id = self.fleet.worker_id(d1)
         if flight.aborted or flight.admitted is None:
@@ -658,6 +667,7 @@ class Orchestrator:
             raise MoveFailed(f"moving request {flight.request_id} from {d1_id} to {d2_id} "
                              f"failed: {type(e).__name__}: {e}"[:400]) from e
         self.ledger.release(d2_id, RESERVED, new, FILLED)
+        self._move_ended[d1_id] = self._move_ended[d2_id] = time.monotonic()
         if transfer_id is not None:
             self.releases.confirm(d1.ack.remote(transfer_id), d1_id, STAGED, old, ACKED)
         self.streams.close(d1_id, old)
@@ -708,31 +718,41 @@ class Orchestrator:
         """migrate_on_kv_pressure: for each live decode worker whose pool is nearly full by its
         last report (free blocks under PRESSURE_FREE_SHARE of the pool, or under
         PRESSURE_BLOCKS_PER_SEQ per running sequence: its batch would exhaust them within a few
-        blocks' steps) while another has room (ROOM_FREE_SHARE), ask its largest request to
-        move, one move at a time per worker, before its engine would have to preempt and
-        recompute. Returns the moves asked."""
+        blocks' steps), ask its largest request (prompt + the tokens the client has) to move,
+        one move at a time per worker, before its engine would have to preempt and recompute.
+        The target is the decode worker with the most free blocks that keeps ROOM_FREE_SHARE
+        of its pool free after taking the request's blocks (so it is not the next one under
+        pressure, and a request does not bounce back); none such: nothing moves. A worker a
+        move left or reached sits out until its reports show the move (stale figures would
+        move a second request). Returns the moves asked."""
         fleet, asked = self.fleet, 0
-        with fleet.lock:
-            states = [st for st in fleet.states("decode") if not st.draining]
-        room = [st for st in states if st.total_blocks and
-                st.free_blocks >= ROOM_FREE_SHARE * st.total_blocks]
-        flights = self.in_flight_flights()
         now = time.monotonic()
-        for st in states:
-            low = max(PRESSURE_FREE_SHARE * st.total_blocks,
-                      PRESSURE_BLOCKS_PER_SEQ * st.decode_batch)
-            if not st.total_blocks or not st.decode_batch or st.free_blocks >= low:
+        # a worker a move just left or reached reports its new pool a little later: until
+        # then its figures are stale (a second move off it would be one too many)
+        settle = max(0.25, 3 * self.cfg.report_interval_s)
+        with fleet.lock:
+            states = [(st.worker_id, st.free_blocks, st.total_blocks, st.decode_batch)
+                      for st in fleet.states("decode") if not st.draining and
+                      now - self._move_ended.get(st.worker_id, -math.inf) >= settle]
+        bs = self._block_size                # learned from the admissions
+        flights = self.in_flight_flights()
+        for wid, free, total, batch in states:
+            low = max(PRESSURE_FREE_SHARE * total, PRESSURE_BLOCKS_PER_SEQ * batch)
+            if not total or not batch or free >= low:
                 continue
-            if not any(r.worker_id != st.worker_id for r in room):
-                continue
-            w = fleet.handle(st.worker_id)
+            w = fleet.handle(wid)
             mine = [f for f in flights if f.decode is w and f.admitted is not None]
             if not mine or any(f.moving for f in mine):
                 continue
             ready = [f for f in mine if now >= f.move_after]
-            if ready:
-                biggest = max(ready, key=lambda f: f.admitted.num_tokens)
-                asked += self.migrate(biggest.request_id, cause="kv_pressure")
+            if not ready:
+                continue
+            biggest = max(ready, key=_tokens_held)
+            targets = [(f2, w2) for w2, f2, t2, _ in states if w2 != wid and t2 and
+                       f2 - -(-_tokens_held(biggest) // bs) >= ROOM_FREE_SHARE * t2]
+            if targets:
+                to = max(targets)[1]
+                asked += self.migrate(biggest.request_id, target=to, cause="kv_pressure")
         return asked
 
     def rebalance_decodes(self, max_moves: int = 8) -> int:
@@ -858,6 +878,13 @@ def _next_delta(inbox: Any, timeout: float) -> RequestDelta | MoveSignal:
     if item.error is not None:
         raise StepFailed(item.error)
     return item
+
+
+def _tokens_held(flight: Flight) -> int:
+    """The tokens a decoding request holds KV for, as the router knows them: its prompt and
+    the output its client has."""
+    sent = flight.sent.tokens if flight.sent is not None else 0
+    return flight.admitted.num_tokens + sent
 
 
 def _prompt_tokens(prompt: Any) -> int:

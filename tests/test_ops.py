@@ -210,29 +210,39 @@ def test_migrate_moves_a_streaming_request_and_refuses_what_it_cannot_move(serve
     key = ("--api-key", KEY)
     assert raypd("scale", "--url", server.url, *key, "--decode", "2") == 0
     capsys.readouterr()
-    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 600, "ignore_eos": True,
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1500, "ignore_eos": True,
             "temperature": 0}
-    whole = requests.post(server.url + "/v1/completions", timeout=120, json=body,
+    whole = requests.post(server.url + "/v1/completions", timeout=120,
+                          json={**body, "return_token_ids": True},
                           headers={"Authorization": f"Bearer {KEY}"}).json()
+    # token ids with every event (vLLM's return_token_ids): the first event comes with the
+    # first token (tiny's random text is held back until it decodes)
     r = requests.post(server.url + "/v1/completions", stream=True, timeout=120,
-                      json={**body, "stream": True},
+                      json={**body, "stream": True, "return_token_ids": True},
                       headers={"Authorization": f"Bearer {KEY}"})
     rid = r.headers["X-Request-Id"]
     flights = server.backend.orchestrator
-    lines = r.iter_lines()
-    text = []
+    lines = r.iter_lines(chunk_size=1)      # each event as it comes
+    text, ids = [], []
+
+    def take(line: bytes) -> None:
+        c = json.loads(line[6:])["choices"][0]
+        text.append(c["text"] or "")
+        ids.extend(c.get("token_ids") or [])
     for line in lines:                       # the first token: it decodes now
         if line.startswith(b"data: {"):
-            text.append(json.loads(line[6:])["choices"][0]["text"])
-            break
+            take(line)
+            if ids:
+                break
     here = flights.fleet.worker_id(flights._flights[rid].decode)
     there = "decode-1" if here == "decode-0" else "decode-0"
     moved_before = flights.migrations["moved"]
     assert raypd("migrate", rid, "--to", there, "--url", server.url, *key) == 0
     for line in lines:
         if line.startswith(b"data: {"):
-            text.append(json.loads(line[6:])["choices"][0]["text"])
+            take(line)
     assert "".join(text) == whole["choices"][0]["text"]
+    assert ids == whole["choices"][0]["token_ids"]    # every token once, in order
     assert flights.migrations["moved"] == moved_before + 1
     assert raypd("migrate", "no-such-request", "--url", server.url, *key) == 2
     assert "404" in capsys.readouterr().err
