@@ -8,7 +8,8 @@ decoding when a pool shrinks); ignore_eos, so every request decodes exactly that
 is sent at its arrival time (open loop) and must end within `deadline_s`. The defaults are
 sized for the tiny model on a 2-core machine: its decode step is ~2 ms, so the SLOs are in
 its units (TPOT 12 ms, TTFT 0.25 s) and the burst (18 requests/s, 256 tokens each, 1024 for a
-tenth) needs more than one decode worker at that TPOT by the workers' own fits while every
+tenth: these run for seconds, so the quiet phases at 1.5 requests/s have decodes running when
+a pool shrinks) needs more than one decode worker at that TPOT by the workers' own fits while every
 worker still shares the same 2 cores (a heavier burst overloads the machine whatever the
 split: then the static runs miss too); other models take other values.
 
@@ -216,7 +217,7 @@ def static_splits(total: int, first: tuple[int, int] | None, max_statics: int
     return splits[:max(1, max_statics)]
 
 
-def run_autoscale_bench(model: str = "tiny", quiet_rps: float = 1.0, burst_rps: float = 18.0,
+def run_autoscale_bench(model: str = "tiny", quiet_rps: float = 1.5, burst_rps: float = 18.0,
                         quiet_s: float = 10.0, burst_s: float = 20.0, tail_s: float = 20.0,
                         prompt_tokens: tuple[int, int] = (32, 160), max_tokens: int = 256,
                         long_share: float = 0.1, long_tokens: int = 1024,

@@ -59,7 +59,7 @@ def register(sub) -> None:
                          "0 lost, 0 leaked, 0 mismatches, a scale-down that migrated, SLO "
                          "attainment within 5 points of static with fewer worker-seconds)")
     ba.add_argument("--model", default="tiny")
-    ba.add_argument("--quiet-rps", type=float, default=1.0)
+    ba.add_argument("--quiet-rps", type=float, default=1.5)
     ba.add_argument("--burst-rps", type=float, default=18.0)
     ba.add_argument("--quiet-s", type=float, default=10.0, help="the first quiet phase")
     ba.add_argument("--burst-s", type=float, default=20.0)
