@@ -110,6 +110,25 @@ def random_prompt(n: int, seed: int, vocab: int = 250, low: int = 3) -> list[int
     return torch.randint(low, vocab, (n,), generator=g).tolist()
 
 
+def start_streaming(cluster, prompts: list, sampling, timeout_s: float = 60.0):
+    """Run each prompt through `cluster` in a thread of its own (`sampling`: one
+    SamplingParams, or one per prompt); return (threads, results) once every request has
+    streamed a token. `results[i]` is set when request i ends."""
+    import threading
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    streaming = [threading.Event() for _ in prompts]
+    results: list = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        results[i] = cluster.run_request(prompts[i], samplings[i],
+                                         on_delta=lambda d: streaming[i].set())
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    assert all(e.wait(timeout_s) for e in streaming), "a request never streamed"
+    return threads, results
+
+
 def make_engine(loaded, **overrides):
     from workers.engine import EngineConfig, LLMEngine
     cfg = dict(model="tiny", num_blocks=256, block_size=16)

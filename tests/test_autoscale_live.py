@@ -8,7 +8,7 @@ import threading
 from dataclasses import replace
 
 import pytest
-from conftest import hf_greedy, random_prompt
+from conftest import hf_greedy, random_prompt, start_streaming
 
 from cluster.autoscaler import LiveAutoscaler
 from cluster.pd import PDCluster, PDConfig
@@ -97,24 +97,10 @@ def test_autoscaled_scale_down_migrates_running_decodes_and_loses_nothing(tiny_r
                                  flow=FlowConfig(report_interval_s=0.05)))
     auto = None
     try:
-        sampling = SamplingParams(max_tokens=200, ignore_eos=True)
+        sampling = SamplingParams(max_tokens=500, ignore_eos=True)   # decoding at the drain
         prompts = [random_prompt(24 + 5 * i, seed=300 + i) for i in range(4)]
         want = [hf_greedy(tiny_reference, p, sampling.max_tokens) for p in prompts]
-        started = threading.Barrier(len(prompts) + 1)
-        results: list = [None] * len(prompts)
-
-        def one(i: int) -> None:
-            seen = []
-
-            def on_delta(d) -> None:
-                if not seen:
-                    seen.append(1)
-                    started.wait()
-            results[i] = cluster.run_request(prompts[i], sampling, on_delta=on_delta)
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        started.wait()                       # every request streams; both decode workers busy
+        threads, results = start_streaming(cluster, prompts, sampling)   # both decode busy
         on_d1 = [f for f in cluster.orchestrator.in_flight_flights()
                  if cluster.orchestrator.fleet.worker_id(f.decode) == "decode-1"]
         assert on_d1, "the test needs a request decoding on the worker that drains"

@@ -4,11 +4,9 @@ a move that fails after the freeze re-prefills elsewhere, never an error."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import ray
-from conftest import hf_greedy, random_prompt
+from conftest import hf_greedy, random_prompt, start_streaming
 
 from cluster.pd import PDCluster, PDConfig
 from protocol.ledger import ACKED, FILLED
@@ -145,22 +143,9 @@ def test_drain_under_load_moves_running_decodes_and_loses_nothing(tiny_reference
                                  flow=FlowConfig(policy="round_robin")))
     try:
         prompts = [random_prompt(20 + 7 * i, seed=100 + i) for i in range(6)]
-        want = [hf_greedy(tiny_reference, p, LONG.max_tokens) for p in prompts]
-        started = threading.Barrier(len(prompts) + 1)
-        results: list = [None] * len(prompts)
-
-        def one(i: int) -> None:
-            hit = []
-
-            def on_delta(d) -> None:
-                if not hit:
-                    hit.append(1)
-                    started.wait()
-            results[i] = cluster.run_request(prompts[i], LONG, on_delta=on_delta)
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        started.wait()                  # every request is streaming
+        sampling = SamplingParams(max_tokens=600, ignore_eos=True)   # still decoding at the drain
+        want = [hf_greedy(tiny_reference, p, sampling.max_tokens) for p in prompts]
+        threads, results = start_streaming(cluster, prompts, sampling)
         cluster.scale(decode=1, wait=True, timeout_s=120)
         for t in threads:
             t.join(120)
@@ -196,16 +181,7 @@ def test_kv_pressure_moves_a_decode_instead_of_preempting(migrate, tiny_referenc
         prompts = [shared + random_prompt(6, seed=6), shared + random_prompt(6, seed=7)]
         sampling = SamplingParams(max_tokens=250, ignore_eos=True)
         want = [hf_greedy(tiny_reference, p, sampling.max_tokens) for p in prompts]
-        streaming = [threading.Event(), threading.Event()]
-        results: list = [None, None]
-
-        def one(i: int) -> None:
-            results[i] = cluster.run_request(prompts[i], sampling,
-                                             on_delta=lambda d: streaming[i].set())
-        threads = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
-        for t in threads:
-            t.start()
-        assert all(e.wait(60) for e in streaming)
+        threads, results = start_streaming(cluster, prompts, sampling)
         fleet.undrain("decode-1")
         for t in threads:
             t.join(120)
@@ -235,17 +211,8 @@ def test_rebalance_moves_half_the_gap_to_a_worker_that_joined(tiny_reference):
         prompts = [random_prompt(20 + 3 * i, seed=400 + i) for i in range(4)]
         lengths = [300, 400, 500, 600]
         want = [hf_greedy(tiny_reference, p, n) for p, n in zip(prompts, lengths, strict=True)]
-        streaming = [threading.Event() for _ in prompts]
-        results: list = [None] * len(prompts)
-
-        def one(i: int) -> None:
-            results[i] = cluster.run_request(
-                prompts[i], SamplingParams(max_tokens=lengths[i], ignore_eos=True),
-                on_delta=lambda d: streaming[i].set())
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        assert all(e.wait(60) for e in streaming)
+        threads, results = start_streaming(
+            cluster, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
         fleet.undrain("decode-1")
         assert o.rebalance_decodes() == 2    # 4 on decode-0, 0 on decode-1
         assert o.rebalance_decodes() == 0    # under way, or done: 2 and 2
