@@ -121,3 +121,19 @@ def test_autoscaled_scale_down_migrates_running_decodes_and_loses_nothing(tiny_r
         assert cluster.leaked_blocks() == 0
     finally:
         cluster.shutdown()
+
+
+def test_serve_autoscale_flag_turns_the_autoscaler_on():
+    """`raypd serve --autoscale` = router.autoscale.enabled: the cluster gets the config's
+    AutoscaleConfig; without it, none."""
+    import argparse
+
+    from cluster.config import load_config
+    from raypd.cli.serve import add_serve_parser, overrides_from_args
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    on = parser.parse_args(["serve", "--autoscale", "--model", "tiny"])
+    off = parser.parse_args(["serve", "--model", "tiny"])
+    cfg_on = load_config(None, overrides_from_args(on)).to_pd_config()
+    assert cfg_on.autoscale is not None and cfg_on.autoscale.enabled
+    assert load_config(None, overrides_from_args(off)).to_pd_config().autoscale is None
