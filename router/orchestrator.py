@@ -387,8 +387,8 @@ class Orchestrator:
                                   output_tokens=request.sampling.max_tokens,
                                   decode_cached_blocks=decode_cached_blocks,
                                   lora=request.lora_id, decode_worker=decode_worker)
-        p = request.prompt   # not tokenized yet: capacity by an estimate, no prefix match
-        n = len(p) if isinstance(p, tuple) else max(1, len(str(p)) // 3)
+        # not tokenized yet: capacity by an estimate, no prefix match
+        n = _prompt_tokens(request.prompt)
         return RoutingRequest(request.request_id, [], n, self._block_size,
                               tenant=request.tenant, output_tokens=request.sampling.max_tokens,
                               lora=request.lora_id)
@@ -890,7 +890,8 @@ def _tokens_held(flight: Flight) -> int:
 def _prompt_tokens(prompt: Any) -> int:
     """A prompt's length before tokenization: exact for token ids, ~3 characters a token
     for text (the router tokenizes nothing; the window's means are estimates for text)."""
-    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):
+    if isinstance(prompt, tuple) or isinstance(prompt, list) and prompt and \
+            isinstance(prompt[0], int):
         return len(prompt)
     return max(1, len(str(prompt)) // 3)
 
