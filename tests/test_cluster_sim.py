@@ -190,6 +190,46 @@ def test_shared_host_slows_decode_during_prefill_steps_and_prefill_beside_decode
         ClusterConfig(num_prefill=2, num_decode=1, shared_host=True).validate()
 
 
+def test_shared_host_factors_are_taken_at_the_decode_batch():
+    from raypd.sim.cost_model import SharedHost
+    sh = SharedHost(1.2, 1.1, 1.5, at_batch=((8, 2.6, 1.8, 2.9),))
+    assert sh.at(0) == (1.0, 1.0, 1.0)                 # an idle decode worker slows nothing
+    assert sh.at(1) == (1.2, 1.1, 1.5)
+    assert sh.at(4.5) == pytest.approx((1.9, 1.45, 2.2))   # linear between the batches
+    assert sh.at(40) == (2.6, 1.8, 2.9)                # past the last: its figures
+    with pytest.raises(ValueError, match=">= 1"):
+        SharedHost(1.2, 1.1, 1.0, at_batch=((8, 0.9, 1.0, 1.0),))
+    with pytest.raises(ValueError, match="distinct"):
+        SharedHost(at_batch=((1, 2.0, 2.0, 2.0),))
+
+
+def test_a_prefill_and_a_handoff_beside_a_large_decode_batch_take_its_slowdown():
+    """Eight decodes run from ~1 s; a 2000-token prompt (2 s alone) arrives at 3 s: its step
+    and its handoff take the batch-8 factors, not batch 1's (the probe measures both)."""
+    import dataclasses
+
+    from raypd.sim.cost_model import PrefillCost, SharedHost
+    base = CostModel(prefill=PrefillCost(tok_s=1000.0, attn_ctx_tokens=0.0,
+                                         step_overhead_s=0.0, chunk_tokens=4096),
+                     decode=DecodeCost(base_s=0.1, per_seq_s=0.0, per_ctx_token_s=0.0),
+                     link=dataclasses.replace(CostModel().link, gbps=1e6, latency_s=0.25),
+                     kv_capacity_tokens=64 * 1000)
+    work = [SimRequest(0.0, 100, 200, (j,)) for j in range(8)]
+    work.append(SimRequest(3.0, 2000, 2, (100, 101, 102, 103)))
+
+    def ttft_of_last(shared: SharedHost) -> float:
+        sim = ClusterSim(dataclasses.replace(base, shared_host=shared),
+                         ClusterConfig(num_prefill=1, num_decode=1, block_tokens=512,
+                                       policy="round_robin", slo_ttft_s=1e9, max_tokens=200,
+                                       slo_tpot_s=1e9, shared_host=True))
+        sim.run(work)
+        return sim.ttft_s[8]
+    flat = ttft_of_last(SharedHost(1.5, 1.0, 2.0))
+    assert flat == pytest.approx(2.0 * 1.5 + 0.25 * 2.0, abs=1e-6)
+    steep = ttft_of_last(SharedHost(1.5, 1.0, 2.0, at_batch=((8, 3.0, 1.0, 4.0),)))
+    assert steep == pytest.approx(2.0 * 3.0 + 0.25 * 4.0, abs=1e-6)
+
+
 def test_gpu_roofline_states_its_efficiency_factors():
     c = gpu_cost_model("h200")
     assert c.notes["efficiency"]["prefill_mfu"] > 0 and c.notes["gpu"]["name"] == "h200"

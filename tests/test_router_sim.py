@@ -211,3 +211,31 @@ def test_a_prefix_is_a_hit_only_once_a_step_has_computed_it():
         assert [t for _, t in done] == ["a", "b"]
         assert w.hits == [("a", 0), ("b", b_hit)], chunk
         assert w.computed_tokens == 160 + 176 - 16 * b_hit
+
+
+def test_a_prefill_ends_once_staged_and_the_next_step_pays_for_the_pages_it_sends():
+    """P's loop stages what a step finished, one prompt after the other, before its next step;
+    a step that starts while those pages are sent runs send_s_per_token x their tokens longer
+    (`simulate --validate`'s probe measures both); one that starts after the sends does not."""
+    from raypd.sim.cost_model import CostModel, LinkCost, PrefillCost
+    from raypd.sim.routing_sim import SimWorker, namespace_root
+    root = namespace_root()
+
+    def finishes(stage: float, send: float, third_at: float) -> dict:
+        cost = CostModel(prefill=PrefillCost(1000.0, 0.0, 0.0, 4096, stage_s_per_token=stage,
+                                             send_s_per_token=send),
+                         link=LinkCost(gbps=1.0, latency_s=0.1), kv_bytes_per_token=1000)
+        w = SimWorker("p0", 1000, cost, max_loras=1, block_tokens=16)
+        for tag, n, at in (("a", 100, 0.0), ("b", 300, 0.0), ("c", 200, third_at)):
+            w.serve([hash((tag, i)) for i in range(-(-n // 16))], root,
+                    list(range(-(-n // 16))), n, at, 16, tag=tag)
+        return {t: f for f, t in w.advance(float("inf"))}
+    plain = finishes(0.0, 0.0, 0.05)
+    assert plain == pytest.approx({"a": 0.4, "b": 0.4, "c": 0.6})
+    staged = finishes(1e-3, 0.0, 0.05)     # a staged at 0.5, b at 0.8; c's step from 0.8
+    assert staged == pytest.approx({"a": 0.5, "b": 0.8, "c": 0.8 + 0.2 + 0.2})
+    sending = finishes(1e-3, 1e-3, 0.05)   # c's step starts while a's and b's pages go out
+    assert sending == pytest.approx({"a": 0.5, "b": 0.8, "c": 0.8 + 0.2 + 0.4 + 0.2})
+    # c arrives after the sends (0.8 s + the link's 0.1 s + 400 kB at 1 GB/s): no cost
+    late = finishes(1e-3, 1e-3, 2.0)
+    assert late["c"] == pytest.approx(2.0 + 0.2 + 0.2)

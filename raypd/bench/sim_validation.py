@@ -6,10 +6,13 @@ Calibration and replay are kept apart:
   `--engine-json`, or measured by this command first in a Ray task placed like the workers,
   with their thread count) and from a probe on a cluster started for it alone and shut down
   before the replay's cluster starts (`run_probe`): how much the prefill and decode workers
-  slow each other on this host, the workers' speed alone (to which the calibration's level is
-  re-anchored: the machine drifts over minutes; the shapes stay the calibration's) and what a
-  request spends around its prefill before its first token (the per-request handoff latency,
-  which the simulator's link carries). The probe uses PROBE_CONTEXT / PROBE_PREFILL tokens;
+  slow each other on this host, beside a decode batch of 1 and of PROBE_BATCHES (prefill
+  compute, decode steps, handoff), the workers' speed alone (to which the calibration's level
+  is re-anchored: the machine drifts over minutes; the shapes stay the calibration's), P's
+  own handoff work (staging on its loop before the next step; what a step loses while P sends
+  pages) and what a request spends besides before its first token (the per-request handoff
+  latency, which the simulator's link carries). The probe uses PROBE_CONTEXT / PROBE_PREFILL
+  tokens;
 - the replay (`replay_requests`, seed REPLAY_SEED) uses prompt lengths REPLAY_LENS, none of the
   calibration's or the probe's, random token ids (no shared prefixes), Poisson arrivals placed
   for each load of LOADS (the prefill worker's utilization by the calibrated model: light, and
@@ -73,17 +76,26 @@ def _timed_request(cluster, prompt: list[int], max_tokens: int, request_id: str 
 
 
 def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens: int,
-                      decode_tokens: int) -> dict:
+                      decode_tokens: dict[int, int]) -> dict:
     """How much the real prefill and decode workers slow each other on this host (they share
     its cores, its memory and the serving processes' CPU), with probe requests of its own (none
     of the replay's), after the warm-up and before the replay, from the router's request
-    traces: one `context`-token sequence decodes `decode_tokens` tokens while, after its tenth
-    token, a `prefill_tokens` prompt prefills; decode_x = its mean gap between streamed tokens
-    inside that prefill's compute over its mean gap outside it (before the prefill, and after
-    the prompt's KV landed); prefill_x = that prefill's compute over the median of the same
-    prefill alone, ALONE_RUNS times right before and right after (the machine's speed drifts
-    over minutes); the handoff is the median over those runs too."""
+    traces. For each decode batch B of `decode_tokens` (B -> tokens each decodes): B
+    `context`-token sequences decode while, once each streamed ten tokens, a `prefill_tokens`
+    prompt prefills; decode_x = their mean gap between streamed tokens inside that prefill's
+    compute over their mean gap outside it (before the prefill, and after the prompt's KV
+    landed); prefill_x = that prefill's compute over the median of the same prefill alone,
+    ALONE_RUNS times right before and right after (the machine's speed drifts over minutes);
+    handoff_x = what that prompt spent around its compute and its staging before its first
+    token over the same for the prefills alone (median). The top-level decode_x, prefill_x,
+    handoff_x are batch 1's (which must be probed), `at_batch` the others'.
+    P's own handoff work: stage_s_per_token = the prefills alone's median staging (the loop's
+    copy of the KV before its next step) per prompt token; send_s_per_token = how much longer a
+    prefill computes right behind another one (sent while the first computes, so its step
+    starts while P sends the first one's pages) than alone, per token sent (median of
+    BEHIND_RUNS)."""
     traces = cluster.orchestrator.traces
+    assert 1 in decode_tokens, "the probe's batch-1 figures anchor the cost model"
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, 30000) for _ in range(n)]
@@ -97,52 +109,119 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
 
     def mean_gap(ts: list[float]) -> float | None:
         return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) >= 4 else None
+
+    def mean(xs) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    def beside(batch: int, tokens: int) -> dict:
+        """`batch` decodes, and the prefill once they all stream (module doc)."""
+        tenths = [threading.Event() for _ in range(batch)]
+        box: dict[int, tuple] = {}
+
+        def decode(i: int) -> None:
+            try:
+                box[i] = _timed_request(cluster, prompt(context), tokens,
+                                        f"probe-decode-b{batch}-{i}", first=tenths[i],
+                                        first_at=10)
+            finally:
+                tenths[i].set()
+        ths = [threading.Thread(target=decode, args=(i,)) for i in range(batch)]
+        for th in ths:
+            th.start()
+        rid = f"probe-prefill-beside-b{batch}"
+        try:
+            for ev in tenths:
+                ev.wait()
+            ready = time.perf_counter()
+            start, token_times, _ = _timed_request(cluster, prompt(prefill_tokens), 2, rid)
+        finally:
+            for th in ths:
+                th.join()
+        assert len(box) == batch, f"a probe decode request at batch {batch} failed"
+        span = compute_span(rid)
+        landed = traces.get(rid).token_times[1]   # D's first step after it
+        inside, outside = [], []
+        for i in range(batch):
+            ts = [t for t in traces.get(f"probe-decode-b{batch}-{i}").token_times[1:]
+                  if t >= ready]                  # D's steps once all B run
+            inside.append(mean_gap([t for t in ts if span.start <= t <= span.end]))
+            outside.append(mean([mean_gap([t for t in ts if t < span.start]),
+                                 mean_gap([t for t in ts if t > landed])]))
+        return {"batch": batch, "decode_tokens": tokens, "decode_gap_s_outside": mean(outside),
+                "decode_gap_s_inside_prefill": mean(inside),
+                "prefill_compute_s_beside_decode": span.seconds,
+                "handoff_s_beside_decode": token_times[0] - start - span.seconds
+                - staging_of(rid)}
+
+    def staging_of(rid: str) -> float:
+        return traces.get(rid).stage_seconds().get("staging", 0.0)
+
+    def behind(k: int, lead_s: float) -> float:
+        """A prompt sent `lead_s` after another one started: its compute (it must start
+        after the first one's ended, else the two shared a step)."""
+        first = threading.Thread(target=_timed_request, args=(
+            cluster, prompt(prefill_tokens), 2, f"probe-prefill-lead-{k}"))
+        first.start()
+        try:
+            time.sleep(lead_s)
+            _timed_request(cluster, prompt(prefill_tokens), 2, f"probe-prefill-behind-{k}")
+        finally:
+            first.join()
+        lead = compute_span(f"probe-prefill-lead-{k}")
+        span = compute_span(f"probe-prefill-behind-{k}")
+        if span.start < lead.end:
+            raise RuntimeError(f"probe-prefill-behind-{k} shared a step with the prompt ahead "
+                               f"of it (sent {lead_s:.3f} s after it)")
+        return span.seconds
     alone_ids = [f"probe-prefill-before-{i}" for i in range(ALONE_RUNS)]
     alone_runs = [_timed_request(cluster, prompt(prefill_tokens), 2, rid) for rid in alone_ids]
-    tenth, box = threading.Event(), {}
-
-    def decode() -> None:
-        try:
-            box["d"] = _timed_request(cluster, prompt(context), decode_tokens,
-                                      "probe-decode", first=tenth, first_at=10)
-        finally:
-            tenth.set()
-    th = threading.Thread(target=decode)
-    th.start()
-    try:
-        tenth.wait()
-        _timed_request(cluster, prompt(prefill_tokens), 2, "probe-prefill-beside")
-    finally:
-        th.join()
-    assert "d" in box, "the probe's decode request failed"
+    rows = [beside(b, n) for b, n in sorted(decode_tokens.items())]
+    lead_s = 0.5 * statistics.median(compute_span(rid).seconds for rid in alone_ids)
+    behind_s = [behind(k, lead_s) for k in range(BEHIND_RUNS)]
     after_ids = [f"probe-prefill-after-{i}" for i in range(ALONE_RUNS)]
     alone_runs += [_timed_request(cluster, prompt(prefill_tokens), 2, rid) for rid in after_ids]
     alone_ids += after_ids
-    span = compute_span("probe-prefill-beside")
-    landed = traces.get("probe-prefill-beside").token_times[1]   # D's first step after it
-    ts = traces.get("probe-decode").token_times[1:]              # D's steps
-    inside = mean_gap([t for t in ts if span.start <= t <= span.end])
-    before = [t for t in ts if t < span.start]
-    after = [t for t in ts if t > landed]
-    gaps = [g for g in (mean_gap(before), mean_gap(after)) if g is not None]
-    outside = sum(gaps) / len(gaps) if gaps else None
     computes = [compute_span(rid).seconds for rid in alone_ids]
     alone = statistics.median(computes)
     # what a request spends around its prefill on the idle cluster (route, admit, staging,
     # transfer, the first token's way to the client): its TTFT at the client less its compute
-    handoff = statistics.median(token_times[0] - start - c for (start, token_times, _), c
-                                in zip(alone_runs, computes, strict=True))
+    staging = statistics.median(staging_of(rid) for rid in alone_ids)
+    handoff = statistics.median(token_times[0] - start - c - staging_of(rid)
+                                for (start, token_times, _), c, rid
+                                in zip(alone_runs, computes, alone_ids, strict=True))
+    for row in rows:
+        inside, outside = row["decode_gap_s_inside_prefill"], row["decode_gap_s_outside"]
+        row["decode_x"] = max(1.0, inside / outside) if inside and outside else 1.0
+        row["prefill_x"] = max(1.0, row["prefill_compute_s_beside_decode"] / alone) \
+            if alone > 0 else 1.0
+        row["handoff_x"] = max(1.0, row["handoff_s_beside_decode"] / handoff) \
+            if handoff > 0 else 1.0
+    one = rows[0]
     return {"context": context, "prefill_tokens": prefill_tokens,
-            "decode_tokens": decode_tokens, "decode_gap_s_outside": outside,
-            "decode_gap_s_inside_prefill": inside, "prefill_compute_s_alone": alone,
-            "handoff_s_alone": handoff,
-            "prefill_compute_s_beside_decode": span.seconds,
-            "decode_x": max(1.0, inside / outside) if inside and outside else 1.0,
-            "prefill_x": max(1.0, span.seconds / alone) if alone > 0 else 1.0}
+            "decode_tokens": one["decode_tokens"],
+            "decode_gap_s_outside": one["decode_gap_s_outside"],
+            "decode_gap_s_inside_prefill": one["decode_gap_s_inside_prefill"],
+            "prefill_compute_s_alone": alone, "handoff_s_alone": handoff,
+            "staging_s_alone": staging, "stage_s_per_token": staging / prefill_tokens,
+            "prefill_compute_s_behind": behind_s,
+            "send_s_per_token": max(0.0, statistics.median(behind_s) - alone) / prefill_tokens,
+            "prefill_compute_s_beside_decode": one["prefill_compute_s_beside_decode"],
+            "decode_x": one["decode_x"], "prefill_x": one["prefill_x"],
+            "handoff_x": one["handoff_x"], "at_batch": rows[1:]}
+
+
+def shared_host_of(probe: dict) -> SharedHost:
+    """The probe's slowdowns as the simulator's SharedHost."""
+    return SharedHost(probe["prefill_x"], probe["decode_x"], probe["handoff_x"],
+                      tuple((r["batch"], r["prefill_x"], r["decode_x"], r["handoff_x"])
+                            for r in probe["at_batch"]))
 
 
 PROBE_CONTEXT, PROBE_PREFILL = 512, 1024   # the probe's lengths (the calibration's too)
+PROBE_BATCHES = (1, 8)     # the decode batches the probe measures the slowdowns at
 ALONE_RUNS = 4      # the probe's prefills alone, before and after (medians: one slow is noise)
+BEHIND_RUNS = 3     # the probe's prefills right behind another
 REPLAY_LENS = (200, 450, 900)              # the replay's: none of the above
 REPLAY_SEED = 7
 LOADS = (("light", 0.3), ("near_saturation", 0.85))
@@ -164,10 +243,13 @@ def run_probe(engine: dict, cost: CostModel) -> dict:
     try:
         rng = random.Random(1)
         _warm_up(cluster, (PROBE_CONTEXT, PROBE_PREFILL), rng)
-        # enough tokens to decode through the prefill: 10 before, 1.5x its time, 10 after
-        decode_tokens = 20 + math.ceil(1.5 * cost.prefill.prefill_s(PROBE_PREFILL)
-                                       / max(cost.decode.step_s(1, PROBE_CONTEXT), 1e-3))
-        return probe_shared_host(cluster, rng, PROBE_CONTEXT, PROBE_PREFILL, decode_tokens)
+        # enough tokens per sequence to decode through the batch's own prefills and the
+        # probe's: 10 before, 2x their time, 10 after
+        solo = cost.prefill.prefill_s(PROBE_PREFILL)
+        tokens = {b: 20 + math.ceil(2.0 * (solo + b * cost.prefill.prefill_s(PROBE_CONTEXT))
+                                    / max(cost.decode.step_s(b, b * PROBE_CONTEXT), 1e-3))
+                  for b in PROBE_BATCHES}
+        return probe_shared_host(cluster, rng, PROBE_CONTEXT, PROBE_PREFILL, tokens)
     finally:
         cluster.shutdown()
 
@@ -346,9 +428,9 @@ def _anchor(cost: CostModel, probe: dict) -> dict:
     that the probe's prefill alone takes what it took, decode seconds so that a step of the
     probe's sequence (at its mean context) takes its mean gap outside the prefill. The shapes
     (vs length, batch, context) stay the calibration's. The link's latency: what the probe's
-    prefills alone spent around their compute before their first token, less the link's
-    transfer of their KV (the simulator's only cost between a prefill's end and its first
-    token)."""
+    prefills alone spent around their compute and their staging before their first token,
+    less the link's transfer of their KV (the simulator's only cost between a staged prefill
+    and its first token)."""
     kp = probe["prefill_compute_s_alone"] / cost.prefill.prefill_s(probe["prefill_tokens"])
     gap, ctx = probe["decode_gap_s_outside"], probe["context"] + probe["decode_tokens"] // 2
     kd = gap / cost.decode.step_s(1, ctx) if gap else 1.0
@@ -366,9 +448,12 @@ def _validate(cost: CostModel | None, num_requests: int, max_tokens: int, engine
         cost = cpu_cost_model(calibration)
     probe = run_probe(engine, cost)
     anchor = _anchor(cost, probe)
+    scaled = cost.scaled(anchor["prefill_k"], anchor["decode_k"])
     calibrated = dataclasses.replace(
-        cost.scaled(anchor["prefill_k"], anchor["decode_k"]),
-        shared_host=SharedHost(probe["prefill_x"], probe["decode_x"]),
+        scaled, shared_host=shared_host_of(probe),
+        prefill=dataclasses.replace(scaled.prefill,
+                                    stage_s_per_token=probe["stage_s_per_token"],
+                                    send_s_per_token=probe["send_s_per_token"]),
         link=dataclasses.replace(cost.link, latency_s=anchor["link_latency_s"]))
     defaults = cpu_cost_model()          # the simulator's stated defaults alone
     mean_prefill = sum(calibrated.prefill.prefill_s(n) for n in REPLAY_LENS) / len(REPLAY_LENS)

@@ -24,9 +24,11 @@ TTFT = first token at the client = P's prefill done + transfer (D streams from t
 TPOT <= slo_tpot; goodput = attained requests / s of the trace span (shed ones fail).
 
 Shared host (`shared_host=True`, cpu-here's 1P+1D validation): prefill i and decode i share
-cores and memory; a decode step overlapping a prefill step runs cost.shared_host.decode_x
-times slower over the overlap, a prefill step prefill_x times slower while decode i's batch
-(as estimated when the step starts, the decodes prefill i has just finished included) lasts.
+cores and memory, and each factor of cost.shared_host is taken at decode i's batch: a decode
+step overlapping a prefill step runs decode_x times slower over the overlap, a prefill step
+prefill_x times slower while decode i's batch (as estimated when the step starts, the decodes
+prefill i has just finished included) lasts, a transfer to decode i handoff_x times longer
+(its bytes and its latency; the batch when its prefill ends).
 
 Colocated mode (`colocated=True`): `num_prefill` GPUs that each prefill and decode as a
 chunked-prefill engine does (raypd/sim/colocated_sim.py): each step decodes one token of every
@@ -48,7 +50,7 @@ from protocol.errors import RoutingRejected
 from protocol.messages import LoadReport
 from protocol.step_rates import StepRates
 from raypd.sim.colocated_sim import ColocatedGPU, decode_steps
-from raypd.sim.cost_model import CostModel
+from raypd.sim.cost_model import CostModel, SharedHost
 from raypd.sim.routing_sim import (
     SimRequest,
     SimWorker,
@@ -106,12 +108,13 @@ class DecodeSim:
     """One decode worker: continuous batching of at most `max_batch` sequences (the others
     wait for a slot), advanced in jumps between batch changes. `prefill`: a shared host's
     prefill worker, whose steps slow it down: decode runs at `busy_rate` of its speed while
-    one runs (1 / decode_x)."""
+    one runs (1 / decode_x; with `shared`, 1 / decode_x at the jump's batch)."""
 
     def __init__(self, worker_id: str, cost: CostModel, capacity_blocks: int,
                  max_batch: int, prefill: SimWorker | None = None,
-                 busy_rate: float = 0.0) -> None:
+                 busy_rate: float = 0.0, shared: SharedHost | None = None) -> None:
         assert 0.0 <= busy_rate <= 1.0
+        self.shared = shared
         self.worker_id = worker_id
         self.cost = cost
         self.pool = BlockPool(capacity_blocks, enable_prefix_caching=False)
@@ -194,6 +197,13 @@ class DecodeSim:
         dt = self.cost.decode.step_s(len(seqs), sum(c for _, _, c in seqs))
         return max(t, max(start + left * dt for start, left, _ in seqs))
 
+    def batch_at(self, t: float, extra: Sequence[tuple[float, int, int]] = ()) -> int:
+        """Sequences this worker holds at t as far as it has been advanced (running, waiting
+        for a slot, landed by t), plus `extra` (start, tokens, context) started by t."""
+        return (len(self.running) + len(self.queued)
+                + sum(1 for at, _, _ in self.joins if at <= t)
+                + sum(1 for x in extra if x[0] <= t))
+
     def join(self, at: float, seq: _Seq) -> None:
         self._n += 1
         heapq.heappush(self.joins, (at, self._n, seq))
@@ -226,6 +236,8 @@ class DecodeSim:
             batch = len(self.running)
             ctx = sum(s.ctx for s in self.running)
             dt = self.cost.decode.step_s(batch, ctx)
+            if self.shared is not None:
+                self.busy_rate = 1.0 / self.shared.at(batch)[1]
             kmin = min(s.left for s in self.running)
             end = self._time_after(self.now, kmin * dt - self.carry)
             if end <= horizon:
@@ -331,7 +343,8 @@ class ClusterSim:
             self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, log_steps=True,
                                       block_tokens=bt) for i in range(cfg.num_prefill)]
             self.decode = [DecodeSim(f"decode-{i}", cost, total_blocks, cfg.max_decode_batch,
-                                     p, 1.0 / sh.decode_x) for i, p in enumerate(self.prefill)]
+                                     p, 1.0 / sh.decode_x, sh)
+                           for i, p in enumerate(self.prefill)]
         else:
             self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, block_tokens=bt)
                             for i in range(cfg.num_prefill)]
@@ -458,12 +471,13 @@ class ClusterSim:
             if hooks is not None:
                 hooks.shed(j, now, reason)
         if cfg.shared_host:   # P i's step beside D i's batch, and the decodes P i just finished
-            x = cost.shared_host.prefill_x
+            sh = cost.shared_host
             for p, d in zip(self.prefill, self.decode, strict=True):
                 def slowed(t: float, step_s: float, p=p, d=d) -> float:
                     soon = [(f, out_len[j] - 1, reqs[j].num_tokens)
                             for f, j in p.finished_by(t) if route[j][1] == d.worker_id]
-                    return _slowed(t, step_s, d.busy_until(t, soon), x)
+                    return _slowed(t, step_s, d.busy_until(t, soon),
+                                   sh.at(d.batch_at(t, soon))[0])
                 p.slowed = slowed
 
         def reserve_blocks(r: SimRequest) -> int:
@@ -535,10 +549,12 @@ class ClusterSim:
                 r, (pid, did, blocks) = reqs[j], route[j]
                 dsim = d_by_id[did]
                 nbytes = r.num_tokens * cost.kv_bytes_per_token
+                hx = cost.shared_host.at(dsim.batch_at(finish))[2] if cfg.shared_host else 1.0
                 # the bytes hold D's link (FIFO); the latency (round trips) does not
                 start = max(finish, dsim.link_free_at)
-                dsim.link_free_at = start + cost.link.seconds(nbytes) - cost.link.latency_s
-                first = dsim.link_free_at + cost.link.latency_s
+                dsim.link_free_at = start + hx * (cost.link.seconds(nbytes)
+                                                  - cost.link.latency_s)
+                first = dsim.link_free_at + hx * cost.link.latency_s
                 # the router measures a transfer when it ends, not before
                 heapq.heappush(self._transfers_done, (first, pid, did, nbytes, first - start))
                 transferred_bytes += nbytes

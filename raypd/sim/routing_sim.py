@@ -27,6 +27,7 @@ counts the whole prompt as queued, as a live worker's does).
 
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -199,6 +200,7 @@ class SimWorker:
         # a shared host's neighbour: (step start, its cost alone) -> its duration
         self.slowed: Callable[[float, float], float] | None = None
         self.free_at = 0.0
+        self._send_s, self._send_until = 0.0, -math.inf   # the last staging's sends (P's cost)
         self.rates = StepRates()
         self.loras: OrderedDict[str, None] = OrderedDict()   # true LRU of resident adapters
         # to publish: (step end, the KV events the pool made in that step), in step order;
@@ -280,7 +282,11 @@ class SimWorker:
                 members.append((job, c))
                 job.pos += c
                 budget -= c
-            step_s = self.cost.prefill.step_s(chunks)
+            pc = self.cost.prefill
+            step_s = pc.step_s(chunks)
+            if self._send_s and start < self._send_until:   # the pages it sends meanwhile
+                step_s += self._send_s
+            self._send_s = 0.0
             if self.slowed is not None:
                 step_s = self.slowed(start + load_s, step_s)
             end = start + load_s + step_s
@@ -289,14 +295,21 @@ class SimWorker:
             self._events.append((end, self.pool.take_events()))
             # its prefill seconds, for the fit: the adapter loads are reported on their own
             self.steps.append((start + load_s, end, chunks, members))
-            if self.step_log is not None:
-                self.step_log.append((start, end))
-            self.busy_s += end - start
-            self.free_at = end
+            staged, sent = end, 0     # the loop stages what the step finished, in order
             while waiting and waiting[0].pos >= waiting[0].num_tokens:
                 job = waiting.popleft()
-                job.finish = end
-                self._done.append((end, job.tag))
+                staged += pc.stage_s_per_token * job.num_tokens
+                sent += job.num_tokens
+                job.finish = staged
+                self._done.append((staged, job.tag))
+            if sent:
+                self._send_s = pc.send_s_per_token * sent
+                self._send_until = staged + self.cost.link.seconds(
+                    sent * self.cost.kv_bytes_per_token)
+            if self.step_log is not None:
+                self.step_log.append((start, staged))
+            self.busy_s += staged - start
+            self.free_at = staged
         out = []
         while self._done and self._done[0][0] <= t:
             out.append(self._done.popleft())
