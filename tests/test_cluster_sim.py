@@ -159,13 +159,14 @@ def test_shared_host_slows_decode_during_prefill_steps_and_prefill_beside_decode
     slower, a prefill step starting while decode has a batch prefill_x slower."""
     import dataclasses
 
-    from raypd.sim.cost_model import PrefillCost, SharedHost
+    from raypd.sim.cost_model import HostSlowdown, PrefillCost, SharedHost
     base = CostModel(prefill=PrefillCost(tok_s=1000.0, attn_ctx_tokens=0.0,
                                          step_overhead_s=0.0, chunk_tokens=4096),
                      decode=DecodeCost(base_s=0.1, per_seq_s=0.0, per_ctx_token_s=0.0),
                      link=dataclasses.replace(CostModel().link, gbps=1e6, latency_s=0.0),
                      kv_capacity_tokens=16 * 1000)
-    slow = dataclasses.replace(base, shared_host=SharedHost(prefill_x=1.5, decode_x=2.0))
+    slow = dataclasses.replace(base, shared_host=SharedHost(
+        (HostSlowdown(1, prefill_x=1.5, decode_x=2.0),)))
     # request 0 decodes 40 tokens (4 s) from ~0.1 s; request 1 (2000 tokens: 2 s alone)
     # arrives at 1 s, while request 0 decodes
     work = [SimRequest(0.0, 100, 41, (1,)), SimRequest(1.0, 2000, 2, (2, 3, 4, 5))]
@@ -191,16 +192,24 @@ def test_shared_host_slows_decode_during_prefill_steps_and_prefill_beside_decode
 
 
 def test_shared_host_factors_are_taken_at_the_decode_batch():
-    from raypd.sim.cost_model import SharedHost
-    sh = SharedHost(1.2, 1.1, 1.5, at_batch=((8, 2.6, 1.8, 2.9),))
-    assert sh.at(0) == (1.0, 1.0, 1.0)                 # an idle decode worker slows nothing
-    assert sh.at(1) == (1.2, 1.1, 1.5)
-    assert sh.at(4.5) == pytest.approx((1.9, 1.45, 2.2))   # linear between the batches
-    assert sh.at(40) == (2.6, 1.8, 2.9)                # past the last: its figures
+    from raypd.sim.cost_model import NO_SLOWDOWN, HostSlowdown, SharedHost
+    eight = HostSlowdown(8, 2.6, 1.8, 2.9, 1.4, 1e-4, 4e-4)
+    sh = SharedHost((eight, HostSlowdown(1, 1.2, 1.1, 1.5, 1.0, 0.0, 2e-4)))
+    assert sh.at(0) == NO_SLOWDOWN                     # an idle decode worker slows nothing
+    assert sh.at(1) == HostSlowdown(1, 1.2, 1.1, 1.5, 1.0, 0.0, 2e-4)
+    mid = sh.at(4.5)                                   # linear between the batches
+    assert (mid.prefill_x, mid.decode_x, mid.handoff_x, mid.stage_x, mid.send_s_per_token,
+            mid.land_s_per_token) == pytest.approx((1.9, 1.45, 2.2, 1.2, 5e-5, 3e-4))
+    assert sh.at(40) == eight                          # past the last: its figures
+    assert SharedHost().at(5) == NO_SLOWDOWN
     with pytest.raises(ValueError, match=">= 1"):
-        SharedHost(1.2, 1.1, 1.0, at_batch=((8, 0.9, 1.0, 1.0),))
+        HostSlowdown(8, prefill_x=0.9)
+    with pytest.raises(ValueError, match=">= 0"):
+        HostSlowdown(1, send_s_per_token=-1e-4)
+    with pytest.raises(ValueError, match=">= 0"):
+        HostSlowdown(1, land_s_per_token=-1e-4)
     with pytest.raises(ValueError, match="distinct"):
-        SharedHost(at_batch=((1, 2.0, 2.0, 2.0),))
+        SharedHost((HostSlowdown(1), HostSlowdown(1, 2.0)))
 
 
 def test_a_prefill_and_a_handoff_beside_a_large_decode_batch_take_its_slowdown():
@@ -208,7 +217,10 @@ def test_a_prefill_and_a_handoff_beside_a_large_decode_batch_take_its_slowdown()
     and its handoff take the batch-8 factors, not batch 1's (the probe measures both)."""
     import dataclasses
 
-    from raypd.sim.cost_model import PrefillCost, SharedHost
+    from raypd.sim.cost_model import HostSlowdown, PrefillCost, SharedHost
+
+    def host(**at8) -> SharedHost:      # nothing at batch 1, `at8` at batch 8
+        return SharedHost((HostSlowdown(1), HostSlowdown(8, **at8)))
     base = CostModel(prefill=PrefillCost(tok_s=1000.0, attn_ctx_tokens=0.0,
                                          step_overhead_s=0.0, chunk_tokens=4096),
                      decode=DecodeCost(base_s=0.1, per_seq_s=0.0, per_ctx_token_s=0.0),
@@ -217,17 +229,30 @@ def test_a_prefill_and_a_handoff_beside_a_large_decode_batch_take_its_slowdown()
     work = [SimRequest(0.0, 100, 200, (j,)) for j in range(8)]
     work.append(SimRequest(3.0, 2000, 2, (100, 101, 102, 103)))
 
-    def ttft_of_last(shared: SharedHost) -> float:
+    def run(shared: SharedHost) -> ClusterSim:
         sim = ClusterSim(dataclasses.replace(base, shared_host=shared),
                          ClusterConfig(num_prefill=1, num_decode=1, block_tokens=512,
                                        policy="round_robin", slo_ttft_s=1e9, max_tokens=200,
                                        slo_tpot_s=1e9, shared_host=True))
         sim.run(work)
-        return sim.ttft_s[8]
-    flat = ttft_of_last(SharedHost(1.5, 1.0, 2.0))
+        return sim
+
+    def ttft_of_last(shared: SharedHost) -> float:
+        return run(shared).ttft_s[len(work) - 1]
+    # the prompt's landing holds the 8 running decodes up by 1e-3 s a token at batch 8
+    landing = run(host(land_s_per_token=1e-3)).tpot_s[0]
+    assert 199 * (landing - run(SharedHost()).tpot_s[0]) == pytest.approx(2.0, abs=1e-6)
+    flat = ttft_of_last(SharedHost((HostSlowdown(1, prefill_x=1.5, handoff_x=2.0),)))
     assert flat == pytest.approx(2.0 * 1.5 + 0.25 * 2.0, abs=1e-6)
-    steep = ttft_of_last(SharedHost(1.5, 1.0, 2.0, at_batch=((8, 3.0, 1.0, 4.0),)))
+    steep = ttft_of_last(SharedHost((HostSlowdown(1, prefill_x=1.5, handoff_x=2.0),
+                                     HostSlowdown(8, prefill_x=3.0, handoff_x=4.0))))
     assert steep == pytest.approx(2.0 * 3.0 + 0.25 * 4.0, abs=1e-6)
+    # a 1000-token prompt right behind it starts while its pages go to D: at batch 8 it
+    # computes 1e-4 s longer per token sent (2000)
+    work.append(SimRequest(3.5, 1000, 2, (200, 201)))
+    sending = host(send_s_per_token=1e-4)
+    assert ttft_of_last(sending) == pytest.approx(
+        ttft_of_last(SharedHost()) + 1e-4 * 2000, abs=1e-6)
 
 
 def test_gpu_roofline_states_its_efficiency_factors():
@@ -341,22 +366,30 @@ def test_bench_engine_calibration_feeds_the_cpu_cost_model():
     assert c.label == "cpu-here measured" and c.decode.step_s(1, 32) > 0
 
 
-def test_validation_anchors_speeds_and_the_link_latency_to_the_probe():
-    """The probe's prefills alone set the level of prefill and decode seconds and the link's
-    latency: what they spent before their first token beside their compute, less the link's
-    own transfer of their KV (never below 0)."""
+def test_validation_anchors_speeds_and_the_link_to_the_probe():
+    """The probe's prefills alone set the level of prefill and decode seconds, and the link:
+    the line through what its two sizes of prompts spent besides their compute and staging
+    before their first token, against their KV's bytes; a line that does not rise keeps the
+    stated bandwidth (latency never below 0)."""
     from raypd.bench.sim_validation import _anchor
     c = cpu_cost_model({"prefill_tok_s": {"128": 600.0, "512": 600.0, "1024": 480.0},
                         "decode_step_ms_b1": 30.0, "decode_step_ms_b16": 60.0})
+    kv = c.kv_bytes_per_token
     probe = {"prefill_tokens": 768, "context": 384, "decode_tokens": 40,
              "prefill_compute_s_alone": 1.1 * c.prefill.prefill_s(768),
              "decode_gap_s_outside": 0.9 * c.decode.step_s(1, 384 + 20),
-             "handoff_s_alone": 0.12}
+             "handoff_s_alone": 0.02 + 768 * kv / 0.5e9,        # 20 ms + 0.5 GB/s
+             "handoff_s_alone_short": 0.02 + 384 * kv / 0.5e9}
     a = _anchor(c, probe)
-    transfer = 768 * c.kv_bytes_per_token / (c.link.gbps * 1e9)
     assert (a["prefill_k"], a["decode_k"]) == (pytest.approx(1.1), pytest.approx(0.9))
-    assert a["link_latency_s"] == pytest.approx(0.12 - transfer)
-    assert _anchor(c, {**probe, "handoff_s_alone": transfer / 2})["link_latency_s"] == 0.0
+    assert (a["link_latency_s"], a["link_gbps"]) == (pytest.approx(0.02), pytest.approx(0.5))
+    flat = _anchor(c, {**probe, "handoff_s_alone": 0.12, "handoff_s_alone_short": 0.13})
+    transfer = 768 * kv / (c.link.gbps * 1e9)
+    assert flat["link_gbps"] == c.link.gbps
+    assert flat["link_latency_s"] == pytest.approx(0.12 - transfer)
+    tiny = _anchor(c, {**probe, "handoff_s_alone": transfer / 2,
+                       "handoff_s_alone_short": transfer})
+    assert tiny["link_latency_s"] == 0.0
 
 
 def test_cpu_cost_model_moves_kv_in_the_calibrated_pools_dtype():

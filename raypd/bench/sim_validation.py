@@ -39,7 +39,7 @@ import time
 from dataclasses import asdict
 
 from raypd.sim.cluster_sim import ClusterConfig, ClusterSim
-from raypd.sim.cost_model import CostModel, SharedHost, cpu_cost_model
+from raypd.sim.cost_model import CostModel, HostSlowdown, SharedHost, cpu_cost_model
 from raypd.sim.routing_sim import SimRequest
 from router.percentiles import percentile
 
@@ -80,20 +80,29 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
     """How much the real prefill and decode workers slow each other on this host (they share
     its cores, its memory and the serving processes' CPU), with probe requests of its own (none
     of the replay's), after the warm-up and before the replay, from the router's request
-    traces. For each decode batch B of `decode_tokens` (B -> tokens each decodes): B
-    `context`-token sequences decode while, once each streamed ten tokens, a `prefill_tokens`
-    prompt prefills; decode_x = their mean gap between streamed tokens inside that prefill's
-    compute over their mean gap outside it (before the prefill, and after the prompt's KV
-    landed); prefill_x = that prefill's compute over the median of the same prefill alone,
-    ALONE_RUNS times right before and right after (the machine's speed drifts over minutes);
-    handoff_x = what that prompt spent around its compute and its staging before its first
-    token over the same for the prefills alone (median). The top-level decode_x, prefill_x,
-    handoff_x are batch 1's (which must be probed), `at_batch` the others'.
-    P's own handoff work: stage_s_per_token = the prefills alone's median staging (the loop's
-    copy of the KV before its next step) per prompt token; send_s_per_token = how much longer a
-    prefill computes right behind another one (sent while the first computes, so its step
-    starts while P sends the first one's pages) than alone, per token sent (median of
-    BEHIND_RUNS)."""
+    traces. For each decode batch B of `decode_tokens` (B -> tokens each decodes), B
+    `context`-token sequences decode while, once each streamed ten tokens:
+    - a `prefill_tokens` prompt prefills ("beside"); decode_x = their mean gap between streamed
+      tokens inside that prefill's compute over their mean gap outside it (before it, and
+      after its KV landed);
+    - then BEHIND_RUNS times two such prompts, the second sent while the first computes, so
+      that its step starts while the first one's pages move to D ("lead", "behind");
+      prefill_x = the median compute of the beside and lead prompts over the median of the
+      same prompt alone (ALONE_RUNS times right before and right after: the machine's speed
+      drifts over minutes); send_s_per_token = how much longer the behind prompts computed
+      than those (medians), per token sent;
+    - land_s_per_token = how much longer the decodes took over each landing of the beside and
+      the behind prompts (their transfer stage, from a gap before to two after; nothing
+      computes then) than their gap outside, mean over landings and decodes, per token landed.
+    The top-level figures are batch 1's (which must be probed), `at_batch` the others';
+    a handoff is what a request spends besides P's queue, its compute and its staging before
+    its first token (at the router: route, admission, the transfer, the first token's way
+    back): handoff_s_alone and handoff_s_alone_short are the prefills alone's
+    (`prefill_tokens`, and `context` tokens ALONE_RUNS times more), handoff_x the beside, lead
+    and behind prompts' over that (means: the transfer's time is bimodal here); and
+    stage_s_per_token = the prefills alone's median staging (P's loop's copy of the KV before
+    its next step) per prompt token, and stage_x = the beside and lead prompts' median
+    staging over that."""
     traces = cluster.orchestrator.traces
     assert 1 in decode_tokens, "the probe's batch-1 figures anchor the cost model"
 
@@ -107,6 +116,16 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
                                f"prefilled by the prefill worker?)")
         return span
 
+    def staging_of(rid: str) -> float:
+        return traces.get(rid).stage_seconds().get("staging", 0.0)
+
+    def handoff_of(rid: str) -> float:
+        """What the simulator's link carries: TTFT less P's queue, compute and staging."""
+        trace = traces.get(rid)
+        st = trace.stage_seconds()
+        return trace.ttft_s - st.get("prefill_queue", 0.0) - st["prefill_compute"] \
+            - st.get("staging", 0.0)
+
     def mean_gap(ts: list[float]) -> float | None:
         return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) >= 4 else None
 
@@ -114,16 +133,59 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
         xs = [x for x in xs if x is not None]
         return sum(xs) / len(xs) if xs else None
 
-    def beside(batch: int, tokens: int) -> dict:
-        """`batch` decodes, and the prefill once they all stream (module doc)."""
+    def wait_tokens(rids: list[str], after: float, n: int, limit_s: float = 60.0) -> None:
+        """Until each of `rids` streamed `n` tokens after `after` (router clock)."""
+        deadline = time.perf_counter() + limit_s
+        while any(sum(1 for t in traces.get(r).token_times if t > after) < n for r in rids):
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"probe decodes {rids} stopped streaming")
+            time.sleep(0.01)
+
+    def pair(tag: str, lead_s: float) -> tuple[float, float]:
+        """(lead's compute, behind's compute): the second prompt sent `lead_s` after the
+        first, while it computes (it must start after the first one's compute ended, else
+        the two shared a step)."""
+        first = threading.Thread(target=_timed_request, args=(
+            cluster, prompt(prefill_tokens), 2, f"probe-prefill-lead-{tag}"))
+        first.start()
+        try:
+            time.sleep(lead_s)
+            _timed_request(cluster, prompt(prefill_tokens), 2, f"probe-prefill-behind-{tag}")
+        finally:
+            first.join()
+        lead = compute_span(f"probe-prefill-lead-{tag}")
+        span = compute_span(f"probe-prefill-behind-{tag}")
+        if span.start < lead.end:
+            raise RuntimeError(f"probe-prefill-behind-{tag} shared a step with the prompt "
+                               f"ahead of it (sent {lead_s:.3f} s after it)")
+        return lead.seconds, span.seconds
+
+    def span_of(rid: str, stage: str):
+        return next(x for x in traces.get(rid).spans if x.stage == stage)
+
+    def landing_stall(rids: list[str], landings: list[str], gap: float) -> float | None:
+        """Mean excess of the decodes `rids` over the transfer stage of each of `landings`
+        (from a gap before it to two after) over their gap `gap`."""
+        xs = []
+        for lid in landings:
+            span = span_of(lid, "transfer")
+            for r in rids:
+                ts = [t for t in traces.get(r).token_times
+                      if span.start - gap <= t <= span.end + 2 * gap]
+                if len(ts) >= 2:
+                    xs.append(ts[-1] - ts[0] - (len(ts) - 1) * gap)
+        return sum(xs) / len(xs) if xs else None
+
+    def beside(batch: int, tokens: int, lead_s: float) -> dict:
+        """`batch` decodes, the beside prompt and the pairs once they all stream (above)."""
         tenths = [threading.Event() for _ in range(batch)]
         box: dict[int, tuple] = {}
+        rids = [f"probe-decode-b{batch}-{i}" for i in range(batch)]
 
         def decode(i: int) -> None:
             try:
-                box[i] = _timed_request(cluster, prompt(context), tokens,
-                                        f"probe-decode-b{batch}-{i}", first=tenths[i],
-                                        first_at=10)
+                box[i] = _timed_request(cluster, prompt(context), tokens, rids[i],
+                                        first=tenths[i], first_at=10)
             finally:
                 tenths[i].set()
         ths = [threading.Thread(target=decode, args=(i,)) for i in range(batch)]
@@ -133,95 +195,100 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
         try:
             for ev in tenths:
                 ev.wait()
-            ready = time.perf_counter()
-            start, token_times, _ = _timed_request(cluster, prompt(prefill_tokens), 2, rid)
+            ready = time.time()                       # (the traces' clock)
+            _timed_request(cluster, prompt(prefill_tokens), 2, rid)
+            landed = traces.get(rid).token_times[1]   # D's first step after it
+            wait_tokens(rids, landed, 10)             # the window after it
+            pairs_from = time.time()
+            pairs = [pair(f"b{batch}-{k}", lead_s) for k in range(BEHIND_RUNS)]
         finally:
             for th in ths:
                 th.join()
         assert len(box) == batch, f"a probe decode request at batch {batch} failed"
+        pairs_to = compute_span(f"probe-prefill-behind-b{batch}-{BEHIND_RUNS - 1}").end
+        if min(traces.get(r).token_times[-1] for r in rids) < pairs_to:
+            raise RuntimeError(f"the probe's decodes at batch {batch} ended before its "
+                               f"prefills did ({tokens} tokens each are too few)")
         span = compute_span(rid)
-        landed = traces.get(rid).token_times[1]   # D's first step after it
         inside, outside = [], []
-        for i in range(batch):
-            ts = [t for t in traces.get(f"probe-decode-b{batch}-{i}").token_times[1:]
-                  if t >= ready]                  # D's steps once all B run
+        for r in rids:
+            ts = [t for t in traces.get(r).token_times[1:] if t >= ready]   # all B run
             inside.append(mean_gap([t for t in ts if span.start <= t <= span.end]))
             outside.append(mean([mean_gap([t for t in ts if t < span.start]),
-                                 mean_gap([t for t in ts if t > landed])]))
-        return {"batch": batch, "decode_tokens": tokens, "decode_gap_s_outside": mean(outside),
+                                 mean_gap([t for t in ts if landed < t < pairs_from])]))
+        gap = mean(outside)
+        stall = landing_stall(rids, [rid] + [f"probe-prefill-behind-b{batch}-{k}"
+                                             for k in range(BEHIND_RUNS)], gap) if gap else None
+        return {"batch": batch, "decode_tokens": tokens, "decode_gap_s_outside": gap,
+                "decode_stall_s_per_landing": stall,
                 "decode_gap_s_inside_prefill": mean(inside),
-                "prefill_compute_s_beside_decode": span.seconds,
-                "handoff_s_beside_decode": token_times[0] - start - span.seconds
-                - staging_of(rid)}
-
-    def staging_of(rid: str) -> float:
-        return traces.get(rid).stage_seconds().get("staging", 0.0)
-
-    def behind(k: int, lead_s: float) -> float:
-        """A prompt sent `lead_s` after another one started: its compute (it must start
-        after the first one's ended, else the two shared a step)."""
-        first = threading.Thread(target=_timed_request, args=(
-            cluster, prompt(prefill_tokens), 2, f"probe-prefill-lead-{k}"))
-        first.start()
-        try:
-            time.sleep(lead_s)
-            _timed_request(cluster, prompt(prefill_tokens), 2, f"probe-prefill-behind-{k}")
-        finally:
-            first.join()
-        lead = compute_span(f"probe-prefill-lead-{k}")
-        span = compute_span(f"probe-prefill-behind-{k}")
-        if span.start < lead.end:
-            raise RuntimeError(f"probe-prefill-behind-{k} shared a step with the prompt ahead "
-                               f"of it (sent {lead_s:.3f} s after it)")
-        return span.seconds
+                "prefill_compute_s_beside_decode": [span.seconds] + [a for a, _ in pairs],
+                "staging_s_beside_decode": [staging_of(x) for x in (
+                    rid, *(f"probe-prefill-lead-b{batch}-{k}" for k in range(BEHIND_RUNS)))],
+                "prefill_compute_s_behind": [b for _, b in pairs],
+                "handoff_s_beside_decode": statistics.fmean(handoff_of(x) for x in (
+                    rid, *(f"probe-prefill-{w}-b{batch}-{k}" for w in ("lead", "behind")
+                           for k in range(BEHIND_RUNS))))}
     alone_ids = [f"probe-prefill-before-{i}" for i in range(ALONE_RUNS)]
-    alone_runs = [_timed_request(cluster, prompt(prefill_tokens), 2, rid) for rid in alone_ids]
-    rows = [beside(b, n) for b, n in sorted(decode_tokens.items())]
+    for rid in alone_ids:
+        _timed_request(cluster, prompt(prefill_tokens), 2, rid)
     lead_s = 0.5 * statistics.median(compute_span(rid).seconds for rid in alone_ids)
-    behind_s = [behind(k, lead_s) for k in range(BEHIND_RUNS)]
+    rows = [beside(b, n, lead_s) for b, n in sorted(decode_tokens.items())]
     after_ids = [f"probe-prefill-after-{i}" for i in range(ALONE_RUNS)]
-    alone_runs += [_timed_request(cluster, prompt(prefill_tokens), 2, rid) for rid in after_ids]
+    for rid in after_ids:
+        _timed_request(cluster, prompt(prefill_tokens), 2, rid)
     alone_ids += after_ids
+    short_ids = [f"probe-prefill-short-{i}" for i in range(ALONE_RUNS)]   # the link's 2nd size
+    for rid in short_ids:
+        _timed_request(cluster, prompt(context), 2, rid)
     computes = [compute_span(rid).seconds for rid in alone_ids]
     alone = statistics.median(computes)
-    # what a request spends around its prefill on the idle cluster (route, admit, staging,
-    # transfer, the first token's way to the client): its TTFT at the client less its compute
+    # what a request spends around its prefill on the idle cluster (route, admit, the
+    # transfer, the first token's way to the client): TTFT at the client less compute, staging
     staging = statistics.median(staging_of(rid) for rid in alone_ids)
-    handoff = statistics.median(token_times[0] - start - c - staging_of(rid)
-                                for (start, token_times, _), c, rid
-                                in zip(alone_runs, computes, alone_ids, strict=True))
+    handoff = statistics.fmean(handoff_of(rid) for rid in alone_ids)
     for row in rows:
         inside, outside = row["decode_gap_s_inside_prefill"], row["decode_gap_s_outside"]
+        beside_s = statistics.median(row["prefill_compute_s_beside_decode"])
         row["decode_x"] = max(1.0, inside / outside) if inside and outside else 1.0
-        row["prefill_x"] = max(1.0, row["prefill_compute_s_beside_decode"] / alone) \
-            if alone > 0 else 1.0
+        row["prefill_x"] = max(1.0, beside_s / alone) if alone > 0 else 1.0
         row["handoff_x"] = max(1.0, row["handoff_s_beside_decode"] / handoff) \
             if handoff > 0 else 1.0
+        row["send_s_per_token"] = max(0.0, statistics.median(row["prefill_compute_s_behind"])
+                                      - beside_s) / prefill_tokens
+        row["stage_x"] = max(1.0, statistics.median(row["staging_s_beside_decode"]) / staging) \
+            if staging > 0 else 1.0
+        row["land_s_per_token"] = max(0.0, row["decode_stall_s_per_landing"] or 0.0) \
+            / prefill_tokens
     one = rows[0]
     return {"context": context, "prefill_tokens": prefill_tokens,
-            "decode_tokens": one["decode_tokens"],
-            "decode_gap_s_outside": one["decode_gap_s_outside"],
-            "decode_gap_s_inside_prefill": one["decode_gap_s_inside_prefill"],
             "prefill_compute_s_alone": alone, "handoff_s_alone": handoff,
+            "handoff_s_alone_short": statistics.fmean(handoff_of(rid) for rid in short_ids),
             "staging_s_alone": staging, "stage_s_per_token": staging / prefill_tokens,
-            "prefill_compute_s_behind": behind_s,
-            "send_s_per_token": max(0.0, statistics.median(behind_s) - alone) / prefill_tokens,
-            "prefill_compute_s_beside_decode": one["prefill_compute_s_beside_decode"],
-            "decode_x": one["decode_x"], "prefill_x": one["prefill_x"],
-            "handoff_x": one["handoff_x"], "at_batch": rows[1:]}
+            **{k: one[k] for k in ("decode_tokens", "decode_gap_s_outside",
+                                   "decode_gap_s_inside_prefill",
+                                   "prefill_compute_s_beside_decode",
+                                   "prefill_compute_s_behind", "handoff_s_beside_decode",
+                                   "staging_s_beside_decode",
+                                   "decode_stall_s_per_landing", *FIGURES)},
+            "at_batch": rows[1:]}
+
+
+FIGURES = ("prefill_x", "decode_x", "handoff_x", "stage_x", "send_s_per_token",
+           "land_s_per_token")
 
 
 def shared_host_of(probe: dict) -> SharedHost:
-    """The probe's slowdowns as the simulator's SharedHost."""
-    return SharedHost(probe["prefill_x"], probe["decode_x"], probe["handoff_x"],
-                      tuple((r["batch"], r["prefill_x"], r["decode_x"], r["handoff_x"])
-                            for r in probe["at_batch"]))
+    """The probe's slowdowns as the simulator's SharedHost (batch 1's at the top level)."""
+    return SharedHost(tuple(HostSlowdown(row.get("batch", 1), **{k: row[k] for k in FIGURES})
+                            for row in (probe, *probe["at_batch"])))
 
 
-PROBE_CONTEXT, PROBE_PREFILL = 512, 1024   # the probe's lengths (the calibration's too)
+PROBE_CONTEXT, PROBE_PREFILL = 512, 2048   # the probe's lengths (the calibration's too; 2048: a
+# full step of the workers' engine, max_num_batched_tokens, where sharing the host costs most)
 PROBE_BATCHES = (1, 8)     # the decode batches the probe measures the slowdowns at
 ALONE_RUNS = 4      # the probe's prefills alone, before and after (medians: one slow is noise)
-BEHIND_RUNS = 3     # the probe's prefills right behind another
+BEHIND_RUNS = 3     # the probe's pairs of prefills (one right behind the other) per batch
 REPLAY_LENS = (200, 450, 900)              # the replay's: none of the above
 REPLAY_SEED = 7
 LOADS = (("light", 0.3), ("near_saturation", 0.85))
@@ -244,9 +311,11 @@ def run_probe(engine: dict, cost: CostModel) -> dict:
         rng = random.Random(1)
         _warm_up(cluster, (PROBE_CONTEXT, PROBE_PREFILL), rng)
         # enough tokens per sequence to decode through the batch's own prefills and the
-        # probe's: 10 before, 2x their time, 10 after
+        # probe's (one beside, BEHIND_RUNS pairs, each sent half a prefill apart): 10 before,
+        # 2x their time, 10 between, 10 after
         solo = cost.prefill.prefill_s(PROBE_PREFILL)
-        tokens = {b: 20 + math.ceil(2.0 * (solo + b * cost.prefill.prefill_s(PROBE_CONTEXT))
+        tokens = {b: 30 + math.ceil(2.0 * (solo * (1 + 2.5 * BEHIND_RUNS)
+                                           + b * cost.prefill.prefill_s(PROBE_CONTEXT))
                                     / max(cost.decode.step_s(b, b * PROBE_CONTEXT), 1e-3))
                   for b in PROBE_BATCHES}
         return probe_shared_host(cluster, rng, PROBE_CONTEXT, PROBE_PREFILL, tokens)
@@ -427,17 +496,25 @@ def _anchor(cost: CostModel, probe: dict) -> dict:
     machine drifts 10-25% in the minutes the calibration takes): prefill seconds scaled so
     that the probe's prefill alone takes what it took, decode seconds so that a step of the
     probe's sequence (at its mean context) takes its mean gap outside the prefill. The shapes
-    (vs length, batch, context) stay the calibration's. The link's latency: what the probe's
-    prefills alone spent around their compute and their staging before their first token,
-    less the link's transfer of their KV (the simulator's only cost between a staged prefill
-    and its first token)."""
+    (vs length, batch, context) stay the calibration's. The link (the simulator's only cost
+    between a staged prefill and its first token): the line through what the probe's two
+    sizes of prefills alone spent around their compute and their staging before their first
+    token, against their KV's bytes (latency + bytes / gbps); a line that does not rise keeps
+    the stated bandwidth and takes the latency from the longer prompt."""
     kp = probe["prefill_compute_s_alone"] / cost.prefill.prefill_s(probe["prefill_tokens"])
     gap, ctx = probe["decode_gap_s_outside"], probe["context"] + probe["decode_tokens"] // 2
     kd = gap / cost.decode.step_s(1, ctx) if gap else 1.0
-    transfer_s = probe["prefill_tokens"] * cost.kv_bytes_per_token / (cost.link.gbps * 1e9)
-    latency = max(0.0, probe["handoff_s_alone"] - transfer_s)
-    return {"prefill_k": kp, "decode_k": kd, "link_latency_s": latency,
-            "from": "run_probe: a cluster of its own, before the replay's"}
+    b_long = probe["prefill_tokens"] * cost.kv_bytes_per_token
+    b_short = probe["context"] * cost.kv_bytes_per_token
+    h_long, h_short = probe["handoff_s_alone"], probe["handoff_s_alone_short"]
+    if h_long > h_short:
+        gbps = (b_long - b_short) / (h_long - h_short) / 1e9
+        fit = "line through the two sizes"
+    else:
+        gbps, fit = cost.link.gbps, "stated bandwidth (the two sizes did not rise)"
+    latency = max(0.0, h_long - b_long / (gbps * 1e9))
+    return {"prefill_k": kp, "decode_k": kd, "link_latency_s": latency, "link_gbps": gbps,
+            "link_fit": fit, "from": "run_probe: a cluster of its own, before the replay's"}
 
 
 def _validate(cost: CostModel | None, num_requests: int, max_tokens: int, engine: dict,
@@ -452,9 +529,9 @@ def _validate(cost: CostModel | None, num_requests: int, max_tokens: int, engine
     calibrated = dataclasses.replace(
         scaled, shared_host=shared_host_of(probe),
         prefill=dataclasses.replace(scaled.prefill,
-                                    stage_s_per_token=probe["stage_s_per_token"],
-                                    send_s_per_token=probe["send_s_per_token"]),
-        link=dataclasses.replace(cost.link, latency_s=anchor["link_latency_s"]))
+                                    stage_s_per_token=probe["stage_s_per_token"]),
+        link=dataclasses.replace(cost.link, latency_s=anchor["link_latency_s"],
+                                 gbps=anchor["link_gbps"]))
     defaults = cpu_cost_model()          # the simulator's stated defaults alone
     mean_prefill = sum(calibrated.prefill.prefill_s(n) for n in REPLAY_LENS) / len(REPLAY_LENS)
     replays = {name: replay_requests(num_requests, REPLAY_LENS, mean_prefill / u,

@@ -28,7 +28,10 @@ cores and memory, and each factor of cost.shared_host is taken at decode i's bat
 step overlapping a prefill step runs decode_x times slower over the overlap, a prefill step
 prefill_x times slower while decode i's batch (as estimated when the step starts, the decodes
 prefill i has just finished included) lasts, a transfer to decode i handoff_x times longer
-(its bytes and its latency; the batch when its prefill ends).
+(its bytes and its latency; the batch when its prefill ends), prefill i's staging stage_x
+times longer, its next step send_s_per_token longer per token of the pages it sends
+meanwhile, and decode i's running batch land_s_per_token later per token of each prompt that
+lands on it (raypd/sim/cost_model.py HostSlowdown).
 
 Colocated mode (`colocated=True`): `num_prefill` GPUs that each prefill and decode as a
 chunked-prefill engine does (raypd/sim/colocated_sim.py): each step decodes one token of every
@@ -50,7 +53,7 @@ from protocol.errors import RoutingRejected
 from protocol.messages import LoadReport
 from protocol.step_rates import StepRates
 from raypd.sim.colocated_sim import ColocatedGPU, decode_steps
-from raypd.sim.cost_model import CostModel, SharedHost
+from raypd.sim.cost_model import NO_SLOWDOWN, CostModel, SharedHost
 from raypd.sim.routing_sim import (
     SimRequest,
     SimWorker,
@@ -98,10 +101,14 @@ class ClusterConfig:
 
 
 class _Seq:
-    __slots__ = ("rid", "left", "ctx", "first_s", "blocks")
+    """A decoding sequence; `stall_s`: seconds of decode its landing costs the running batch
+    (a shared host's decode worker receives and lands the pages on the cores it decodes on)."""
+    __slots__ = ("rid", "left", "ctx", "first_s", "blocks", "stall_s")
 
-    def __init__(self, rid: int, left: int, ctx: int, first_s: float, blocks: list) -> None:
+    def __init__(self, rid: int, left: int, ctx: int, first_s: float, blocks: list,
+                 stall_s: float = 0.0) -> None:
         self.rid, self.left, self.ctx, self.first_s, self.blocks = rid, left, ctx, first_s, blocks
+        self.stall_s = stall_s
 
 
 class DecodeSim:
@@ -213,6 +220,8 @@ class DecodeSim:
         `max_batch` running; the rest wait, first come first served)."""
         while self.joins and self.joins[0][0] <= self.now:
             _, _, seq = heapq.heappop(self.joins)
+            if self.running:            # its landing held up the running batch
+                self.carry -= seq.stall_s
             if seq.left <= 0:
                 self.finished.append((seq.rid, seq.first_s, seq.first_s))
                 self.pool.free(seq.blocks)
@@ -237,14 +246,14 @@ class DecodeSim:
             ctx = sum(s.ctx for s in self.running)
             dt = self.cost.decode.step_s(batch, ctx)
             if self.shared is not None:
-                self.busy_rate = 1.0 / self.shared.at(batch)[1]
+                self.busy_rate = 1.0 / self.shared.at(batch).decode_x
             kmin = min(s.left for s in self.running)
             end = self._time_after(self.now, kmin * dt - self.carry)
             if end <= horizon:
                 k, self.now, self.carry = kmin, end, 0.0
             else:
                 avail = self._free_time(self.now, horizon) + self.carry
-                k = int(avail // dt)
+                k = max(0, int(avail // dt))
                 self.carry = avail - k * dt
                 self.now = horizon
             if k:
@@ -343,7 +352,7 @@ class ClusterSim:
             self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, log_steps=True,
                                       block_tokens=bt) for i in range(cfg.num_prefill)]
             self.decode = [DecodeSim(f"decode-{i}", cost, total_blocks, cfg.max_decode_batch,
-                                     p, 1.0 / sh.decode_x, sh)
+                                     p, 1.0, sh)
                            for i, p in enumerate(self.prefill)]
         else:
             self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, block_tokens=bt)
@@ -473,12 +482,18 @@ class ClusterSim:
         if cfg.shared_host:   # P i's step beside D i's batch, and the decodes P i just finished
             sh = cost.shared_host
             for p, d in zip(self.prefill, self.decode, strict=True):
-                def slowed(t: float, step_s: float, p=p, d=d) -> float:
-                    soon = [(f, out_len[j] - 1, reqs[j].num_tokens)
+                def soon(t: float, p=p, d=d) -> list[tuple[float, int, int]]:
+                    return [(f, out_len[j] - 1, reqs[j].num_tokens)
                             for f, j in p.finished_by(t) if route[j][1] == d.worker_id]
-                    return _slowed(t, step_s, d.busy_until(t, soon),
-                                   sh.at(d.batch_at(t, soon))[0])
+
+                def slowed(t: float, step_s: float, d=d, soon=soon) -> float:
+                    s = soon(t)
+                    return _slowed(t, step_s, d.busy_until(t, s),
+                                   sh.at(d.batch_at(t, s)).prefill_x)
                 p.slowed = slowed
+                p.send_cost = lambda t, d=d, soon=soon: sh.at(
+                    d.batch_at(t, soon(t))).send_s_per_token
+                p.stage_x = lambda t, d=d, soon=soon: sh.at(d.batch_at(t, soon(t))).stage_x
 
         def reserve_blocks(r: SimRequest) -> int:
             """What the router reserves on D: the prompt and the client's max_tokens."""
@@ -549,7 +564,9 @@ class ClusterSim:
                 r, (pid, did, blocks) = reqs[j], route[j]
                 dsim = d_by_id[did]
                 nbytes = r.num_tokens * cost.kv_bytes_per_token
-                hx = cost.shared_host.at(dsim.batch_at(finish))[2] if cfg.shared_host else 1.0
+                host = cost.shared_host.at(dsim.batch_at(finish)) if cfg.shared_host \
+                    else NO_SLOWDOWN
+                hx, land_s = host.handoff_x, host.land_s_per_token
                 # the bytes hold D's link (FIFO); the latency (round trips) does not
                 start = max(finish, dsim.link_free_at)
                 dsim.link_free_at = start + hx * (cost.link.seconds(nbytes)
@@ -559,7 +576,8 @@ class ClusterSim:
                 heapq.heappush(self._transfers_done, (first, pid, did, nbytes, first - start))
                 transferred_bytes += nbytes
                 ttft[j] = first - arrival[j]
-                dsim.join(first, _Seq(j, out_len[j] - 1, r.num_tokens, first, blocks))
+                dsim.join(first, _Seq(j, out_len[j] - 1, r.num_tokens, first, blocks,
+                                      land_s * r.num_tokens))
 
         def advance_to(t: float) -> None:
             prefills_done(t)

@@ -16,9 +16,7 @@ times fit_s(step) / sum(fit_s(chunk alone)): solo costs measured, batching from 
 fit's form can follow: the fit came out 8-10% short at 1024 tokens in three calibrations).
 P's handoff work: after a step, its loop stages each prompt the step finished
 (stage_s_per_token x its tokens, one after the other: a prompt's prefill ends when it is
-staged), and the next step, when it starts while those transfers would run (the link's
-seconds of their bytes), runs send_s_per_token x their tokens longer (the worker sends the
-pages while it computes); cpu-here measures both (`simulate --validate`'s probe), 0 elsewhere.
+staged); cpu-here measures it (`simulate --validate`'s probe), 0 elsewhere.
 Decode step of `batch` sequences holding `ctx` tokens in all:
     step_s = base_s + per_seq_s * batch + per_ctx_token_s * ctx
 Mixed step (a colocated GPU's chunked prefill with `batch` decode tokens riding along, as
@@ -31,8 +29,12 @@ Transfer of n bytes over a link: latency_s + n / (gbps * 1e9).
 Shared host (`SharedHost`, cpu-here: a prefill and a decode worker on the same cores and
 memory): a decode step that overlaps a prefill step runs `decode_x` times slower over the
 overlap, a prefill step `prefill_x` times slower while the decode worker's batch lasts, a
-handoff (the link's latency and bytes) `handoff_x` times longer, each factor a function of
-the decode worker's batch; `raypd simulate --validate` measures them at decode batches 1 and
+handoff (the link's latency and bytes) `handoff_x` times longer, P's staging `stage_x` times
+longer, a prefill step that starts while the pages of the prompts it just finished move to
+the decode worker (the link's seconds of their bytes) `send_s_per_token` x their tokens
+longer (the decode worker receives and verifies them on the same cores while it decodes), and
+the decode worker's running batch `land_s_per_token` x a landing prompt's tokens later, each
+a function of the decode worker's batch (`HostSlowdown`); `raypd simulate --validate` measures them at decode batches 1 and
 PROBE_BATCHES on the real cluster before its replay (raypd/bench/sim_validation.py
 probe_shared_host); 1.0 elsewhere.
 """
@@ -54,9 +56,8 @@ class PrefillCost:
 
     solo_s: tuple[tuple[int, float], ...] = ()   # (n, s) one cold sequence alone, measured
     # P's handoff work (module doc): staging a finished prompt's KV on the loop thread before
-    # the next step, and what a step loses while the worker sends staged KV to D; 0: none
+    # the next step; 0: none
     stage_s_per_token: float = 0.0
-    send_s_per_token: float = 0.0
 
     def prefill_s(self, num_tokens: int, num_cached_tokens: int = 0) -> float:
         """Chunked prefill of tokens [num_cached_tokens, num_tokens) alone on a worker."""
@@ -132,41 +133,61 @@ class LinkCost:
 
 
 @dataclass(frozen=True)
-class SharedHost:
-    """Slowdowns of a prefill and a decode worker sharing one host (module doc); 1.0: none.
-    `prefill_x`, `decode_x`, `handoff_x` hold while the decode worker runs one sequence;
-    `at_batch` holds (decode batch, prefill_x, decode_x, handoff_x) measured at larger
-    batches (the decode worker's share of the cores grows with its batch). Between two
-    batches the factors are linear, past the last one they stay its; an idle decode worker
-    slows nothing (`at(0)` is all 1.0)."""
+class HostSlowdown:
+    """What sharing a host costs while the decode worker runs `batch` sequences (module doc):
+    prefill steps `prefill_x` slower, decode steps `decode_x` slower while a prefill step
+    runs, a handoff (the link's latency and bytes) `handoff_x` longer, P's staging `stage_x`
+    longer, the prefill step that starts while the pages of the prompts P just finished move
+    to D `send_s_per_token` longer per token sent, D's running batch `land_s_per_token` later
+    per token of each prompt that lands on it."""
+    batch: float = 0
     prefill_x: float = 1.0
     decode_x: float = 1.0
     handoff_x: float = 1.0
-    at_batch: tuple[tuple[int, float, float, float], ...] = ()
+    stage_x: float = 1.0
+    send_s_per_token: float = 0.0
+    land_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
-        pts = self._points()
-        if not all(x >= 1.0 for p in pts for x in p[1:]):
-            raise ValueError(f"shared-host slowdowns are >= 1: {self}")
-        if len({p[0] for p in pts}) != len(pts) or pts[0][0] != 1:
-            raise ValueError(f"shared-host batches are distinct and > 1: {self}")
+        xs = (self.prefill_x, self.decode_x, self.handoff_x, self.stage_x)
+        if not all(x >= 1.0 for x in xs) or self.send_s_per_token < 0 \
+                or self.land_s_per_token < 0:
+            raise ValueError(f"shared-host slowdowns are >= 1, send and land costs >= 0: "
+                             f"{self}")
 
-    def _points(self) -> list[tuple]:
-        return [(1, self.prefill_x, self.decode_x, self.handoff_x),
-                *sorted(tuple(p) for p in self.at_batch)]
 
-    def at(self, batch: float) -> tuple[float, float, float]:
-        """(prefill_x, decode_x, handoff_x) while the decode worker runs `batch` sequences."""
-        if batch <= 0:
-            return (1.0, 1.0, 1.0)
-        pts = self._points()
-        if batch <= pts[0][0]:
-            return tuple(pts[0][1:])
+NO_SLOWDOWN = HostSlowdown()
+_FIELDS = ("prefill_x", "decode_x", "handoff_x", "stage_x", "send_s_per_token",
+           "land_s_per_token")
+
+
+@dataclass(frozen=True)
+class SharedHost:
+    """Slowdowns of a prefill and a decode worker sharing one host (module doc), measured at
+    one or more decode batches (`points`, batches >= 1 and distinct; none: no slowdown).
+    Between two batches the figures are linear, below the first and past the last they stay
+    its; an idle decode worker (batch 0) slows nothing."""
+    points: tuple[HostSlowdown, ...] = ()
+
+    def __post_init__(self) -> None:
+        batches = [p.batch for p in self.points]
+        if any(b < 1 for b in batches) or len(set(batches)) != len(batches):
+            raise ValueError(f"shared-host batches are distinct and >= 1: {batches}")
+        object.__setattr__(self, "points", tuple(sorted(self.points, key=lambda p: p.batch)))
+
+    def at(self, batch: float) -> HostSlowdown:
+        pts = self.points
+        if batch <= 0 or not pts:
+            return NO_SLOWDOWN
+        if batch <= pts[0].batch:
+            return pts[0]
         for a, b in zip(pts, pts[1:], strict=False):
-            if batch <= b[0]:
-                f = (batch - a[0]) / (b[0] - a[0])
-                return tuple(x + f * (y - x) for x, y in zip(a[1:], b[1:], strict=True))
-        return tuple(pts[-1][1:])
+            if batch <= b.batch:
+                f = (batch - a.batch) / (b.batch - a.batch)
+                return HostSlowdown(batch, **{k: getattr(a, k) + f * (getattr(b, k)
+                                                                      - getattr(a, k))
+                                              for k in _FIELDS})
+        return pts[-1]
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,11 @@ class SimWorker:
         # a shared host's neighbour: (step start, its cost alone) -> its duration
         self.slowed: Callable[[float, float], float] | None = None
         self.free_at = 0.0
-        self._send_s, self._send_until = 0.0, -math.inf   # the last staging's sends (P's cost)
+        # a shared host's: (step start) -> seconds a step loses per token of the pages the
+        # last step's prompts send meanwhile; the last staging's tokens and their send window
+        self.send_cost: Callable[[float], float] | None = None
+        self.stage_x: Callable[[float], float] | None = None   # (at) -> its staging slowdown
+        self._sent, self._send_until = 0, -math.inf
         self.rates = StepRates()
         self.loras: OrderedDict[str, None] = OrderedDict()   # true LRU of resident adapters
         # to publish: (step end, the KV events the pool made in that step), in step order;
@@ -284,9 +288,9 @@ class SimWorker:
                 budget -= c
             pc = self.cost.prefill
             step_s = pc.step_s(chunks)
-            if self._send_s and start < self._send_until:   # the pages it sends meanwhile
-                step_s += self._send_s
-            self._send_s = 0.0
+            if self._sent and self.send_cost is not None and start < self._send_until:
+                step_s += self.send_cost(start) * self._sent   # the pages it sends meanwhile
+            self._sent = 0
             if self.slowed is not None:
                 step_s = self.slowed(start + load_s, step_s)
             end = start + load_s + step_s
@@ -296,14 +300,15 @@ class SimWorker:
             # its prefill seconds, for the fit: the adapter loads are reported on their own
             self.steps.append((start + load_s, end, chunks, members))
             staged, sent = end, 0     # the loop stages what the step finished, in order
+            sx = self.stage_x(end) if self.stage_x is not None else 1.0
             while waiting and waiting[0].pos >= waiting[0].num_tokens:
                 job = waiting.popleft()
-                staged += pc.stage_s_per_token * job.num_tokens
+                staged += sx * pc.stage_s_per_token * job.num_tokens
                 sent += job.num_tokens
                 job.finish = staged
                 self._done.append((staged, job.tag))
             if sent:
-                self._send_s = pc.send_s_per_token * sent
+                self._sent = sent
                 self._send_until = staged + self.cost.link.seconds(
                     sent * self.cost.kv_bytes_per_token)
             if self.step_log is not None:
