@@ -193,13 +193,16 @@ def test_shared_host_slows_decode_during_prefill_steps_and_prefill_beside_decode
 
 def test_shared_host_factors_are_taken_at_the_decode_batch():
     from raypd.sim.cost_model import NO_SLOWDOWN, HostSlowdown, SharedHost
-    eight = HostSlowdown(8, 2.6, 1.8, 2.9, 1.4, 1e-4, 4e-4)
-    sh = SharedHost((eight, HostSlowdown(1, 1.2, 1.1, 1.5, 1.0, 0.0, 2e-4)))
+    eight = HostSlowdown(8, prefill_x=2.6, decode_x=1.8, handoff_x=2.9, handoff_s=0.2,
+                         stage_x=1.4, send_s_per_token=1e-4, land_s_per_token=4e-4)
+    one = HostSlowdown(1, prefill_x=1.2, decode_x=1.1, handoff_x=1.5, land_s_per_token=2e-4)
+    sh = SharedHost((eight, one))
     assert sh.at(0) == NO_SLOWDOWN                     # an idle decode worker slows nothing
-    assert sh.at(1) == HostSlowdown(1, 1.2, 1.1, 1.5, 1.0, 0.0, 2e-4)
+    assert sh.at(1) == one
     mid = sh.at(4.5)                                   # linear between the batches
-    assert (mid.prefill_x, mid.decode_x, mid.handoff_x, mid.stage_x, mid.send_s_per_token,
-            mid.land_s_per_token) == pytest.approx((1.9, 1.45, 2.2, 1.2, 5e-5, 3e-4))
+    assert (mid.prefill_x, mid.decode_x, mid.handoff_x, mid.handoff_s, mid.stage_x,
+            mid.send_s_per_token, mid.land_s_per_token) == pytest.approx(
+        (1.9, 1.45, 2.2, 0.1, 1.2, 5e-5, 3e-4))
     assert sh.at(40) == eight                          # past the last: its figures
     assert SharedHost().at(5) == NO_SLOWDOWN
     with pytest.raises(ValueError, match=">= 1"):
@@ -243,10 +246,13 @@ def test_a_prefill_and_a_handoff_beside_a_large_decode_batch_take_its_slowdown()
     landing = run(host(land_s_per_token=1e-3)).tpot_s[0]
     assert 199 * (landing - run(SharedHost()).tpot_s[0]) == pytest.approx(2.0, abs=1e-6)
     flat = ttft_of_last(SharedHost((HostSlowdown(1, prefill_x=1.5, handoff_x=2.0),)))
-    assert flat == pytest.approx(2.0 * 1.5 + 0.25 * 2.0, abs=1e-6)
+    assert flat == pytest.approx(2.0 * 1.5 + 0.25, abs=1e-6)
     steep = ttft_of_last(SharedHost((HostSlowdown(1, prefill_x=1.5, handoff_x=2.0),
-                                     HostSlowdown(8, prefill_x=3.0, handoff_x=4.0))))
-    assert steep == pytest.approx(2.0 * 3.0 + 0.25 * 4.0, abs=1e-6)
+                                     HostSlowdown(8, prefill_x=3.0, handoff_x=4.0,
+                                                  handoff_s=0.5))))
+    # the link's bytes take no time here: handoff_x does not apply to its latency;
+    # handoff_s adds to it
+    assert steep == pytest.approx(2.0 * 3.0 + 0.25 + 0.5, abs=1e-6)
     # a 1000-token prompt right behind it starts while its pages go to D: at batch 8 it
     # computes 1e-4 s longer per token sent (2000)
     work.append(SimRequest(3.5, 1000, 2, (200, 201)))

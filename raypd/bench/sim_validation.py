@@ -98,8 +98,12 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
     a handoff is what a request spends besides P's queue, its compute and its staging before
     its first token (at the router: route, admission, the transfer, the first token's way
     back): handoff_s_alone and handoff_s_alone_short are the prefills alone's
-    (`prefill_tokens`, and `context` tokens ALONE_RUNS times more), handoff_x the beside, lead
-    and behind prompts' over that (means: the transfer's time is bimodal here); and
+    (`prefill_tokens`, and `context` tokens ALONE_RUNS times more; means: the transfer's
+    time is bimodal here); at batch B the beside, lead and behind prompts' mean and ALONE_RUNS
+    more `context`-token prompts' (sent one after the other once the pairs are done) give a
+    second line: handoff_x = its slope over the alone line's, handoff_s = what is left of the
+    long prompts' handoff over the alone latency (lines that do not rise: handoff_x = the long
+    prompts' ratio, handoff_s = 0); and
     stage_s_per_token = the prefills alone's median staging (P's loop's copy of the KV before
     its next step) per prompt token, and stage_x = the beside and lead prompts' median
     staging over that."""
@@ -201,12 +205,15 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
             wait_tokens(rids, landed, 10)             # the window after it
             pairs_from = time.time()
             pairs = [pair(f"b{batch}-{k}", lead_s) for k in range(BEHIND_RUNS)]
+            shorts = [f"probe-prefill-short-b{batch}-{k}" for k in range(ALONE_RUNS)]
+            for x in shorts:
+                _timed_request(cluster, prompt(context), 2, x)
         finally:
             for th in ths:
                 th.join()
         assert len(box) == batch, f"a probe decode request at batch {batch} failed"
-        pairs_to = compute_span(f"probe-prefill-behind-b{batch}-{BEHIND_RUNS - 1}").end
-        if min(traces.get(r).token_times[-1] for r in rids) < pairs_to:
+        if min(traces.get(r).token_times[-1] for r in rids) < traces.get(shorts[-1]).ttft_s \
+                + traces.get(shorts[-1]).arrival:
             raise RuntimeError(f"the probe's decodes at batch {batch} ended before its "
                                f"prefills did ({tokens} tokens each are too few)")
         span = compute_span(rid)
@@ -228,7 +235,8 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
                 "prefill_compute_s_behind": [b for _, b in pairs],
                 "handoff_s_beside_decode": statistics.fmean(handoff_of(x) for x in (
                     rid, *(f"probe-prefill-{w}-b{batch}-{k}" for w in ("lead", "behind")
-                           for k in range(BEHIND_RUNS))))}
+                           for k in range(BEHIND_RUNS)))),
+                "handoff_s_beside_decode_short": statistics.fmean(map(handoff_of, shorts))}
     alone_ids = [f"probe-prefill-before-{i}" for i in range(ALONE_RUNS)]
     for rid in alone_ids:
         _timed_request(cluster, prompt(prefill_tokens), 2, rid)
@@ -247,13 +255,22 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
     # transfer, the first token's way to the client): TTFT at the client less compute, staging
     staging = statistics.median(staging_of(rid) for rid in alone_ids)
     handoff = statistics.fmean(handoff_of(rid) for rid in alone_ids)
+    handoff_short = statistics.fmean(handoff_of(rid) for rid in short_ids)
+    alone_line = link_line(context, handoff_short, prefill_tokens, handoff)
     for row in rows:
         inside, outside = row["decode_gap_s_inside_prefill"], row["decode_gap_s_outside"]
         beside_s = statistics.median(row["prefill_compute_s_beside_decode"])
         row["decode_x"] = max(1.0, inside / outside) if inside and outside else 1.0
         row["prefill_x"] = max(1.0, beside_s / alone) if alone > 0 else 1.0
-        row["handoff_x"] = max(1.0, row["handoff_s_beside_decode"] / handoff) \
-            if handoff > 0 else 1.0
+        h_long = row["handoff_s_beside_decode"]
+        line = link_line(context, row["handoff_s_beside_decode_short"], prefill_tokens, h_long)
+        if alone_line and line:   # the bytes' slope x, and the rest on the latency
+            row["handoff_x"] = max(1.0, line[1] / alone_line[1])
+            row["handoff_s"] = max(0.0, h_long - alone_line[0]
+                                   - row["handoff_x"] * alone_line[1] * prefill_tokens)
+        else:                     # no line: the whole handoff longer
+            row["handoff_x"] = max(1.0, h_long / handoff) if handoff > 0 else 1.0
+            row["handoff_s"] = 0.0
         row["send_s_per_token"] = max(0.0, statistics.median(row["prefill_compute_s_behind"])
                                       - beside_s) / prefill_tokens
         row["stage_x"] = max(1.0, statistics.median(row["staging_s_beside_decode"]) / staging) \
@@ -263,19 +280,29 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
     one = rows[0]
     return {"context": context, "prefill_tokens": prefill_tokens,
             "prefill_compute_s_alone": alone, "handoff_s_alone": handoff,
-            "handoff_s_alone_short": statistics.fmean(handoff_of(rid) for rid in short_ids),
+            "handoff_s_alone_short": handoff_short,
             "staging_s_alone": staging, "stage_s_per_token": staging / prefill_tokens,
             **{k: one[k] for k in ("decode_tokens", "decode_gap_s_outside",
                                    "decode_gap_s_inside_prefill",
                                    "prefill_compute_s_beside_decode",
                                    "prefill_compute_s_behind", "handoff_s_beside_decode",
+                                   "handoff_s_beside_decode_short",
                                    "staging_s_beside_decode",
                                    "decode_stall_s_per_landing", *FIGURES)},
             "at_batch": rows[1:]}
 
 
-FIGURES = ("prefill_x", "decode_x", "handoff_x", "stage_x", "send_s_per_token",
+FIGURES = ("prefill_x", "decode_x", "handoff_x", "handoff_s", "stage_x", "send_s_per_token",
            "land_s_per_token")
+
+
+def link_line(n_short: int, h_short: float, n_long: int, h_long: float
+              ) -> tuple[float, float] | None:
+    """(latency s, s per token) of the line through two handoffs; None if it does not rise."""
+    if h_long <= h_short or n_long <= n_short:
+        return None
+    per = (h_long - h_short) / (n_long - n_short)
+    return max(0.0, h_long - per * n_long), per
 
 
 def shared_host_of(probe: dict) -> SharedHost:
@@ -311,11 +338,12 @@ def run_probe(engine: dict, cost: CostModel) -> dict:
         rng = random.Random(1)
         _warm_up(cluster, (PROBE_CONTEXT, PROBE_PREFILL), rng)
         # enough tokens per sequence to decode through the batch's own prefills and the
-        # probe's (one beside, BEHIND_RUNS pairs, each sent half a prefill apart): 10 before,
-        # 2x their time, 10 between, 10 after
+        # probe's (one beside, BEHIND_RUNS pairs, each sent half a prefill apart, ALONE_RUNS
+        # short ones): 10 before, 2x their time, 10 between, 10 after
         solo = cost.prefill.prefill_s(PROBE_PREFILL)
+        short = cost.prefill.prefill_s(PROBE_CONTEXT)
         tokens = {b: 30 + math.ceil(2.0 * (solo * (1 + 2.5 * BEHIND_RUNS)
-                                           + b * cost.prefill.prefill_s(PROBE_CONTEXT))
+                                           + (b + ALONE_RUNS) * (short + 0.1))
                                     / max(cost.decode.step_s(b, b * PROBE_CONTEXT), 1e-3))
                   for b in PROBE_BATCHES}
         return probe_shared_host(cluster, rng, PROBE_CONTEXT, PROBE_PREFILL, tokens)
@@ -504,15 +532,15 @@ def _anchor(cost: CostModel, probe: dict) -> dict:
     kp = probe["prefill_compute_s_alone"] / cost.prefill.prefill_s(probe["prefill_tokens"])
     gap, ctx = probe["decode_gap_s_outside"], probe["context"] + probe["decode_tokens"] // 2
     kd = gap / cost.decode.step_s(1, ctx) if gap else 1.0
-    b_long = probe["prefill_tokens"] * cost.kv_bytes_per_token
-    b_short = probe["context"] * cost.kv_bytes_per_token
-    h_long, h_short = probe["handoff_s_alone"], probe["handoff_s_alone_short"]
-    if h_long > h_short:
-        gbps = (b_long - b_short) / (h_long - h_short) / 1e9
+    n_long, n_short = probe["prefill_tokens"], probe["context"]
+    line = link_line(n_short, probe["handoff_s_alone_short"], n_long, probe["handoff_s_alone"])
+    if line:
+        gbps = cost.kv_bytes_per_token / line[1] / 1e9
         fit = "line through the two sizes"
     else:
         gbps, fit = cost.link.gbps, "stated bandwidth (the two sizes did not rise)"
-    latency = max(0.0, h_long - b_long / (gbps * 1e9))
+    latency = max(0.0, probe["handoff_s_alone"] - n_long * cost.kv_bytes_per_token
+                  / (gbps * 1e9))
     return {"prefill_k": kp, "decode_k": kd, "link_latency_s": latency, "link_gbps": gbps,
             "link_fit": fit, "from": "run_probe: a cluster of its own, before the replay's"}
 

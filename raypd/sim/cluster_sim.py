@@ -27,8 +27,8 @@ Shared host (`shared_host=True`, cpu-here's 1P+1D validation): prefill i and dec
 cores and memory, and each factor of cost.shared_host is taken at decode i's batch: a decode
 step overlapping a prefill step runs decode_x times slower over the overlap, a prefill step
 prefill_x times slower while decode i's batch (as estimated when the step starts, the decodes
-prefill i has just finished included) lasts, a transfer to decode i handoff_x times longer
-(its bytes and its latency; the batch when its prefill ends), prefill i's staging stage_x
+prefill i has just finished included) lasts, a transfer to decode i's bytes handoff_x times
+longer and its latency handoff_s longer (the batch when its prefill ends), prefill i's staging stage_x
 times longer, its next step send_s_per_token longer per token of the pages it sends
 meanwhile, and decode i's running batch land_s_per_token later per token of each prompt that
 lands on it (raypd/sim/cost_model.py HostSlowdown).
@@ -566,18 +566,17 @@ class ClusterSim:
                 nbytes = r.num_tokens * cost.kv_bytes_per_token
                 host = cost.shared_host.at(dsim.batch_at(finish)) if cfg.shared_host \
                     else NO_SLOWDOWN
-                hx, land_s = host.handoff_x, host.land_s_per_token
                 # the bytes hold D's link (FIFO); the latency (round trips) does not
                 start = max(finish, dsim.link_free_at)
-                dsim.link_free_at = start + hx * (cost.link.seconds(nbytes)
-                                                  - cost.link.latency_s)
-                first = dsim.link_free_at + hx * cost.link.latency_s
+                dsim.link_free_at = start + host.handoff_x * (cost.link.seconds(nbytes)
+                                                              - cost.link.latency_s)
+                first = dsim.link_free_at + cost.link.latency_s + host.handoff_s
                 # the router measures a transfer when it ends, not before
                 heapq.heappush(self._transfers_done, (first, pid, did, nbytes, first - start))
                 transferred_bytes += nbytes
                 ttft[j] = first - arrival[j]
                 dsim.join(first, _Seq(j, out_len[j] - 1, r.num_tokens, first, blocks,
-                                      land_s * r.num_tokens))
+                                      host.land_s_per_token * r.num_tokens))
 
         def advance_to(t: float) -> None:
             prefills_done(t)

@@ -29,14 +29,14 @@ Transfer of n bytes over a link: latency_s + n / (gbps * 1e9).
 Shared host (`SharedHost`, cpu-here: a prefill and a decode worker on the same cores and
 memory): a decode step that overlaps a prefill step runs `decode_x` times slower over the
 overlap, a prefill step `prefill_x` times slower while the decode worker's batch lasts, a
-handoff (the link's latency and bytes) `handoff_x` times longer, P's staging `stage_x` times
-longer, a prefill step that starts while the pages of the prompts it just finished move to
-the decode worker (the link's seconds of their bytes) `send_s_per_token` x their tokens
-longer (the decode worker receives and verifies them on the same cores while it decodes), and
-the decode worker's running batch `land_s_per_token` x a landing prompt's tokens later, each
-a function of the decode worker's batch (`HostSlowdown`); `raypd simulate --validate` measures them at decode batches 1 and
-PROBE_BATCHES on the real cluster before its replay (raypd/bench/sim_validation.py
-probe_shared_host); 1.0 elsewhere.
+handoff's bytes `handoff_x` times longer and its latency `handoff_s` longer, P's staging
+`stage_x` times longer, a prefill step that starts while the pages of the prompts it just
+finished move to the decode worker (the link's seconds of their bytes) `send_s_per_token` x
+their tokens longer (the decode worker receives and verifies them on the same cores while it
+decodes), and the decode worker's running batch `land_s_per_token` x a landing prompt's
+tokens later, each a function of the decode worker's batch (`HostSlowdown`); `raypd simulate
+--validate` measures them at PROBE_BATCHES on the real cluster before its replay
+(raypd/bench/sim_validation.py probe_shared_host); none elsewhere.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ class LinkCost:
 class HostSlowdown:
     """What sharing a host costs while the decode worker runs `batch` sequences (module doc):
     prefill steps `prefill_x` slower, decode steps `decode_x` slower while a prefill step
-    runs, a handoff (the link's latency and bytes) `handoff_x` longer, P's staging `stage_x`
+    runs, a handoff's bytes on the link `handoff_x` longer and its latency `handoff_s`
+    longer (the RPCs wait for busy workers), P's staging `stage_x`
     longer, the prefill step that starts while the pages of the prompts P just finished move
     to D `send_s_per_token` longer per token sent, D's running batch `land_s_per_token` later
     per token of each prompt that lands on it."""
@@ -144,20 +145,21 @@ class HostSlowdown:
     prefill_x: float = 1.0
     decode_x: float = 1.0
     handoff_x: float = 1.0
+    handoff_s: float = 0.0
     stage_x: float = 1.0
     send_s_per_token: float = 0.0
     land_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         xs = (self.prefill_x, self.decode_x, self.handoff_x, self.stage_x)
-        if not all(x >= 1.0 for x in xs) or self.send_s_per_token < 0 \
-                or self.land_s_per_token < 0:
+        if not all(x >= 1.0 for x in xs) or min(self.send_s_per_token, self.land_s_per_token,
+                                                 self.handoff_s) < 0:
             raise ValueError(f"shared-host slowdowns are >= 1, send and land costs >= 0: "
                              f"{self}")
 
 
 NO_SLOWDOWN = HostSlowdown()
-_FIELDS = ("prefill_x", "decode_x", "handoff_x", "stage_x", "send_s_per_token",
+_FIELDS = ("prefill_x", "decode_x", "handoff_x", "handoff_s", "stage_x", "send_s_per_token",
            "land_s_per_token")
 
 
