@@ -253,6 +253,10 @@ def test_a_prefill_and_a_handoff_beside_a_large_decode_batch_take_its_slowdown()
     # the link's bytes take no time here: handoff_x does not apply to its latency;
     # handoff_s adds to it
     assert steep == pytest.approx(2.0 * 3.0 + 0.25 + 0.5, abs=1e-6)
+    # a link whose bytes take 1 s for the 2000-token prompt: handoff_x stretches them
+    base = dataclasses.replace(base, link=dataclasses.replace(
+        base.link, gbps=2000 * base.kv_bytes_per_token / 1e9))
+    assert ttft_of_last(host(handoff_x=3.0)) == pytest.approx(2.0 + 3.0 + 0.25, abs=1e-6)
     # a 1000-token prompt right behind it starts while its pages go to D: at batch 8 it
     # computes 1e-4 s longer per token sent (2000)
     work.append(SimRequest(3.5, 1000, 2, (200, 201)))
