@@ -98,6 +98,11 @@ class _Replay:
             self.allowed = min(len(self.prompts), max(self.allowed, n))
             self.cond.notify_all()
 
+    def more(self) -> None:
+        """A fault that waits for traffic it has not met yet (a staging to corrupt, a pull to
+        delay, an ack to drop): one more request may start."""
+        self.allow(self.allowed + 1)
+
     def _feed(self) -> None:
         for i in range(len(self.prompts)):
             with self.cond:
@@ -145,27 +150,28 @@ def _counts(actor) -> dict[str, int] | None:
         return None      # down (killed, restarting): what it had applied died with it
 
 
-def _call(method, *args) -> bool:
-    """Call an actor method; False when the actor is down."""
-    try:
-        ray.get(method.remote(*args), timeout=10)
-        return True
-    except Exception:
-        return False
-
-
 def _wait_applied(actor, key: str, before: int, replay: _Replay, timeout_s: float) -> bool:
     """Whether `actor`'s fault count `key` rose above `before` (the fault was applied) before
-    `timeout_s` passed or every request ended."""
+    `timeout_s` passed, every request ended, or the actor came back as a new process (its
+    counts start again: what was armed died with the old one)."""
     deadline = time.monotonic() + timeout_s
+    nudge = time.monotonic() + NUDGE_S
     while time.monotonic() < deadline:
         c = _counts(actor)
         if c is not None and c.get(key, 0) > before:
             return True
+        if c is not None and c.get(key, 0) < before:
+            return False
         if replay.finished >= len(replay.prompts):
             return False
+        if time.monotonic() > nudge:      # no traffic has met it yet: let a request in
+            replay.more()
+            nudge = time.monotonic() + NUDGE_S
         time.sleep(0.05)
     return False
+
+
+NUDGE_S = 2.0   # a fault that has met no traffic this long lets one more request start
 
 
 def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, n: int,
@@ -204,24 +210,21 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
     elif kind == "corrupt":
         landed = _corrupt_until_pulled(cluster, replay, lease_s, log)
     elif kind == "delay":
-        d = rng.choice(decode)
-        c = _counts(d)
-        if c is not None and _call(d.inject_pull_delay, lease_s + 0.5, 1, "delay"):
-            landed = _wait_applied(d, "pull_delays_delay", c.get("pull_delays_delay", 0),
-                                   replay, 60.0)
+        landed = _arm_until_applied(
+            decode, lambda d: d.inject_pull_delay.remote(lease_s + 0.5, 1, "delay"),
+            "pull_delays_delay", replay, rng)
         if landed:
             with _TALLY:
                 log["delays_applied"] += 1
     elif kind == "drop_ack":
-        p = rng.choice(prefill)
-        c = _counts(p)
-        if c is not None and _call(p.inject_fault, "drop_ack", 1):
-            landed = _wait_applied(p, "acks_dropped", c["acks_dropped"], replay, 60.0)
+        landed = _arm_until_applied(prefill, lambda p: p.inject_fault.remote("drop_ack", 1),
+                                    "acks_dropped", replay, rng)
         if landed:
             with _TALLY:
                 log["acks_dropped"] += 1
     elif kind == "abort":
         deadline = time.monotonic() + 10
+        nudge = time.monotonic() + NUDGE_S
         while time.monotonic() < deadline and not landed:
             with replay.cond:
                 streaming = sorted(replay.streaming)
@@ -229,6 +232,9 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
                 i = rng.choice(streaming)
                 landed = cluster.abort(replay.rid(i))
             else:
+                if time.monotonic() > nudge:   # nothing streams: let a request in
+                    replay.more()
+                    nudge = time.monotonic() + NUDGE_S
                 time.sleep(0.02)
         if landed:
             with _TALLY:
@@ -236,6 +242,28 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
     if not landed:
         with _TALLY:
             log["not_injected"].append(kind)
+
+
+def _arm_until_applied(actors: list, arm, key: str, replay: _Replay, rng: random.Random,
+                       timeout_s: float = 60.0, each_s: float = 10.0) -> bool:
+    """Arm a fault on one of `actors` (`arm(actor)` returns the call's ref) until its count
+    `key` shows it applied; armed again elsewhere when the worker restarted (what it had armed
+    died with it) or nothing met it within `each_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and replay.finished < len(replay.prompts):
+        a = rng.choice(actors)
+        c = _counts(a)
+        try:
+            ray.get(arm(a), timeout=10)
+        except Exception:
+            c = None            # down: another one
+        if c is None:
+            time.sleep(0.2)
+            continue
+        if _wait_applied(a, key, c.get(key, 0), replay,
+                         min(each_s, max(0.0, deadline - time.monotonic()))):
+            return True
+    return False
 
 
 def _corrupt_until_pulled(cluster: PDCluster, replay: _Replay, lease_s: float, log: dict,
@@ -252,8 +280,12 @@ def _corrupt_until_pulled(cluster: PDCluster, replay: _Replay, lease_s: float, l
             except Exception:
                 pass   # that P is down: the others are armed
         hit: list = []
+        nudge = time.monotonic() + NUDGE_S
         while (armed and not hit and time.monotonic() < deadline
                and replay.finished < len(replay.prompts)):
+            if time.monotonic() > nudge:      # no staging has met it yet: let a request in
+                replay.more()
+                nudge = time.monotonic() + NUDGE_S
             for p, fid in armed:
                 try:
                     if (tid := ray.get(p.corruption_applied.remote(fid), timeout=10)):
@@ -304,11 +336,18 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
                  "acks_dropped": 0, "client_aborts": 0, "not_injected": []}
     replay = _Replay(cluster, prompts, sampling, deadline_s, concurrency)
 
-    def threshold(j: int) -> int:     # fault j fires once this many requests have finished
-        return (j + 1) * len(prompts) // (len(events) + 2)
     # the feeder keeps requests coming only up to a little past the next fault, so that every
-    # fault meets requests in flight however long the previous one took (a restart, say)
-    replay.allowed = threshold(0) + 2 * concurrency
+    # fault meets requests in flight however long the previous one took (a restart, say), and
+    # holds the last `tail` back until every fault landed: a fault that waits for traffic (a
+    # staging, a pull, an ack) lets them in one at a time (`more`)
+    tail = min(max(concurrency, len(prompts) // 4), len(prompts) // 2)
+
+    def threshold(j: int) -> int:     # fault j fires once this many requests have finished
+        return (j + 1) * (len(prompts) - tail) // (len(events) + 1)
+
+    def allow(n: int) -> None:
+        replay.allow(min(n, len(prompts) - tail))
+    replay.allowed = min(threshold(0) + 2 * concurrency, len(prompts) - tail)
     t0 = time.monotonic()
     replay.start()
     kill_no = 0
@@ -323,14 +362,16 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
         if kind == "kill":    # one worker down at a time: the next fault waits for its restart
             _inject(*args)
             kill_no += 1
-            replay.allow(threshold(j + 1) + 2 * concurrency)
+            allow(threshold(j + 1) + 2 * concurrency)
             continue
         # in its own thread: a fault that waits to land (a corrupt staging, a streaming
         # request to abort) does not hold back the next one
         t = threading.Thread(target=_inject, args=args, daemon=True)
         t.start()
         injectors.append(t)
-        replay.allow(threshold(j + 1) + 2 * concurrency)
+        allow(threshold(j + 1) + 2 * concurrency)
+    for t in injectors:                          # every fault landed (or gave up) first
+        t.join(deadline_s)
     replay.allow(len(prompts))
     replay.wait_all(t0 + deadline_s * 2 + 30)    # the last request starts late: own deadline
     for t in injectors:
