@@ -357,6 +357,14 @@ def test_validate_needs_cpu_here_and_refuses_what_it_does_not_use(capsys):
     # what it does not use is refused, never accepted and ignored
     assert _cli(["trace.jsonl", "--validate", "--gpu", "cpu-here", "--rate-scale", "2"]) == 2
     assert "TRACE, --rate-scale: not used by --validate" in capsys.readouterr().err
+    # another replay: only with --validate, and never at a length the calibration or the
+    # probe measures (refused before any cluster starts)
+    assert _cli(["trace.jsonl", "--replay-seed", "3"]) == 2
+    assert "--replay-seed: only with --validate" in capsys.readouterr().err
+    assert _cli(["--validate", "--gpu", "cpu-here", "--replay-lens", "300,512"]) == 2
+    assert "none the calibration or the probe measured" in capsys.readouterr().err
+    assert _cli(["--validate", "--gpu", "cpu-here", "--replay-lens", "300,x"]) == 2
+    assert "comma-separated" in capsys.readouterr().err
 
 
 def test_bench_engine_calibration_feeds_the_cpu_cost_model():

@@ -503,17 +503,26 @@ def worst(errors: dict[str, float | None]) -> float | None:
 
 def validate(cost: CostModel | None = None, num_requests: int = 16, max_tokens: int = 16,
              engine: dict | None = None, rounds: int = 2, slo_ttft_s: float = 2.0,
-             slo_tpot_s: float = 0.25, loads=LOADS) -> dict:
+             slo_tpot_s: float = 0.25, loads=LOADS, replay_seed: int = REPLAY_SEED,
+             replay_lens: tuple[int, ...] = REPLAY_LENS) -> dict:
     """`cost` None: calibrate here first (see the module doc); `loads`: (name, utilization of
-    the prefill worker by the calibrated model) pairs."""
+    the prefill worker by the calibrated model) pairs; `replay_seed`, `replay_lens`: another
+    replay (lengths none of the calibration's or the probe's, within one engine step)."""
     import ray
+
+    from raypd.bench.engine import CALIBRATION_PREFILL
     engine = engine or {"block_size": 16}
+    used = set(CALIBRATION_PREFILL) | {PROBE_CONTEXT, PROBE_PREFILL}
+    if not replay_lens or set(replay_lens) & used or \
+            not all(1 <= n <= PROBE_PREFILL for n in replay_lens):
+        raise ValueError(f"replay lengths {list(replay_lens)}: each within 1..{PROBE_PREFILL} "
+                         f"and none the calibration or the probe measured ({sorted(used)})")
     started = not ray.is_initialized()
     if started:
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         return _validate(cost, num_requests, max_tokens, engine, rounds, slo_ttft_s,
-                         slo_tpot_s, tuple(loads))
+                         slo_tpot_s, tuple(loads), replay_seed, tuple(replay_lens))
     finally:
         if started:
             ray.shutdown()
@@ -546,7 +555,8 @@ def _anchor(cost: CostModel, probe: dict) -> dict:
 
 
 def _validate(cost: CostModel | None, num_requests: int, max_tokens: int, engine: dict,
-              rounds: int, slo_ttft_s: float, slo_tpot_s: float, loads) -> dict:
+              rounds: int, slo_ttft_s: float, slo_tpot_s: float, loads, replay_seed: int,
+              replay_lens: tuple[int, ...]) -> dict:
     calibration = None
     if cost is None:
         calibration = calibrate(engine)
@@ -561,9 +571,9 @@ def _validate(cost: CostModel | None, num_requests: int, max_tokens: int, engine
         link=dataclasses.replace(cost.link, latency_s=anchor["link_latency_s"],
                                  gbps=anchor["link_gbps"]))
     defaults = cpu_cost_model()          # the simulator's stated defaults alone
-    mean_prefill = sum(calibrated.prefill.prefill_s(n) for n in REPLAY_LENS) / len(REPLAY_LENS)
-    replays = {name: replay_requests(num_requests, REPLAY_LENS, mean_prefill / u,
-                                     seed=REPLAY_SEED + i)
+    mean_prefill = sum(calibrated.prefill.prefill_s(n) for n in replay_lens) / len(replay_lens)
+    replays = {name: replay_requests(num_requests, replay_lens, mean_prefill / u,
+                                     seed=replay_seed + i)
                for i, (name, u) in enumerate(loads)}
     real = run_real(replays, max_tokens, engine, rounds)
     block = engine.get("block_size", 16)
@@ -602,7 +612,7 @@ def _validate(cost: CostModel | None, num_requests: int, max_tokens: int, engine
                                "link": asdict(calibrated.link),
                                "shared_host": asdict(calibrated.shared_host)},
             "replay": {"requests_per_round": num_requests, "rounds": rounds,
-                       "prompt_lens": list(REPLAY_LENS), "seed": REPLAY_SEED,
+                       "prompt_lens": list(replay_lens), "seed": replay_seed,
                        "probe_lens": [PROBE_CONTEXT, PROBE_PREFILL],
                        "max_tokens": max_tokens, "engine": engine,
                        "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}},

@@ -73,6 +73,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         given = [d for d in AUTOSCALE_ONLY if getattr(args, d) != args.defaults[d]]
         if given and not args.autoscale:
             raise ValueError(f"{', '.join(_flags(given))}: only with --autoscale")
+        given = [d for d in VALIDATE_ONLY if getattr(args, d) != args.defaults[d]]
+        if given and not args.validate:
+            raise ValueError(f"{', '.join(_flags(given))}: only with --validate")
         if args.autoscale:
             given = [d for d, v in args.defaults.items()
                      if d not in AUTOSCALE_OPTIONS and getattr(args, d) != v]
@@ -96,8 +99,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             from raypd.bench.sim_validation import validate
             # without --engine-json the calibration is measured here first, right before the
             # replay (raypd/bench/sim_validation.py)
+            replay = {}
+            if args.replay_seed is not None:
+                replay["replay_seed"] = args.replay_seed
+            if args.replay_lens is not None:
+                replay["replay_lens"] = _lengths(args.replay_lens)
             result = validate(cost if args.engine_json is not None else None,
-                              slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
+                              slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, **replay)
             print(json.dumps(result, indent=2, default=str))
             if args.json is not None:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -201,6 +209,11 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                    help="a short replay on a real 1P+1D cluster here against the simulator "
                         "(cpu-here, calibrated here first unless --engine-json is given): "
                         "sim_vs_real_error")
+    p.add_argument("--replay-seed", type=int, default=None,
+                   help="--validate: the replay's seed (default: the one it ships, 7)")
+    p.add_argument("--replay-lens", default=None, metavar="N1,N2,...",
+                   help="--validate: the replay's prompt lengths (default 200,450,900); none "
+                        "the calibration or the probe measures (128, 512, 1024, 2048)")
     p.add_argument("--autoscale", action="store_true",
                    help="the autoscaler (router/autoscale.py) sizing P and D during the replay, "
                         "up to --gpus in all, against every static P:D split of --gpus on the "
@@ -229,11 +242,21 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-VALIDATE_OPTIONS = ("help", "validate", "gpu", "engine_json", "slo_ttft", "slo_tpot", "json")
+VALIDATE_ONLY = ("replay_seed", "replay_lens")
+VALIDATE_OPTIONS = ("help", "validate", "gpu", "engine_json", "slo_ttft", "slo_tpot", "json",
+                    *VALIDATE_ONLY)
 AUTOSCALE_ONLY = ("startup_s", "interval_s", "cooldown_s", "up_cooldown_s", "initial")
 AUTOSCALE_OPTIONS = (*AUTOSCALE_ONLY, "autoscale", "trace", "gpu", "model", "link",
                      "engine_json", "policy", "slo_ttft", "slo_tpot", "rate_scale", "gpus",
                      "plan_requests", "max_tokens", "max_decode_batch", "json")
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--replay-lens {text!r}: comma-separated token counts") from None
+    return out
 
 
 def _flags(dests) -> list[str]:
