@@ -218,7 +218,7 @@ def test_a_prefill_ends_once_staged_and_the_next_step_pays_for_the_pages_it_send
     on a shared host a step that starts while those pages are sent runs the send cost x their
     tokens longer (`simulate --validate`'s probe measures both); one that starts after the
     sends does not."""
-    from raypd.sim.cost_model import CostModel, LinkCost, PrefillCost
+    from raypd.sim.cost_model import CostModel, HostSlowdown, LinkCost, PrefillCost
     from raypd.sim.routing_sim import SimWorker, namespace_root
     root = namespace_root()
 
@@ -226,7 +226,7 @@ def test_a_prefill_ends_once_staged_and_the_next_step_pays_for_the_pages_it_send
         cost = CostModel(prefill=PrefillCost(1000.0, 0.0, 0.0, 4096, stage_s_per_token=stage),
                          link=LinkCost(gbps=1.0, latency_s=0.1), kv_bytes_per_token=1000)
         w = SimWorker("p0", 1000, cost, max_loras=1, block_tokens=16)
-        w.send_cost = lambda t: send
+        w.host_at = lambda t: HostSlowdown(1, send_s_per_token=send)
         for tag, n, at in (("a", 100, 0.0), ("b", 300, 0.0), ("c", 200, third_at)):
             w.serve([hash((tag, i)) for i in range(-(-n // 16))], root,
                     list(range(-(-n // 16))), n, at, 16, tag=tag)

@@ -115,12 +115,12 @@ class DecodeSim:
     """One decode worker: continuous batching of at most `max_batch` sequences (the others
     wait for a slot), advanced in jumps between batch changes. `prefill`: a shared host's
     prefill worker, whose steps slow it down: decode runs at `busy_rate` of its speed while
-    one runs (1 / decode_x; with `shared`, 1 / decode_x at the jump's batch)."""
+    one runs (1 / `shared`'s decode_x at the jump's batch)."""
 
     def __init__(self, worker_id: str, cost: CostModel, capacity_blocks: int,
                  max_batch: int, prefill: SimWorker | None = None,
-                 busy_rate: float = 0.0, shared: SharedHost | None = None) -> None:
-        assert 0.0 <= busy_rate <= 1.0
+                 shared: SharedHost | None = None) -> None:
+        assert (prefill is None) == (shared is None), "a shared host has both"
         self.shared = shared
         self.worker_id = worker_id
         self.cost = cost
@@ -136,7 +136,7 @@ class DecodeSim:
         self.link_free_at = 0.0
         self.finished: list[tuple[int, float, float]] = []  # (rid, first token, finish)
         self.prefill = prefill          # colocated: the same GPU's prefill; shared host: its neighbour
-        self.busy_rate = busy_rate
+        self.busy_rate = 1.0   # set per jump on a shared host
         self._busy_i = 0
         self._n = 0
         # its decode fit (LoadReport.decode_fit), from the steps it ran: one step of each jump,
@@ -352,7 +352,7 @@ class ClusterSim:
             self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, log_steps=True,
                                       block_tokens=bt) for i in range(cfg.num_prefill)]
             self.decode = [DecodeSim(f"decode-{i}", cost, total_blocks, cfg.max_decode_batch,
-                                     p, 1.0, sh)
+                                     p, sh)
                            for i, p in enumerate(self.prefill)]
         else:
             self.prefill = [SimWorker(f"prefill-{i}", total_blocks, cost, 4, block_tokens=bt)
@@ -491,9 +491,7 @@ class ClusterSim:
                     return _slowed(t, step_s, d.busy_until(t, s),
                                    sh.at(d.batch_at(t, s)).prefill_x)
                 p.slowed = slowed
-                p.send_cost = lambda t, d=d, soon=soon: sh.at(
-                    d.batch_at(t, soon(t))).send_s_per_token
-                p.stage_x = lambda t, d=d, soon=soon: sh.at(d.batch_at(t, soon(t))).stage_x
+                p.host_at = lambda t, d=d, soon=soon: sh.at(d.batch_at(t, soon(t)))
 
         def reserve_blocks(r: SimRequest) -> int:
             """What the router reserves on D: the prompt and the client's max_tokens."""

@@ -42,7 +42,7 @@ from protocol.errors import RoutingRejected
 from protocol.messages import LoadReport
 from protocol.step_rates import StepRates
 from raypd.replay.mooncake import TRACE_MODEL_ID, WorkloadRequest, scaled_tokens
-from raypd.sim.cost_model import CostModel, PrefillCost
+from raypd.sim.cost_model import CostModel, HostSlowdown, PrefillCost
 from router.percentiles import percentile
 from router.policies import BasePolicy, Locality, RoutingRequest, WorkerState, make_policy
 from router.prefix_index import ApproxPrefixIndex, PrefixIndex
@@ -200,10 +200,9 @@ class SimWorker:
         # a shared host's neighbour: (step start, its cost alone) -> its duration
         self.slowed: Callable[[float, float], float] | None = None
         self.free_at = 0.0
-        # a shared host's: (step start) -> seconds a step loses per token of the pages the
-        # last step's prompts send meanwhile; the last staging's tokens and their send window
-        self.send_cost: Callable[[float], float] | None = None
-        self.stage_x: Callable[[float], float] | None = None   # (at) -> its staging slowdown
+        # a shared host's: (time) -> its HostSlowdown then (staging and the pages the last
+        # step's prompts send meanwhile); the last staging's tokens and their send window
+        self.host_at: Callable[[float], HostSlowdown] | None = None
         self._sent, self._send_until = 0, -math.inf
         self.rates = StepRates()
         self.loras: OrderedDict[str, None] = OrderedDict()   # true LRU of resident adapters
@@ -288,8 +287,9 @@ class SimWorker:
                 budget -= c
             pc = self.cost.prefill
             step_s = pc.step_s(chunks)
-            if self._sent and self.send_cost is not None and start < self._send_until:
-                step_s += self.send_cost(start) * self._sent   # the pages it sends meanwhile
+            if self._sent and self.host_at is not None and start < self._send_until:
+                # the pages it sends meanwhile
+                step_s += self.host_at(start).send_s_per_token * self._sent
             self._sent = 0
             if self.slowed is not None:
                 step_s = self.slowed(start + load_s, step_s)
@@ -300,7 +300,7 @@ class SimWorker:
             # its prefill seconds, for the fit: the adapter loads are reported on their own
             self.steps.append((start + load_s, end, chunks, members))
             staged, sent = end, 0     # the loop stages what the step finished, in order
-            sx = self.stage_x(end) if self.stage_x is not None else 1.0
+            sx = self.host_at(end).stage_x if self.host_at is not None else 1.0
             while waiting and waiting[0].pos >= waiting[0].num_tokens:
                 job = waiting.popleft()
                 staged += sx * pc.stage_s_per_token * job.num_tokens
