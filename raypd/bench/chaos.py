@@ -143,6 +143,19 @@ class _Replay:
                                max(0.0, until - time.monotonic()))
 
 
+class _Nudge:
+    """One waiting fault's pacing: each call past NUDGE_S since the last one lets one more
+    request start (`_Replay.more`)."""
+
+    def __init__(self, replay: _Replay) -> None:
+        self.replay, self.at = replay, time.monotonic() + NUDGE_S
+
+    def __call__(self) -> None:
+        if time.monotonic() > self.at:
+            self.replay.more()
+            self.at = time.monotonic() + NUDGE_S
+
+
 def _counts(actor) -> dict[str, int] | None:
     try:
         return ray.get(actor.fault_counts.remote(), timeout=10)
@@ -155,7 +168,7 @@ def _wait_applied(actor, key: str, before: int, replay: _Replay, timeout_s: floa
     `timeout_s` passed, every request ended, or the actor came back as a new process (its
     counts start again: what was armed died with the old one)."""
     deadline = time.monotonic() + timeout_s
-    nudge = time.monotonic() + NUDGE_S
+    nudge = _Nudge(replay)
     while time.monotonic() < deadline:
         c = _counts(actor)
         if c is not None and c.get(key, 0) > before:
@@ -164,9 +177,7 @@ def _wait_applied(actor, key: str, before: int, replay: _Replay, timeout_s: floa
             return False
         if replay.finished >= len(replay.prompts):
             return False
-        if time.monotonic() > nudge:      # no traffic has met it yet: let a request in
-            replay.more()
-            nudge = time.monotonic() + NUDGE_S
+        nudge()                           # no traffic has met it yet: let a request in
         time.sleep(0.05)
     return False
 
@@ -224,7 +235,7 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
                 log["acks_dropped"] += 1
     elif kind == "abort":
         deadline = time.monotonic() + 10
-        nudge = time.monotonic() + NUDGE_S
+        nudge = _Nudge(replay)
         while time.monotonic() < deadline and not landed:
             with replay.cond:
                 streaming = sorted(replay.streaming)
@@ -232,9 +243,7 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
                 i = rng.choice(streaming)
                 landed = cluster.abort(replay.rid(i))
             else:
-                if time.monotonic() > nudge:   # nothing streams: let a request in
-                    replay.more()
-                    nudge = time.monotonic() + NUDGE_S
+                nudge()                        # nothing streams: let a request in
                 time.sleep(0.02)
         if landed:
             with _TALLY:
@@ -280,12 +289,10 @@ def _corrupt_until_pulled(cluster: PDCluster, replay: _Replay, lease_s: float, l
             except Exception:
                 pass   # that P is down: the others are armed
         hit: list = []
-        nudge = time.monotonic() + NUDGE_S
+        nudge = _Nudge(replay)
         while (armed and not hit and time.monotonic() < deadline
                and replay.finished < len(replay.prompts)):
-            if time.monotonic() > nudge:      # no staging has met it yet: let a request in
-                replay.more()
-                nudge = time.monotonic() + NUDGE_S
+            nudge()                           # no staging has met it yet: let a request in
             for p, fid in armed:
                 try:
                     if (tid := ray.get(p.corruption_applied.remote(fid), timeout=10)):

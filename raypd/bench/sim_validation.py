@@ -113,12 +113,15 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, 30000) for _ in range(n)]
 
-    def compute_span(rid: str):
-        span = next((x for x in traces.get(rid).spans if x.stage == "prefill_compute"), None)
+    def span_of(rid: str, stage: str):
+        span = next((x for x in traces.get(rid).spans if x.stage == stage), None)
         if span is None:
-            raise RuntimeError(f"probe request {rid} has no prefill_compute stage (was it "
+            raise RuntimeError(f"probe request {rid} has no {stage} stage (was it "
                                f"prefilled by the prefill worker?)")
         return span
+
+    def compute_span(rid: str):
+        return span_of(rid, "prefill_compute")
 
     def staging_of(rid: str) -> float:
         return traces.get(rid).stage_seconds().get("staging", 0.0)
@@ -163,9 +166,6 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
             raise RuntimeError(f"probe-prefill-behind-{tag} shared a step with the prompt "
                                f"ahead of it (sent {lead_s:.3f} s after it)")
         return lead.seconds, span.seconds
-
-    def span_of(rid: str, stage: str):
-        return next(x for x in traces.get(rid).spans if x.stage == stage)
 
     def landing_stall(rids: list[str], landings: list[str], gap: float) -> float | None:
         """Mean excess of the decodes `rids` over the transfer stage of each of `landings`
