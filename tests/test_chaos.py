@@ -26,7 +26,8 @@ def test_chaos_each_fault_once_is_applied_detected_and_loses_nothing():
     assert r["corrupt_transfers_detected"] == r["corrupt_transfers_injected"]
     assert r["transfers_rejected"].get("corrupt", 0) >= 1
     assert len(r["killed"]) == 1          # the worker came back as a new process
-    assert r["delays_applied"] == 1 and r["acks_dropped"] == 1 and r["client_aborts"] == 1
+    # armed on every worker of the role, disarmed once one applied: a second may land meanwhile
+    assert r["delays_applied"] >= 1 and r["acks_dropped"] >= 1 and r["client_aborts"] == 1
     assert r["ledger"]["open_holds"] == 0
 
 

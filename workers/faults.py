@@ -12,6 +12,7 @@ Faults, and where they apply:
     inject_fault("drop_ack", n) P ignores its next n acks (the lease has to end them)
     inject_transfer_faults(n)  D's next n pulls fail
     inject_pull_delay(s, n, tag) D's next n pulls start s seconds late (slower than a lease)
+    disarm_fault(kind), cancel_pull_delays(tag)   cancel what was armed and not applied yet
 Each fault counts when it is applied, not when it is armed (`fault_counts()`).
 """
 
@@ -86,6 +87,12 @@ class FaultyPrefillHost(EngineFaults, PrefillHost):
         taken); `drop_ack` ignores the next n acks (the lease has to expire)."""
         assert kind in self._faults, kind
         self._faults[kind] = max(0, self._faults[kind] + n)
+
+    def disarm_fault(self, kind: str) -> None:
+        """Cancel what `inject_fault(kind, n)` armed and was not applied yet."""
+        assert kind in self._faults, kind
+        with self._ack_lock:
+            self._faults[kind] = 0
 
     def arm_corruption(self) -> int:
         """The next staged copy gets corrupted; returns an id for `corruption_applied`."""
@@ -175,6 +182,14 @@ class FaultyDecodeHost(EngineFaults, DecodeHost):
         lease); each counts under `tag` in `fault_counts()` once it is applied."""
         with self._lock:
             self._pull_delays.extend([(seconds, tag)] * n)
+
+    def cancel_pull_delays(self, tag: str) -> int:
+        """Cancel the pull delays armed under `tag` that no pull took yet; returns how many."""
+        with self._lock:
+            kept = deque(d for d in self._pull_delays if d[1] != tag)
+            n = len(self._pull_delays) - len(kept)
+            self._pull_delays = kept
+        return n
 
     def fault_counts(self) -> dict[str, int]:
         """Faults applied so far by this incarnation (no engine lock: answers mid-pull)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from typing import Any
 
 import ray
 
@@ -163,18 +164,22 @@ def _counts(actor) -> dict[str, int] | None:
         return None      # down (killed, restarting): what it had applied died with it
 
 
-def _wait_applied(actor, key: str, before: int, replay: _Replay, timeout_s: float) -> bool:
-    """Whether `actor`'s fault count `key` rose above `before` (the fault was applied) before
-    `timeout_s` passed, every request ended, or the actor came back as a new process (its
-    counts start again: what was armed died with the old one)."""
+def _wait_applied(armed: list[tuple[Any, int]], key: str, replay: _Replay,
+                  timeout_s: float) -> bool:
+    """Whether the fault count `key` of any of the `armed` (actor, count before arming) rose
+    (the fault was applied) before `timeout_s` passed or every request ended. An actor that
+    came back as a new process (its counts start again: what was armed died with it) is
+    dropped; with none left the wait ends."""
     deadline = time.monotonic() + timeout_s
     nudge = _Nudge(replay)
-    while time.monotonic() < deadline:
-        c = _counts(actor)
-        if c is not None and c.get(key, 0) > before:
-            return True
-        if c is not None and c.get(key, 0) < before:
-            return False
+    armed = list(armed)
+    while armed and time.monotonic() < deadline:
+        for a, before in list(armed):
+            c = _counts(a)
+            if c is not None and c.get(key, 0) > before:
+                return True
+            if c is not None and c.get(key, 0) < before:
+                armed.remove((a, before))
         if replay.finished >= len(replay.prompts):
             return False
         nudge()                           # no traffic has met it yet: let a request in
@@ -221,18 +226,19 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
     elif kind == "corrupt":
         landed = _corrupt_until_pulled(cluster, replay, lease_s, log)
     elif kind == "delay":
-        landed = _arm_until_applied(
+        n_applied = _arm_until_applied(
             decode, lambda d: d.inject_pull_delay.remote(lease_s + 0.5, 1, "delay"),
-            "pull_delays_delay", replay, rng)
-        if landed:
-            with _TALLY:
-                log["delays_applied"] += 1
+            lambda d: d.cancel_pull_delays.remote("delay"), "pull_delays_delay", replay)
+        landed = n_applied > 0
+        with _TALLY:
+            log["delays_applied"] += n_applied
     elif kind == "drop_ack":
-        landed = _arm_until_applied(prefill, lambda p: p.inject_fault.remote("drop_ack", 1),
-                                    "acks_dropped", replay, rng)
-        if landed:
-            with _TALLY:
-                log["acks_dropped"] += 1
+        n_applied = _arm_until_applied(
+            prefill, lambda p: p.inject_fault.remote("drop_ack", 1),
+            lambda p: p.disarm_fault.remote("drop_ack"), "acks_dropped", replay)
+        landed = n_applied > 0
+        with _TALLY:
+            log["acks_dropped"] += n_applied
     elif kind == "abort":
         deadline = time.monotonic() + 10
         nudge = _Nudge(replay)
@@ -253,26 +259,39 @@ def _inject(kind: str, cluster: PDCluster, replay: _Replay, rng: random.Random, 
             log["not_injected"].append(kind)
 
 
-def _arm_until_applied(actors: list, arm, key: str, replay: _Replay, rng: random.Random,
-                       timeout_s: float = 60.0, each_s: float = 10.0) -> bool:
-    """Arm a fault on one of `actors` (`arm(actor)` returns the call's ref) until its count
-    `key` shows it applied; armed again elsewhere when the worker restarted (what it had armed
-    died with it) or nothing met it within `each_s`."""
+def _arm_until_applied(actors: list, arm, disarm, key: str, replay: _Replay,
+                       timeout_s: float = 60.0, each_s: float = 10.0) -> int:
+    """Arm a fault on every one of `actors` (`arm(actor)` / `disarm(actor)` return the call's
+    ref), since the router, not the bench, picks which one the next request meets, until its
+    count `key` shows it applied on one; then disarm the rest. Armed again when the workers
+    restarted (what they had armed died with them) or nothing met it within `each_s`.
+    Returns how many were applied (a second one may land before the rest are disarmed)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and replay.finished < len(replay.prompts):
-        a = rng.choice(actors)
-        c = _counts(a)
-        try:
-            ray.get(arm(a), timeout=10)
-        except Exception:
-            c = None            # down: another one
-        if c is None:
+        armed = []
+        for a in actors:
+            c = _counts(a)
+            try:
+                ray.get(arm(a), timeout=10)
+            except Exception:
+                c = None            # down: the others are armed
+            if c is not None:
+                armed.append((a, c.get(key, 0)))
+        if not armed:
             time.sleep(0.2)
             continue
-        if _wait_applied(a, key, c.get(key, 0), replay,
-                         min(each_s, max(0.0, deadline - time.monotonic()))):
-            return True
-    return False
+        _wait_applied(armed, key, replay, min(each_s, max(0.0, deadline - time.monotonic())))
+        applied = 0
+        for a, before in armed:
+            try:
+                ray.get(disarm(a), timeout=10)
+            except Exception:
+                pass                # down: what it had armed died with it
+            c = _counts(a)
+            applied += max(0, (c or {}).get(key, 0) - before)
+        if applied:
+            return applied
+    return 0
 
 
 def _corrupt_until_pulled(cluster: PDCluster, replay: _Replay, lease_s: float, log: dict,

@@ -365,9 +365,10 @@ def build_report(records: Sequence, *, params: dict, wall_s: float,
 
 
 def _clean(x: Any) -> Any:
-    """JSON-ready: floats rounded to 6 places, NaN/inf as None."""
+    """JSON-ready: floats to 6 significant digits (a per-token cost of 5e-7 s stays non-zero),
+    NaN/inf as None."""
     if isinstance(x, float):
-        return round(x, 6) if math.isfinite(x) else None
+        return float(f"{x:.6g}") if math.isfinite(x) else None
     if isinstance(x, dict):
         return {k: _clean(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
