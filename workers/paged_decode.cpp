@@ -136,6 +136,14 @@ AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
 // (bf16 pairs into float32), the 16 scores of a head reduced at once, softmaxed as one vector;
 // then the 16 values are accumulated per 16 lanes of head_dim, the G accumulators in
 // registers. D a multiple of 32.
+// Where head_dim index d sits after vpunpck{l,h}wd of two rows (128-bit lanes interleaved):
+// within each 32, lo lanes 0-15 hold d = 8L + j, hi lanes d = 8L + 4 + j (L = lane / 4, j =
+// lane % 4).
+inline int64_t unpack_order(int64_t d) {
+  const int64_t c = d / 32, r = d % 32, L = r / 8, j = r % 4, half = (r % 8) / 4;
+  return c * 32 + half * 16 + L * 4 + j;
+}
+
 AVX512_BF16
 void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const int64_t* table,
                         const Shape& s, int64_t b, int64_t h, int64_t t0, int64_t t1,
@@ -146,6 +154,14 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
     for (int64_t j = 0; j < DK; ++j)
       q[g][j] = (__m512bh)_mm512_loadu_si512(qp + (b * s.H + h * G + g) * D + j * 32);
   alignas(64) float prob[MAX_G][16];
+  // the accumulator in the order vpunpck{l,h}wd leaves head_dim in: each 32 of it as
+  // (lo: 0-3, 8-11, 16-19, 24-27 | hi: 4-7, 12-15, 20-23, 28-31); back in order at the end
+  alignas(64) float acc[MAX_G * MAX_D];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) acc[g * D + unpack_order(d)] = p.acc[g * D + d];
+  __m512 lsum[MAX_G];                   // l, per lane
+  for (int64_t g = 0; g < G; ++g) lsum[g] = _mm512_mask_mov_ps(_mm512_setzero_ps(), 1,
+                                                                _mm512_set1_ps(p.l[g]));
   const bf16* krow[16];
   const bf16* vrow[16];
   int64_t t = t0;
@@ -171,7 +187,8 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
         }
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
+    __m512 sc[MAX_G];                     // every head's scores first: their reductions
+    for (int64_t g = 0; g < G; ++g) {     // overlap, no head waits for the one before
       __m512 dots[16];
       for (int64_t i = 0; i < 16; ++i) {
         __m512 a = _mm512_setzero_ps();
@@ -180,35 +197,57 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
             a = _mm512_dpbf16_ps(a, q[g][j], (__m512bh)_mm512_loadu_si512(krow[i] + j * 32));
         dots[i] = a;
       }
-      __m512 sc = _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(s.scale));
-      const float mx = std::max(p.m[g], _mm512_mask_reduce_max_ps(valid, sc));
+      sc[g] = _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(s.scale));
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float mx = std::max(p.m[g], _mm512_mask_reduce_max_ps(valid, sc[g]));
       if (mx > p.m[g]) {                 // a new max: rescale what was summed so far
-        const float c = p.l[g] > 0.f ? std::exp(p.m[g] - mx) : 0.f;
-        p.l[g] *= c;
+        const float c = p.m[g] > -FLT_MAX ? std::exp(p.m[g] - mx) : 0.f;
         const __m512 cv = _mm512_set1_ps(c);
-        float* ag = p.acc + g * D;
+        lsum[g] = _mm512_mul_ps(lsum[g], cv);
+        float* ag = acc + g * D;
         for (int64_t d = 0; d < D; d += 16)
-          _mm512_storeu_ps(ag + d, _mm512_mul_ps(_mm512_loadu_ps(ag + d), cv));
+          _mm512_store_ps(ag + d, _mm512_mul_ps(_mm512_load_ps(ag + d), cv));
         p.m[g] = mx;
       }
-      const __m512 e = _mm512_maskz_mov_ps(valid,
-                                           exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
-      p.l[g] += _mm512_reduce_add_ps(e);
+      const __m512 e = _mm512_maskz_mov_ps(
+          valid, exp_nonpositive(_mm512_sub_ps(sc[g], _mm512_set1_ps(mx))));
+      lsum[g] = _mm512_add_ps(lsum[g], e);   // lane-wise: one reduction at the end
       _mm512_store_ps(prob[g], e);
     }
-    for (int64_t d = 0; d < D; d += 16) {
-      __m512 acc[MAX_G];
-      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_loadu_ps(p.acc + g * D + d);
-      for (int64_t i = 0; i < n; ++i) {
-        const __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(vrow[i] + d)));
-        for (int64_t g = 0; g < G; ++g)
-          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(prob[g][i]), v, acc[g]);
+    // probabilities to bf16 (as the P.V product of flash attention does), two tokens a
+    // 32-bit pair: one vdpbf16ps adds two tokens' values into a head's 16 lanes
+    alignas(64) int32_t ppair[MAX_G][8];
+    for (int64_t g = 0; g < G; ++g)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(ppair[g]),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(prob[g])));
+    for (int64_t c = 0; c < DK; ++c) {
+      __m512 lo[MAX_G], hi[MAX_G];
+      for (int64_t g = 0; g < G; ++g) {
+        lo[g] = _mm512_load_ps(acc + g * D + c * 32);
+        hi[g] = _mm512_load_ps(acc + g * D + c * 32 + 16);
       }
-      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(p.acc + g * D + d, acc[g]);
+      for (int64_t i = 0; i < n; i += 2) {   // an odd run's last pair: a zero probability
+        const __m512i x = _mm512_loadu_si512(vrow[i] + c * 32);
+        const __m512i y = _mm512_loadu_si512(vrow[i + 1 < n ? i + 1 : i] + c * 32);
+        const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(x, y);
+        const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(x, y);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(ppair[g][i / 2]);
+          lo[g] = _mm512_dpbf16_ps(lo[g], vl, pp);
+          hi[g] = _mm512_dpbf16_ps(hi[g], vh, pp);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        _mm512_store_ps(acc + g * D + c * 32, lo[g]);
+        _mm512_store_ps(acc + g * D + c * 32 + 16, hi[g]);
+      }
     }
     t += n;
   }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) p.acc[g * D + d] = acc[g * D + unpack_order(d)];
+  for (int64_t g = 0; g < G; ++g) p.l[g] = _mm512_reduce_add_ps(lsum[g]);
 }
 
 bool has_avx512_bf16() {
