@@ -131,19 +131,20 @@ AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// The same for bf16 with AVX512-BF16, 16 tokens at a time (a block of 16, or what a block
-// holds of the run): each token's key is scored against the G query heads with vdpbf16ps
-// (bf16 pairs into float32), the 16 scores of a head reduced at once, softmaxed as one vector;
-// then the 16 values are accumulated per 16 lanes of head_dim, the G accumulators in
-// registers. D a multiple of 32.
 // Where head_dim index d sits after vpunpck{l,h}wd of two rows (128-bit lanes interleaved):
 // within each 32, lo lanes 0-15 hold d = 8L + j, hi lanes d = 8L + 4 + j (L = lane / 4, j =
-// lane % 4).
+// lane % 4), i.e. lo: 0-3, 8-11, 16-19, 24-27 | hi: 4-7, 12-15, 20-23, 28-31.
 inline int64_t unpack_order(int64_t d) {
   const int64_t c = d / 32, r = d % 32, L = r / 8, j = r % 4, half = (r % 8) / 4;
   return c * 32 + half * 16 + L * 4 + j;
 }
 
+// The same for bf16 with AVX512-BF16, 16 tokens at a time (a block of 16, or what a block
+// holds of the run): each token's key is scored against the G query heads with vdpbf16ps
+// (bf16 pairs into float32), the 16 scores of a head reduced at once (every head's before any
+// softmax, so the reductions overlap), softmaxed as one vector, the sum kept per lane; then
+// the probabilities, rounded to bf16, weight the values two tokens a vdpbf16ps into each
+// head's accumulator, kept in `unpack_order` for the run. D a multiple of 32.
 AVX512_BF16
 void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const int64_t* table,
                         const Shape& s, int64_t b, int64_t h, int64_t t0, int64_t t1,
@@ -154,9 +155,7 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
     for (int64_t j = 0; j < DK; ++j)
       q[g][j] = (__m512bh)_mm512_loadu_si512(qp + (b * s.H + h * G + g) * D + j * 32);
   alignas(64) float prob[MAX_G][16];
-  // the accumulator in the order vpunpck{l,h}wd leaves head_dim in: each 32 of it as
-  // (lo: 0-3, 8-11, 16-19, 24-27 | hi: 4-7, 12-15, 20-23, 28-31); back in order at the end
-  alignas(64) float acc[MAX_G * MAX_D];
+  alignas(64) float acc[MAX_G * MAX_D];   // p.acc in unpack_order; back in order at the end
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) acc[g * D + unpack_order(d)] = p.acc[g * D + d];
   __m512 lsum[MAX_G];                   // l, per lane
