@@ -165,11 +165,12 @@ def _counts(actor) -> dict[str, int] | None:
 
 
 def _wait_applied(armed: list[tuple[Any, int]], key: str, replay: _Replay,
-                  timeout_s: float) -> bool:
-    """Whether the fault count `key` of any of the `armed` (actor, count before arming) rose
-    (the fault was applied) before `timeout_s` passed or every request ended. An actor that
+                  timeout_s: float) -> None:
+    """Wait until the fault count `key` of any of the `armed` (actor, count before arming)
+    rose (the fault was applied), `timeout_s` passed or every request ended. An actor that
     came back as a new process (its counts start again: what was armed died with it) is
-    dropped; with none left the wait ends."""
+    dropped; with none left the wait ends. The caller reads the counts again after
+    disarming (one may land meanwhile)."""
     deadline = time.monotonic() + timeout_s
     nudge = _Nudge(replay)
     armed = list(armed)
@@ -177,14 +178,13 @@ def _wait_applied(armed: list[tuple[Any, int]], key: str, replay: _Replay,
         for a, before in list(armed):
             c = _counts(a)
             if c is not None and c.get(key, 0) > before:
-                return True
+                return
             if c is not None and c.get(key, 0) < before:
                 armed.remove((a, before))
         if replay.finished >= len(replay.prompts):
-            return False
+            return
         nudge()                           # no traffic has met it yet: let a request in
         time.sleep(0.05)
-    return False
 
 
 NUDGE_S = 2.0   # a fault that has met no traffic this long lets one more request start
