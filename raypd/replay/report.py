@@ -170,8 +170,9 @@ def capacity_action(m: dict, kv_gates: dict | None = None) -> dict:
     return {"finding": f"capacity action: {action} would have served this run best ({why})",
             "because": {"action": action, "reuse_lost_tokens": lost,
                         "reuse_lost_source": lost_source, "recomputed_tokens": recomputed,
-                        "prefill_s_per_token": _r(prefill, 9),
-                        "reload_s_per_token": _r(reload, 9), "estimated_s": est,
+                        # unrounded here: _clean keeps 6 significant digits
+                        "prefill_s_per_token": prefill,
+                        "reload_s_per_token": reload, "estimated_s": est,
                         "tier2_enabled": tier2_on,
                         **{k: _r(m.get(k)) for k in TIER2_COUNTERS},
                         "evictions": m.get("evictions") or 0, "preemptions": pre,
