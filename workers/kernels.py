@@ -29,7 +29,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("fused_ops.cpp"))   # one library
+SOURCES = (SOURCE, Path(__file__).with_name("fused_ops.cpp"),
+           Path(__file__).with_name("linear_small_m.cpp"))         # one library
 HEADERS = (Path(__file__).with_name("bf16.h"),)                   # part of its build key
 # -ffast-math: reassociated (vectorized) sums and glibc's vector expf; the kernel holds no
 # infinities or NaNs (masked keys are outside its loops), so finite-math is safe
@@ -121,7 +122,11 @@ def _module():
     fn.rope_and_cache.argtypes = [_ptr] * 6 + [_i64] * 5 + [ctypes.c_int]
     fn.silu_mul = lib.raypd_silu_mul
     fn.silu_mul.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_int]
-    for f in (fn.add_rms_norm, fn.silu_mul):
+    fn.linear_small_m = lib.raypd_linear_small_m
+    fn.linear_small_m.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int]
+    fn.linear_small_m_max = lib.raypd_linear_small_m_max
+    fn.linear_small_m_max.restype = ctypes.c_int64
+    for f in (fn.add_rms_norm, fn.silu_mul, fn.linear_small_m):
         f.restype = None
     fn.rope_and_cache.restype = ctypes.c_int
     return fn
@@ -223,3 +228,32 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _module().silu_mul(out.data_ptr(), gate_up.data_ptr(), t, two_i // 2,
                        torch.get_num_threads())
     return out
+
+
+# ---- linears of few rows (decode steps), bf16 on CPUs with AVX512-BF16 (linear_small_m.cpp) ----
+def linear_small_m_rows(weight: torch.Tensor) -> int:
+    """The most rows of x the small-M linear takes for this weight (0: it does not apply)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 \
+            or force_portable():
+        return 0
+    fn = _module()
+    return 0 if fn is None else int(fn.linear_small_m_max())
+
+
+def linear_small_m(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) for at most linear_small_m_rows(weight) rows of
+    x, bf16, float32 sums rounded once."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    assert x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous() and x.shape[-1] == k
+    assert 1 <= m <= linear_small_m_rows(weight), m
+    if bias is not None:
+        assert bias.shape == (n,) and bias.dtype == weight.dtype and bias.is_contiguous()
+    out = torch.empty(m, n, dtype=x.dtype)
+    _module().linear_small_m(out.data_ptr(), x2.data_ptr(), weight.data_ptr(),
+                             0 if bias is None else bias.data_ptr(), m, n, k,
+                             torch.get_num_threads())
+    return out.view(*lead, n)

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers import kernels
+
 
 def _can_prepack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
@@ -21,7 +23,10 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias). On the CPU the weight is reordered once into oneDNN's blocked
     layout (what torch.compile's freezing does for CPU linears): 2-4x faster than `F.linear` at
-    decode batch sizes, same results. Elsewhere (cuda) it is `F.linear`."""
+    decode batch sizes, same results. bf16 on a CPU with AVX512-BF16, a step of at most
+    `small_m` rows (decode) runs workers/linear_small_m.cpp on the plain weight instead (kept
+    beside the packed copy): it streams the weights near the memory's rate, where oneDNN reaches
+    about half of it. Elsewhere (cuda) it is `F.linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  prepack: bool = True) -> None:
@@ -30,18 +35,24 @@ class Linear(nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight.detach().contiguous()
+        self.small_m = kernels.linear_small_m_rows(self.weight) if prepack else 0
         if prepack and _can_prepack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
-                self.weight = None   # the packed copy replaces it
+                if not self.small_m:
+                    self.weight = None   # the packed copy replaces it
             except RuntimeError:
                 self.packed = None
 
     @property
     def kernel(self) -> str:
-        return "onednn-packed" if self.packed is not None else "torch"
+        name = "onednn-packed" if self.packed is not None else "torch"
+        return f"{name}+small-m-avx512bf16" if self.small_m else name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_m and 0 < x.numel() <= self.small_m * self.in_features \
+                and x.dtype == torch.bfloat16:
+            return kernels.linear_small_m(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

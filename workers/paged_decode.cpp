@@ -249,13 +249,6 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
   for (int64_t g = 0; g < G; ++g) p.l[g] = _mm512_reduce_add_ps(lsum[g]);
 }
 
-bool has_avx512_bf16() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
-}
-
 // q, out: [B, H, D]; k_cache, v_cache: [num_blocks, bs, Hkv, D]; block_tables: [B, W] int64;
 // context_lens: [B] int64; all contiguous
 template <typename T>
@@ -336,7 +329,9 @@ static bool in_bounds(const int64_t* tp, const int64_t* lp, int64_t B, int64_t b
 
 // Which dot-product path a bf16 pool of this head_dim takes: 2 AVX512-BF16, 1 portable.
 extern "C" int raypd_decode_isa(int64_t D, int force_portable) {
-  return !force_portable && D % 32 == 0 && D <= MAX_D && has_avx512_bf16() ? 2 : 1;
+  return !force_portable && D % 32 == 0 && D <= MAX_D && raypd_bf16::cpu_has_avx512_bf16()
+             ? 2
+             : 1;
 }
 
 // dtype: 0 float32, 1 bfloat16. The caller (workers/kernels.py) checks shapes, contiguity and

@@ -1,0 +1,71 @@
+"""The small-M linear (workers/linear_small_m.cpp: decode steps' linears, bf16, AVX512-BF16)
+against a float32 reference, and the Linear layer's choice between it and oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers import kernels
+from workers.layers import Linear
+
+BF16 = torch.bfloat16
+ROWS = kernels.linear_small_m_rows(torch.empty(1, 1, dtype=BF16))
+pytestmark = pytest.mark.skipif(ROWS == 0, reason="needs the native kernels and AVX512-BF16")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.float() @ w.float().T
+    return y if b is None else y + b.float()
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (4099, 64), (7, 45), (13, 100),
+                                 (1, 31), (5, 33)])
+@pytest.mark.parametrize("m", range(1, ROWS + 1))
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_m_linear_is_the_matmul_rounded_once(n, k, m, with_bias):
+    """Shapes with K below, at and past 32-element chunks (masked tails), N not a multiple of
+    the 4-row tile, every M it takes: float32 sums rounded once to bf16 (1 ulp: 2^-8 of the
+    value, plus the summation order's error, far below it at these K)."""
+    g = torch.Generator().manual_seed(n * 1000 + k * 10 + m)
+    w = torch.randn(n, k, generator=g).to(BF16)
+    x = torch.randn(m, k, generator=g).to(BF16)
+    b = torch.randn(n, generator=g).to(BF16) if with_bias else None
+    want = reference(x, w, b)
+    got = kernels.linear_small_m(x, w, b)
+    assert got.dtype == BF16 and got.shape == (m, n)
+    tol = 2 ** -8 * want.abs() + 1e-4 * k ** 0.5
+    assert ((got.float() - want).abs() <= tol).all()
+
+
+def test_small_m_linear_keeps_leading_dims_and_reads_strided_x():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g).to(BF16)
+    x = torch.randn(2, 1, 128, generator=g).to(BF16)[..., ::2]     # not contiguous
+    got = kernels.linear_small_m(x, w, None)
+    assert got.shape == (2, 1, 96)
+    torch.testing.assert_close(got.float(), reference(x.reshape(2, 64), w, None).view(2, 1, 96),
+                               atol=3e-2, rtol=2 ** -8)
+
+
+def test_linear_takes_the_small_m_path_up_to_its_rows_and_onednn_past_them(monkeypatch):
+    """Up to `small_m` rows the layer calls the small-M kernel; past them the packed oneDNN
+    GEMM; both give the same values (to bf16 rounding)."""
+    g = torch.Generator().manual_seed(2)
+    lin = Linear(torch.randn(640, 576, generator=g).to(BF16))
+    assert lin.small_m == ROWS and lin.packed is not None and "small-m" in lin.kernel
+    calls = []
+    real = kernels.linear_small_m
+    monkeypatch.setattr(kernels, "linear_small_m",
+                        lambda *a: calls.append(a[0].shape) or real(*a))
+    for m in (1, ROWS, ROWS + 1, 64):
+        x = torch.randn(m, 576, generator=g).to(BF16)
+        want = torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
+        torch.testing.assert_close(lin(x).float(), want.float(), atol=3e-2, rtol=2 ** -7)
+    assert calls == [(1, 576), (ROWS, 576)]
+
+
+def test_portable_switch_turns_the_small_m_linear_off(monkeypatch):
+    monkeypatch.setenv("RAYPD_KERNEL_ISA", "portable")
+    lin = Linear(torch.randn(64, 64).to(BF16))
+    assert lin.small_m == 0 and lin.weight is None and lin.kernel == "onednn-packed"
