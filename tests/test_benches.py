@@ -71,3 +71,18 @@ def test_parsers_register_quick_model_and_json():
         args = parser.parse_args([name, "--quick", "--model", "tiny", "--json", "out.json"])
         assert (args.quick, args.model, args.json) == (True, "tiny", "out.json")
         assert callable(args.func)
+
+
+def test_bench_transfer_limits_transports_and_sizes_and_refuses_what_it_cannot_do(capsys):
+    parser = argparse.ArgumentParser()
+    add_bench_transfer_parser(parser.add_subparsers(dest="bench"))
+    args = parser.parse_args(["transfer", "--transports", "shm,grpc", "--sizes-mib", "1,4"])
+    assert (args.transports, args.sizes_mib) == (("shm", "grpc"), (1, 4))
+    for bad, says in ((["--transports", "shm,carrier-pigeon"], "unknown transport"),
+                      (["--sizes-mib", "0"], "integers >= 1"), (["--sizes-mib", "1,x"], "1,x")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["transfer", *bad])
+        assert says in capsys.readouterr().err
+    args = parser.parse_args(["transfer", "--device", "cuda", "--transports", "shm"])
+    with pytest.raises(SystemExit, match="for the CPU bench"):
+        args.func(args)

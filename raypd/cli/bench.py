@@ -264,15 +264,41 @@ def add_bench_disagg_parser(bsub) -> argparse.ArgumentParser:
     return p
 
 
+def _transport_list(text: str) -> tuple[str, ...]:
+    """"shm,grpc" -> ("shm", "grpc"): transports the CPU bandwidth part measures."""
+    from raypd.bench.transport_bandwidth import ORDER
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in names if t not in ORDER]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown transport(s) {bad or text!r}; choose from "
+                                         f"{','.join(ORDER)}")
+    return names
+
+
+def _sizes_list(text: str) -> tuple[int, ...]:
+    """"1,16" -> (1, 16): message sizes in MiB, each >= 1."""
+    try:
+        sizes = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be integers >= 1 (MiB), got {text!r}")
+    return sizes
+
+
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
     from raypd.bench.transfer import run_bench_transfer, run_gpu_transfer_bench
     if args.device == "cuda":
+        if args.transports or args.sizes_mib:
+            raise SystemExit("raypd bench transfer: --transports and --sizes-mib are for the CPU "
+                             "bench; --device cuda measures cuda_ipc at its own sizes")
         result = run_gpu_transfer_bench(model=args.model or "random:llama3-8b",
                                         ttft_prompt_tokens=args.ttft_prompt_tokens or 4096)
         emit(result, args)
         return 1 if "error" in result else 0
     return emit(run_bench_transfer(quick=args.quick, model=args.model or "smollm2",
-                                    ttft_prompt_tokens=args.ttft_prompt_tokens or 2048), args)
+                                    ttft_prompt_tokens=args.ttft_prompt_tokens or 2048,
+                                    transports=args.transports, sizes_mib=args.sizes_mib), args)
 
 
 def add_bench_transfer_parser(bsub) -> argparse.ArgumentParser:
@@ -288,6 +314,10 @@ def add_bench_transfer_parser(bsub) -> argparse.ArgumentParser:
                    help="prompt length of the TTFT share (default 2048; cuda: 4096)")
     p.add_argument("--quick", action="store_true",
                    help="sizes 1, 16, 64 MiB; TTFT on shm only")
+    p.add_argument("--transports", default=None, type=_transport_list,
+                   help="comma-separated transports of the bandwidth part (default: all)")
+    p.add_argument("--sizes-mib", default=None, type=_sizes_list,
+                   help="comma-separated sizes of the bandwidth part, MiB (overrides --quick's)")
     p.add_argument("--json", metavar="PATH", help="also write the JSON here")
     p.set_defaults(func=cmd_bench_transfer)
     return p

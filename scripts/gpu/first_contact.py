@@ -59,7 +59,8 @@ def steps(dry: bool) -> list[Step]:
     if dry:
         engine = (*cli, "bench", "engine", "--model", "tiny", "--quick", "--device", "cpu",
                   "--repeats", "1", "--json", "{json}")
-        transfer = (*cli, "bench", "transfer", "--quick", "--model", "tiny", "--json", "{json}")
+        transfer = (*cli, "bench", "transfer", "--quick", "--model", "tiny", "--transports", "shm",
+                    "--sizes-mib", "1", "--ttft-prompt-tokens", "256", "--json", "{json}")
     else:
         engine = (*cli, "bench", "engine", "--model", BENCH_MODEL, "--device", "cuda",
                   "--dtype", "bfloat16", "--repeats", "2", "--json", "{json}")
