@@ -124,8 +124,8 @@ def _module():
     fn.silu_mul.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_int]
     fn.linear_small_m = lib.raypd_linear_small_m
     fn.linear_small_m.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int]
-    fn.linear_small_m_max = lib.raypd_linear_small_m_max
-    fn.linear_small_m_max.restype = ctypes.c_int64
+    lib.raypd_linear_small_m_max.restype = ctypes.c_int64
+    fn.small_m_max = int(lib.raypd_linear_small_m_max())   # 0: no AVX512-BF16
     for f in (fn.add_rms_norm, fn.silu_mul, fn.linear_small_m):
         f.restype = None
     fn.rope_and_cache.restype = ctypes.c_int
@@ -236,8 +236,12 @@ def linear_small_m_rows(weight: torch.Tensor) -> int:
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 \
             or force_portable():
         return 0
+    return _small_m_max()
+
+
+def _small_m_max() -> int:
     fn = _module()
-    return 0 if fn is None else int(fn.linear_small_m_max())
+    return 0 if fn is None else fn.small_m_max
 
 
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor,
@@ -249,7 +253,7 @@ def linear_small_m(x: torch.Tensor, weight: torch.Tensor,
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     assert x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous() and x.shape[-1] == k
-    assert 1 <= m <= linear_small_m_rows(weight), m
+    assert 1 <= m <= _small_m_max(), m     # (weight's dtype and device: linear_small_m_rows)
     if bias is not None:
         assert bias.shape == (n,) and bias.dtype == weight.dtype and bias.is_contiguous()
     out = torch.empty(m, n, dtype=x.dtype)
