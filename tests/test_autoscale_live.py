@@ -92,12 +92,14 @@ def test_a_decision_is_applied_once_and_its_new_workers_count_as_starting():
 def test_autoscaled_scale_down_migrates_running_decodes_and_loses_nothing(tiny_reference):
     """Above max_decode under load: the autoscaler drains a decode worker; its running
     requests move to the other with their KV, all finish with generate()'s tokens, the pool
-    ends at the max, and the router's view carries the decision."""
-    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=1, num_decode=2,
-                                 flow=FlowConfig(report_interval_s=0.05)))
+    ends at the max, and the router's view carries the decision. (64 blocks: the remaining
+    worker holds two requests to the end, not all four: with both moved it preempts.)"""
+    cluster = PDCluster(PDConfig(engine=dict(ENGINE, num_blocks=64), num_prefill=1,
+                                 num_decode=2, flow=FlowConfig(report_interval_s=0.05)))
     auto = None
     try:
-        sampling = SamplingParams(max_tokens=500, ignore_eos=True)   # decoding at the drain
+        # decoding at the drain (the first move comes ~0.1 s after the autoscaler starts)
+        sampling = SamplingParams(max_tokens=250, ignore_eos=True)
         prompts = [random_prompt(24 + 5 * i, seed=300 + i) for i in range(4)]
         want = [hf_greedy(tiny_reference, p, sampling.max_tokens) for p in prompts]
         threads, results = start_streaming(cluster, prompts, sampling)   # both decode busy

@@ -35,41 +35,21 @@ def reference(tiny_reference):
 
 
 @pytest.fixture(scope="module")
-def shared_cluster():
-    """`shared_cluster(transport)`: one 1P+1D cluster of ENGINE per transport, shared by the
-    tests of this module that leave it as they found it (each ends with `_clean`)."""
-    clusters: dict[str, PDCluster] = {}
-
-    def get(transport: str = "object_store") -> PDCluster:
-        if transport not in clusters:
-            clusters[transport] = PDCluster(PDConfig(engine=ENGINE,
-                                                     flow=FlowConfig(transport=transport)))
-        return clusters[transport]
-    yield get
-    for c in clusters.values():
-        c.shutdown()
+def shared_cluster(request):
+    """A 1P+1D cluster of ENGINE on the transport the test names (`request.param`,
+    parametrized indirectly), shared by the tests of that transport, which leave it as they
+    found it (each ends with `_clean`). pytest runs them together and shuts this cluster down
+    before the next transport's starts, so that only one is up at a time (idle clusters'
+    actors and load reporters slow every other test down); the tests that start a cluster of
+    their own come first in this file, so that none runs beside a shared one."""
+    cluster = PDCluster(PDConfig(engine=ENGINE, flow=FlowConfig(transport=request.param)))
+    yield cluster
+    cluster.shutdown()
 
 
 def _clean(cluster: PDCluster) -> None:
     for counts in cluster.check_invariants():
         assert counts["referenced"] == 0, counts
-
-
-@pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "rdt", "cuda_ipc"])
-def test_disagg_matches_transformers_generate_for_every_transport(transport, reference,
-                                                               shared_cluster):
-    cluster = shared_cluster(transport)
-    results = cluster.generate(PROMPTS, GREEDY)
-    assert [r.error for r in results] == [None] * len(PROMPTS)
-    assert [r.token_ids for r in results] == reference(PROMPTS)
-    for r, p in zip(results, PROMPTS, strict=True):
-        lc = r.lifecycle
-        assert lc.transferred_blocks == -(-len(p) // 16) - lc.skipped_blocks
-        assert lc.transfer_bytes > 0 and lc.transfer_s > 0
-        assert lc.prefill_worker == "prefill-0" and lc.decode_worker == "decode-0"
-        assert lc.handoff_round_trips == 3      # admit, prefill, stream (pull + decode)
-        assert lc.router_overhead_ms >= 0
-    _clean(cluster)
 
 
 def test_rdt_many_concurrent_transfers_of_different_sizes(reference):
@@ -86,34 +66,6 @@ def test_rdt_many_concurrent_transfers_of_different_sizes(reference):
         _clean(cluster)
     finally:
         cluster.shutdown()
-
-
-@pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "rdt"])
-def test_prefix_hits_on_prefill_decode_and_both(transport, reference, shared_cluster):
-    first, second = SHARED + random_prompt(7, seed=5), SHARED + random_prompt(13, seed=6)
-    expected = reference([first, second])
-    cluster = shared_cluster(transport)
-    p, d = cluster.prefill[0], cluster.decode[0]
-    # forget the other side's cache between the two requests: a hit on P only, D only, both
-    for forget, p_hit, d_hit in [(d, True, False), (p, False, True), (None, True, True)]:
-        for w in (p, d):
-            ray.get(w.reset_prefix_cache.remote())
-        reused_before = ray.get(p.stats.remote())["reused_tokens"]
-        a = cluster.run_request(first, GREEDY)
-        if forget is not None:
-            ray.get(forget.reset_prefix_cache.remote())
-        b = cluster.run_request(second, GREEDY)
-        assert [a.token_ids, b.token_ids] == expected
-        assert a.lifecycle.skipped_blocks == 0
-        assert (b.lifecycle.skipped_blocks == 2) == d_hit
-        p_reused = ray.get(p.stats.remote())["reused_tokens"] - reused_before
-        assert (p_reused == 32) == p_hit, p_reused
-        if d_hit:   # delta transfer: only the blocks D lacks travel
-            assert b.lifecycle.transferred_blocks == 4 - 2
-            assert b.lifecycle.transfer_bytes < a.lifecycle.transfer_bytes
-        else:
-            assert b.lifecycle.transferred_blocks == 4
-        _clean(cluster)
 
 
 def test_conditional_local_prefill(reference):
@@ -142,40 +94,6 @@ def _stage_without_pull(cluster: PDCluster, prompt: list[int], rid: str):
 def _land(d, rid: str, pre):
     """D's third round trip: land the staged pages."""
     return ray.get(d.land.remote(rid, 0, pre))
-
-
-def test_abort_mid_transfer_releases_both_sides():
-    cluster = PDCluster(PDConfig(engine=ENGINE))
-    try:
-        d, p, pre = _stage_without_pull(cluster, PROMPTS[2], "abort-me")
-        assert [h.kind for h in ray.get(p.ledger_holds.remote())] == ["staged"]
-        assert [h.kind for h in ray.get(d.ledger_holds.remote())] == ["reserved"]
-        assert ray.get(d.check_invariants.remote())["referenced"] > 0      # reserved
-        assert ray.get(p.abort_transfer.remote(pre.handle.transfer_id))
-        assert ray.get(d.abort.remote("abort-me"))
-        with pytest.raises(ray.exceptions.RayTaskError, match="unknown: no reservation"):
-            _land(d, "abort-me", pre)
-        assert ray.get(p.ledger_holds.remote()) == [] == ray.get(d.ledger_holds.remote())
-        assert ray.get(d.stats.remote())["rejected_unknown"] == 1
-        _clean(cluster)
-        # a client abort while decoding, through the cluster API
-        import threading
-        out = {}
-        t = threading.Thread(target=lambda: out.update(r=cluster.generate(
-            [PROMPTS[2]], SamplingParams(max_tokens=2000, ignore_eos=True),
-            request_id="long")))
-        t.start()
-        deadline = time.time() + 30
-        while "long" not in cluster.orchestrator.in_flight() and time.time() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)
-        assert cluster.abort("long")
-        t.join(30)
-        assert "aborted" in out["r"][0].error
-        _clean(cluster)
-        assert cluster.generate([PROMPTS[0]], GREEDY)[0].error is None  # still serving
-    finally:
-        cluster.shutdown()
 
 
 @pytest.mark.parametrize("transport", ["shm", "grpc", "cuda_ipc"])
@@ -237,27 +155,6 @@ def test_decode_first_admission_waits_for_capacity(reference):
         cluster.shutdown()
 
 
-def test_streamed_deltas_add_up_to_the_final_text(shared_cluster):
-    cluster = shared_cluster()
-    free = cluster.run_request("stream me please", SamplingParams(max_tokens=16,
-                                                                  ignore_eos=True))
-    deltas: list[dict] = []
-    r = cluster.run_request("stream me please", SamplingParams(max_tokens=16,
-                                                               ignore_eos=True),
-                            on_delta=deltas.append)
-    assert "".join(d.text for d in deltas) == r.text == free.text
-    assert [t for d in deltas for t in d.token_ids] == r.token_ids
-    stop = free.text[4:7]
-    if stop.strip():
-        deltas.clear()
-        s = cluster.run_request("stream me please", SamplingParams(
-            max_tokens=16, ignore_eos=True, stop=(stop,)), on_delta=deltas.append)
-        streamed = "".join(d.text for d in deltas)
-        assert streamed == s.text and stop not in streamed
-        assert s.lifecycle.finish_reason == "stop"
-    _clean(cluster)
-
-
 def test_router_sends_a_shared_prefix_to_the_prefill_worker_holding_it():
     cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, flow=FlowConfig(policy="locality")))
     try:
@@ -281,23 +178,6 @@ def test_colocated_mode_without_prefill_workers(reference):
         _clean(cluster)
     finally:
         cluster.shutdown()
-
-
-def test_seeded_sampling_is_the_same_single_engine_and_disaggregated(tiny_loaded, shared_cluster):
-    """P draws the first token from the request's seeded generator; its state travels in
-    the PrefillResult and D draws the rest from it: the same tokens as one engine."""
-    from conftest import make_engine
-    sampling = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234,
-                              ignore_eos=True)
-    prompts = [PROMPTS[0], PROMPTS[2]]
-    engine = make_engine(tiny_loaded, num_blocks=128)
-    expected = [r.output_token_ids for r in engine.generate(prompts, sampling)]
-    assert expected[0] != expected[1]
-    cluster = shared_cluster()
-    results = [cluster.run_request(p, sampling) for p in prompts]
-    assert [r.token_ids for r in results] == expected
-    assert all(r.lifecycle.transferred_blocks > 0 for r in results)
-    _clean(cluster)
 
 
 def test_corrupt_pages_are_refused_and_prefilled_again_on_another_prefill_worker(reference):
@@ -338,3 +218,124 @@ def test_a_lost_ack_is_closed_by_the_lease_in_both_ledgers():
         _clean(cluster)
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.parametrize("shared_cluster", ["object_store", "shm", "grpc", "rdt", "cuda_ipc"],
+                         indirect=True)
+def test_disagg_matches_transformers_generate_for_every_transport(reference, shared_cluster):
+    cluster = shared_cluster
+    results = cluster.generate(PROMPTS, GREEDY)
+    assert [r.error for r in results] == [None] * len(PROMPTS)
+    assert [r.token_ids for r in results] == reference(PROMPTS)
+    for r, p in zip(results, PROMPTS, strict=True):
+        lc = r.lifecycle
+        assert lc.transferred_blocks == -(-len(p) // 16) - lc.skipped_blocks
+        assert lc.transfer_bytes > 0 and lc.transfer_s > 0
+        assert lc.prefill_worker == "prefill-0" and lc.decode_worker == "decode-0"
+        assert lc.handoff_round_trips == 3      # admit, prefill, stream (pull + decode)
+        assert lc.router_overhead_ms >= 0
+    _clean(cluster)
+
+
+@pytest.mark.parametrize("shared_cluster", ["object_store", "shm", "grpc", "rdt"], indirect=True)
+def test_prefix_hits_on_prefill_decode_and_both(reference, shared_cluster):
+    first, second = SHARED + random_prompt(7, seed=5), SHARED + random_prompt(13, seed=6)
+    expected = reference([first, second])
+    cluster = shared_cluster
+    p, d = cluster.prefill[0], cluster.decode[0]
+    # forget the other side's cache between the two requests: a hit on P only, D only, both
+    for forget, p_hit, d_hit in [(d, True, False), (p, False, True), (None, True, True)]:
+        for w in (p, d):
+            ray.get(w.reset_prefix_cache.remote())
+        reused_before = ray.get(p.stats.remote())["reused_tokens"]
+        a = cluster.run_request(first, GREEDY)
+        if forget is not None:
+            ray.get(forget.reset_prefix_cache.remote())
+        b = cluster.run_request(second, GREEDY)
+        assert [a.token_ids, b.token_ids] == expected
+        assert a.lifecycle.skipped_blocks == 0
+        assert (b.lifecycle.skipped_blocks == 2) == d_hit
+        p_reused = ray.get(p.stats.remote())["reused_tokens"] - reused_before
+        assert (p_reused == 32) == p_hit, p_reused
+        if d_hit:   # delta transfer: only the blocks D lacks travel
+            assert b.lifecycle.transferred_blocks == 4 - 2
+            assert b.lifecycle.transfer_bytes < a.lifecycle.transfer_bytes
+        else:
+            assert b.lifecycle.transferred_blocks == 4
+        _clean(cluster)
+
+
+@pytest.mark.parametrize("shared_cluster", ["object_store"], indirect=True)
+def test_abort_mid_transfer_releases_both_sides(shared_cluster):
+    cluster = shared_cluster
+    d, p = cluster.decode[0], cluster.prefill[0]
+    for w in (p, d):          # as a new cluster would: nothing of the prompt cached
+        ray.get(w.reset_prefix_cache.remote())
+    unknown_before = ray.get(d.stats.remote()).get("rejected_unknown", 0)
+    _, _, pre = _stage_without_pull(cluster, PROMPTS[2], "abort-me")
+    assert [h.kind for h in ray.get(p.ledger_holds.remote())] == ["staged"]
+    assert [h.kind for h in ray.get(d.ledger_holds.remote())] == ["reserved"]
+    assert ray.get(d.check_invariants.remote())["referenced"] > 0      # reserved
+    assert ray.get(p.abort_transfer.remote(pre.handle.transfer_id))
+    assert ray.get(d.abort.remote("abort-me"))
+    with pytest.raises(ray.exceptions.RayTaskError, match="unknown: no reservation"):
+        _land(d, "abort-me", pre)
+    assert ray.get(p.ledger_holds.remote()) == [] == ray.get(d.ledger_holds.remote())
+    assert ray.get(d.stats.remote())["rejected_unknown"] == unknown_before + 1
+    _clean(cluster)
+    # a client abort while decoding, through the cluster API
+    import threading
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=cluster.generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=2000, ignore_eos=True),
+        request_id="long")))
+    t.start()
+    deadline = time.time() + 30
+    while "long" not in cluster.orchestrator.in_flight() and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert cluster.abort("long")
+    t.join(30)
+    assert "aborted" in out["r"][0].error
+    _clean(cluster)
+    assert cluster.generate([PROMPTS[0]], GREEDY)[0].error is None  # still serving
+
+
+@pytest.mark.parametrize("shared_cluster", ["object_store"], indirect=True)
+def test_streamed_deltas_add_up_to_the_final_text(shared_cluster):
+    cluster = shared_cluster
+    free = cluster.run_request("stream me please", SamplingParams(max_tokens=16,
+                                                                  ignore_eos=True))
+    deltas: list[dict] = []
+    r = cluster.run_request("stream me please", SamplingParams(max_tokens=16,
+                                                               ignore_eos=True),
+                            on_delta=deltas.append)
+    assert "".join(d.text for d in deltas) == r.text == free.text
+    assert [t for d in deltas for t in d.token_ids] == r.token_ids
+    stop = free.text[4:7]
+    if stop.strip():
+        deltas.clear()
+        s = cluster.run_request("stream me please", SamplingParams(
+            max_tokens=16, ignore_eos=True, stop=(stop,)), on_delta=deltas.append)
+        streamed = "".join(d.text for d in deltas)
+        assert streamed == s.text and stop not in streamed
+        assert s.lifecycle.finish_reason == "stop"
+    _clean(cluster)
+
+
+@pytest.mark.parametrize("shared_cluster", ["object_store"], indirect=True)
+def test_seeded_sampling_is_the_same_single_engine_and_disaggregated(tiny_loaded, shared_cluster):
+    """P draws the first token from the request's seeded generator; its state travels in
+    the PrefillResult and D draws the rest from it: the same tokens as one engine."""
+    from conftest import make_engine
+    sampling = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234,
+                              ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    engine = make_engine(tiny_loaded, num_blocks=128)
+    expected = [r.output_token_ids for r in engine.generate(prompts, sampling)]
+    assert expected[0] != expected[1]
+    cluster = shared_cluster
+    results = [cluster.run_request(p, sampling) for p in prompts]
+    assert [r.token_ids for r in results] == expected
+    assert all(r.lifecycle.transferred_blocks > 0 for r in results)
+    _clean(cluster)

@@ -151,7 +151,8 @@ def test_hung_prefill_worker_is_routed_around(tiny_loaded):
     cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=2, fault_injection=True, flow=FlowConfig(hang_timeout_s=1.0, policy="round_robin")))
     try:
         stuck = cluster.prefill[0]
-        ray.get(stuck.stall_next_step.remote(6.0))
+        # its next step hangs for 3.5 s: found hung (1 s) and routed around (~0.1 s) well within
+        ray.get(stuck.stall_next_step.remote(3.5))
         t, out = _start(cluster, prompts[:1], sampling)    # round robin: lands on prefill-0
         _wait_until(lambda: "prefill-0" in cluster.orchestrator.fleet.unhealthy, 20)
         assert cluster.orchestrator.fleet.state["prefill-0"].draining

@@ -27,18 +27,16 @@ def expected(tiny_reference):
 
 
 @pytest.fixture(scope="module")
-def clusters():
-    made: dict[str, PDCluster] = {}
-
-    def get(transport: str) -> PDCluster:
-        if transport not in made:
-            made[transport] = PDCluster(PDConfig(engine=ENGINE, num_prefill=1, num_decode=2,
-                                                 fault_injection=True,
-                                                 flow=FlowConfig(transport=transport)))
-        return made[transport]
-    yield get
-    for c in made.values():
-        c.shutdown()
+def cluster(request):
+    """A 1P+2D cluster (fault injection on) of the transport the test names (`request.param`,
+    parametrized indirectly), shared by the tests of that transport: pytest runs them together
+    and shuts this cluster down before the next transport's starts, so that only one is up at a
+    time (idle clusters' actors and load reporters slow every other test down). The tests that
+    start a cluster of their own come first in this file: none runs beside a shared one."""
+    c = PDCluster(PDConfig(engine=ENGINE, num_prefill=1, num_decode=2, fault_injection=True,
+                           flow=FlowConfig(transport=request.param)))
+    yield c
+    c.shutdown()
 
 
 def run_moving(cluster: PDCluster, sampling: SamplingParams, rid: str,
@@ -72,78 +70,17 @@ def _clean(cluster: PDCluster) -> None:
     assert cluster.leaked_blocks() == 0
 
 
-@pytest.mark.parametrize("transport", ["object_store", "shm", "grpc", "rdt", "cuda_ipc"])
-def test_migration_mid_stream_gives_generate_tokens_with_no_gap_or_repeat(transport, expected,
-                                                                         clusters):
-    cluster = clusters(transport)
-    result, streamed, text, asked = run_moving(cluster, LONG, f"mig-{transport}")
-    assert asked
-    lc = result.lifecycle
-    assert lc.migrations == 1 and lc.migration_fallbacks == 0 and lc.retries == 0
-    assert result.token_ids == expected
-    assert streamed == result.token_ids           # every token once, in order
-    assert text == result.text
-    assert lc.decode_worker in ("decode-0", "decode-1")
-    assert lc.transferred_blocks > -(-len(PROMPT) // 16)   # the prompt's and the output's
-    assert cluster.orchestrator.migrations["moved"] >= 1
-    ledger = cluster.orchestrator.ledger
-    assert ledger.released[ACKED] >= 2 and ledger.released[FILLED] >= 2
-    _clean(cluster)
-
-
-def test_migration_to_a_named_worker_and_back(expected, clusters):
-    cluster = clusters("shm")
-    first, *_ = run_moving(cluster, LONG, "to-1", target="decode-1")
-    assert first.lifecycle.decode_worker == "decode-1" and first.lifecycle.migrations == 1
-    second, *_ = run_moving(cluster, LONG, "to-0", target="decode-0")
-    assert second.lifecycle.migrations in (0, 1)       # already there: nothing to move
-    assert second.lifecycle.decode_worker == "decode-0"
-    assert first.token_ids == second.token_ids == expected
-    _clean(cluster)
-
-
-def test_seeded_sampling_gives_the_same_tokens_with_and_without_a_move(clusters):
-    cluster = clusters("shm")
-    seeded = SamplingParams(max_tokens=60, temperature=0.9, top_p=0.95, seed=4321,
-                            ignore_eos=True)
-    still = cluster.run_request(PROMPT, seeded)
-    moved, streamed, _, asked = run_moving(cluster, seeded, "seeded")
-    assert asked and moved.lifecycle.migrations == 1
-    assert moved.token_ids == still.token_ids == streamed
-    _clean(cluster)
-
-
-@pytest.mark.parametrize("fault", ["refused", "died"])
-def test_a_failed_move_re_prefills_and_completes(fault, expected, clusters):
-    """D2 refuses the pages (a failed pull) or dies pulling them: the request re-prefills on a
-    live worker and completes with the same tokens; no block stays held anywhere."""
-    cluster = clusters("object_store")
-
-    def arm(d2) -> None:
-        if fault == "refused":
-            ray.get(d2.inject_transfer_faults.remote(1))
-        else:
-            ray.get(d2.inject_exit_on_pull.remote())
-    result, streamed, text, asked = run_moving(cluster, LONG, f"fail-{fault}", "other", arm)
-    assert asked
-    assert result.lifecycle.migration_fallbacks == 1 and result.lifecycle.migrations == 0
-    assert result.token_ids == expected == streamed
-    assert text == result.text
-    assert cluster.orchestrator.migrations["fallback"] >= 1
-    if fault == "died":
-        cluster.orchestrator.fleet.refresh()
-    _clean(cluster)
-
-
 def test_drain_under_load_moves_running_decodes_and_loses_nothing(tiny_reference):
     """Scale decode workers 2 -> 1 while both decode: the drained worker's running requests
     move with their KV (not recomputed), all complete with generate()'s tokens, the worker is
-    removed, and every hold on it ended with a release reason."""
-    cluster = PDCluster(PDConfig(engine=ENGINE, num_prefill=1, num_decode=2,
-                                 flow=FlowConfig(policy="round_robin")))
+    removed, and every hold on it ended with a release reason. The remaining worker's pool
+    (72 blocks) holds its own three requests to the end (63 or 66 blocks of 16 tokens) but not
+    a moved one besides: it preempts and recomputes, and the tokens are still generate()'s."""
+    cluster = PDCluster(PDConfig(engine=dict(ENGINE, num_blocks=72), num_prefill=1,
+                                 num_decode=2, flow=FlowConfig(policy="round_robin")))
     try:
         prompts = [random_prompt(20 + 7 * i, seed=100 + i) for i in range(6)]
-        sampling = SamplingParams(max_tokens=600, ignore_eos=True)   # still decoding at the drain
+        sampling = SamplingParams(max_tokens=300, ignore_eos=True)   # still decoding at the drain
         want = [hf_greedy(tiny_reference, p, sampling.max_tokens) for p in prompts]
         threads, results = start_streaming(cluster, prompts, sampling)
         cluster.scale(decode=1, wait=True, timeout_s=120)
@@ -155,6 +92,7 @@ def test_drain_under_load_moves_running_decodes_and_loses_nothing(tiny_reference
         assert all(r.lifecycle.decode_worker != "decode-1" for r in results
                    if r.lifecycle.migrations)
         assert [cluster.orchestrator.fleet.worker_id(w) for w in cluster.decode] == ["decode-0"]
+        assert sum(s.get("preemptions", 0) for s in cluster.stats()) >= 1
         ledger = cluster.orchestrator.ledger
         assert ledger.open_holds() == []          # every hold ended with a release reason
         assert ledger.released[ACKED] >= moved
@@ -209,7 +147,7 @@ def test_rebalance_moves_half_the_gap_to_a_worker_that_joined(tiny_reference):
         fleet, o = cluster.orchestrator.fleet, cluster.orchestrator
         fleet.drain("decode-1")
         prompts = [random_prompt(20 + 3 * i, seed=400 + i) for i in range(4)]
-        lengths = [300, 400, 500, 600]
+        lengths = [150, 200, 250, 300]       # the moves take a few ms: all still decode
         want = [hf_greedy(tiny_reference, p, n) for p, n in zip(prompts, lengths, strict=True)]
         threads, results = start_streaming(
             cluster, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
@@ -225,3 +163,69 @@ def test_rebalance_moves_half_the_gap_to_a_worker_that_joined(tiny_reference):
         _clean(cluster)
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.parametrize("cluster", ["object_store", "shm", "grpc", "rdt", "cuda_ipc"],
+                         indirect=True)
+def test_migration_mid_stream_gives_generate_tokens_with_no_gap_or_repeat(cluster, expected):
+    # as on a new cluster (another test of this transport may have run first): nothing of
+    # PROMPT cached, so that all of it travels at the handoff and again at the move
+    ray.get([w.reset_prefix_cache.remote() for w in cluster.workers])
+    result, streamed, text, asked = run_moving(cluster, LONG,
+                                               f"mig-{cluster.cfg.flow.transport}")
+    assert asked
+    lc = result.lifecycle
+    assert lc.migrations == 1 and lc.migration_fallbacks == 0 and lc.retries == 0
+    assert result.token_ids == expected
+    assert streamed == result.token_ids           # every token once, in order
+    assert text == result.text
+    assert lc.decode_worker in ("decode-0", "decode-1")
+    assert lc.transferred_blocks > -(-len(PROMPT) // 16)   # the prompt's and the output's
+    assert cluster.orchestrator.migrations["moved"] >= 1
+    ledger = cluster.orchestrator.ledger
+    assert ledger.released[ACKED] >= 2 and ledger.released[FILLED] >= 2
+    _clean(cluster)
+
+
+@pytest.mark.parametrize("cluster", ["shm"], indirect=True)
+def test_migration_to_a_named_worker_and_back(expected, cluster):
+    first, *_ = run_moving(cluster, LONG, "to-1", target="decode-1")
+    assert first.lifecycle.decode_worker == "decode-1" and first.lifecycle.migrations == 1
+    second, *_ = run_moving(cluster, LONG, "to-0", target="decode-0")
+    assert second.lifecycle.migrations in (0, 1)       # already there: nothing to move
+    assert second.lifecycle.decode_worker == "decode-0"
+    assert first.token_ids == second.token_ids == expected
+    _clean(cluster)
+
+
+@pytest.mark.parametrize("cluster", ["shm"], indirect=True)
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_a_move(cluster):
+    seeded = SamplingParams(max_tokens=60, temperature=0.9, top_p=0.95, seed=4321,
+                            ignore_eos=True)
+    still = cluster.run_request(PROMPT, seeded)
+    moved, streamed, _, asked = run_moving(cluster, seeded, "seeded")
+    assert asked and moved.lifecycle.migrations == 1
+    assert moved.token_ids == still.token_ids == streamed
+    _clean(cluster)
+
+
+@pytest.mark.parametrize("cluster", ["object_store"], indirect=True)
+@pytest.mark.parametrize("fault", ["refused", "died"])
+def test_a_failed_move_re_prefills_and_completes(fault, expected, cluster):
+    """D2 refuses the pages (a failed pull) or dies pulling them: the request re-prefills on a
+    live worker and completes with the same tokens; no block stays held anywhere."""
+
+    def arm(d2) -> None:
+        if fault == "refused":
+            ray.get(d2.inject_transfer_faults.remote(1))
+        else:
+            ray.get(d2.inject_exit_on_pull.remote())
+    result, streamed, text, asked = run_moving(cluster, LONG, f"fail-{fault}", "other", arm)
+    assert asked
+    assert result.lifecycle.migration_fallbacks == 1 and result.lifecycle.migrations == 0
+    assert result.token_ids == expected == streamed
+    assert text == result.text
+    assert cluster.orchestrator.migrations["fallback"] >= 1
+    if fault == "died":
+        cluster.orchestrator.fleet.refresh()
+    _clean(cluster)

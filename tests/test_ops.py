@@ -146,7 +146,11 @@ def test_scale_up_and_down_while_requests_run_loses_none(server, capsys):
             time.sleep(0.1)
             rows = status_table(server, capsys)
         assert {cols[3] for cols in rows.values()} == {"active"}
-        time.sleep(1.0)                                    # traffic at 1+1 again
+        served = len(results)                              # traffic at 1+1 again: 3 more
+        deadline = time.monotonic() + 60
+        while len(results) < served + 3:
+            assert time.monotonic() < deadline, ("no traffic served at 1+1", errors[:3])
+            time.sleep(0.02)
     finally:
         stop.set()
         go.set()
@@ -210,7 +214,9 @@ def test_migrate_moves_a_streaming_request_and_refuses_what_it_cannot_move(serve
     key = ("--api-key", KEY)
     assert raypd("scale", "--url", server.url, *key, "--decode", "2") == 0
     capsys.readouterr()
-    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1500, "ignore_eos": True,
+    # 400 tokens: still decoding when the move is asked (at its first token; the count of
+    # moves below says it moved)
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True,
             "temperature": 0}
     whole = requests.post(server.url + "/v1/completions", timeout=120,
                           json={**body, "return_token_ids": True},
@@ -247,7 +253,8 @@ def test_migrate_moves_a_streaming_request_and_refuses_what_it_cannot_move(serve
     assert raypd("migrate", "no-such-request", "--url", server.url, *key) == 2
     assert "404" in capsys.readouterr().err
     r2 = requests.post(server.url + "/v1/completions", stream=True, timeout=120,
-                       json={**body, "stream": True}, headers={"Authorization": f"Bearer {KEY}"})
+                       json={**body, "max_tokens": 1500, "stream": True},   # in flight still
+                       headers={"Authorization": f"Bearer {KEY}"})
     assert raypd("migrate", r2.headers["X-Request-Id"], "--to", "prefill-0", "--url",
                  server.url, *key) == 2
     assert "400" in capsys.readouterr().err
