@@ -3,6 +3,9 @@
 // bf16 -> float is exact; float -> bf16 rounds to nearest even, as torch does (NaN stays NaN).
 #pragma once
 
+// a function compiled for AVX512-BF16 (called only where cpu_has_avx512_bf16() says so)
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>

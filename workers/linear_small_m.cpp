@@ -2,7 +2,7 @@
 // AVX512-BF16: out [M, N] = x [M, K] @ W [N, K]^T (+ bias [N]), float32 sums, rounded once to
 // bf16 (as oneDNN's bf16 GEMM does; only the summation order differs).
 //
-// At M = 1..8 a linear only streams its weights (2 N K bytes, a few flops a byte), so it runs
+// At a few rows a linear only streams its weights (2 N K bytes, a few flops a byte), so it runs
 // at the memory's rate or not at all: each thread walks a contiguous range of W's rows (one
 // stream the hardware prefetcher follows), four rows at a time against every x row (x stays in
 // L1), one vdpbf16ps per 32 bf16 of a row, prefetching a few tiles ahead. oneDNN's prepacked
@@ -16,8 +16,6 @@
 #include "bf16.h"
 
 namespace {
-
-#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 constexpr int ROWS = 4;        // W rows a tile reads together
 // x rows a call takes (the caller checks): measured against oneDNN's packed GEMM with every

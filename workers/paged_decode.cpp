@@ -93,8 +93,6 @@ void attend_portable(const T* qp, const T* kp, const T* vp, const int64_t* table
   }
 }
 
-#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-
 // lane i of the result = the sum of v[i]'s 16 lanes (15 adds and 30 shuffles for 16 sums)
 AVX512_BF16 inline __m512 reduce16(const __m512* v) {
   __m512 t[8], u[4], w[2];
