@@ -38,6 +38,7 @@ from workers.engine import EngineConfig, LLMEngine
 from workers.layers import Linear
 from workers.random_model import is_random
 from workers.request import SamplingParams
+from workers.sampler import sample
 
 
 class _StopAtOwnLength(StoppingCriteria):
@@ -153,6 +154,22 @@ def _python_overhead_ms(engine: LLMEngine, prompts: list[list[int]], steps: int 
     step_ms = 1e3 * statistics.median(plain)
     return {"step_ms": step_ms, "torch_ops_ms": torch_ms, "native_kernels_ms": native_ms,
             "python_overhead_ms": step_ms - torch_ms - native_ms}
+
+
+def _sample_ms(engine: LLMEngine, batch: int, repeats: int) -> float:
+    """The sampler's time for one decode step of `batch` requests at temperature 1.0 (what an
+    OpenAI client that sets no temperature gets), each seeded, on logits of the model's vocab."""
+    logits = torch.randn(batch, engine.info.vocab_size, generator=torch.Generator().manual_seed(0)
+                         ).to(engine.device, engine.runner.model.dtype) * 4
+    reqs = [engine.make_request([1, 2, 3], SamplingParams(temperature=1.0, seed=i))
+            for i in range(batch)]
+    sample(logits, reqs)            # warm-up
+
+    def once() -> float:
+        t = time.perf_counter()
+        sample(logits, reqs)
+        return time.perf_counter() - t
+    return 1e3 * statistics.median(once() for _ in range(max(repeats, 5)))
 
 
 def _sync(device: torch.device) -> None:
@@ -436,6 +453,7 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
         engine.step()
         overheads.append(time.perf_counter() - s0 - engine.runner.last_forward_s)
     out["step_overhead_ms"] = 1e3 * statistics.median(overheads)
+    out["sample_ms_b16"] = _sample_ms(engine, 16, repeats)
 
     # ---- prefill throughput (one request of n tokens, cold) -------------------------------
     non_embed = weight_bytes / hf_model.dtype.itemsize - info.vocab_size * info.hidden_size
