@@ -51,6 +51,7 @@ def test_small_m_linear_keeps_leading_dims_and_reads_strided_x():
 def test_linear_takes_the_small_m_path_up_to_its_rows_and_onednn_past_them(monkeypatch):
     """Up to `small_m` rows the layer calls the small-M kernel; past them the packed oneDNN
     GEMM; both give the same values (to bf16 rounding)."""
+    monkeypatch.setenv("RAYPD_KERNEL_ISA", "avx512bf16")   # where the CPU has AMX too
     g = torch.Generator().manual_seed(2)
     lin = Linear(torch.randn(640, 576, generator=g).to(BF16))
     assert lin.small_m == ROWS and lin.packed is not None and "small-m" in lin.kernel
@@ -68,4 +69,5 @@ def test_linear_takes_the_small_m_path_up_to_its_rows_and_onednn_past_them(monke
 def test_portable_switch_turns_the_small_m_linear_off(monkeypatch):
     monkeypatch.setenv("RAYPD_KERNEL_ISA", "portable")
     lin = Linear(torch.randn(64, 64).to(BF16))
-    assert lin.small_m == 0 and lin.weight is None and lin.kernel == "onednn-packed"
+    assert lin.small_m == lin.amx_m == 0 and lin.weight is None and lin.vnni is None
+    assert lin.kernel == "onednn-packed"

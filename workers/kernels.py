@@ -30,7 +30,8 @@ import torch
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("fused_ops.cpp"),
-           Path(__file__).with_name("linear_small_m.cpp"))         # one library
+           Path(__file__).with_name("linear_small_m.cpp"),
+           Path(__file__).with_name("linear_amx.cpp"))             # one library
 HEADERS = (Path(__file__).with_name("bf16.h"),)                   # part of its build key
 # -ffast-math: reassociated (vectorized) sums and glibc's vector expf; the kernel holds no
 # infinities or NaNs (masked keys are outside its loops), so finite-math is safe
@@ -46,6 +47,12 @@ def force_portable() -> bool:
     """`RAYPD_KERNEL_ISA=portable`: the kernel's plain-loop path even where the CPU has
     AVX512-BF16 (tests compare the two)."""
     return os.environ.get("RAYPD_KERNEL_ISA", "") == "portable"
+
+
+def force_no_amx() -> bool:
+    """`RAYPD_KERNEL_ISA=avx512bf16` (or `portable`): no AMX path even where the CPU has it
+    (decode linears take the AVX512-BF16 small-M kernel; tests cover both)."""
+    return force_portable() or os.environ.get("RAYPD_KERNEL_ISA", "") == "avx512bf16"
 
 
 def _cpu_features() -> str:
@@ -126,7 +133,11 @@ def _module():
     fn.linear_small_m.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int]
     lib.raypd_linear_small_m_max.restype = ctypes.c_int64
     fn.small_m_max = int(lib.raypd_linear_small_m_max())   # 0: no AVX512-BF16
-    for f in (fn.add_rms_norm, fn.silu_mul, fn.linear_small_m):
+    fn.linear_amx = lib.raypd_linear_amx
+    fn.linear_amx.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int]
+    lib.raypd_linear_amx_max.restype = ctypes.c_int64
+    fn.amx_max = int(lib.raypd_linear_amx_max())           # 0: no AMX-BF16
+    for f in (fn.add_rms_norm, fn.silu_mul, fn.linear_small_m, fn.linear_amx):
         f.restype = None
     fn.rope_and_cache.restype = ctypes.c_int
     return fn
@@ -260,4 +271,45 @@ def linear_small_m(x: torch.Tensor, weight: torch.Tensor,
     _module().linear_small_m(out.data_ptr(), x2.data_ptr(), weight.data_ptr(),
                              0 if bias is None else bias.data_ptr(), m, n, k,
                              torch.get_num_threads())
+    return out.view(*lead, n)
+
+
+# ---- linears of 1-16 rows on VNNI-packed weights, bf16 on CPUs with AMX-BF16 (linear_amx.cpp) ---
+def linear_amx_rows(weight: torch.Tensor) -> int:
+    """The most rows of x the AMX linear takes for this weight (0: it does not apply: not a bf16
+    CPU weight, K not a multiple of 32, no AMX-BF16, or the portable switch)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 \
+            or weight.shape[1] % 32 or force_no_amx():
+        return 0
+    fn = _module()
+    return 0 if fn is None else fn.amx_max
+
+
+def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] in the layout linear_amx reads: [ceil(N / 16), K / 2, 16, 2], wp[nb, kp, n,
+    i] = weight[16 nb + n, 2 kp + i], rows past N zero."""
+    n, k = weight.shape
+    assert k % 2 == 0, k
+    padded = torch.zeros(-(-n // 16) * 16, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear_amx(x: torch.Tensor, packed: torch.Tensor, n: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ W [n, K]^T (+ bias [n]) for at most linear_amx_rows(W) rows of x, bf16, from
+    W's pack_vnni copy; float32 sums rounded once."""
+    k = packed.shape[1] * 2
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    assert x.dtype == packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    assert packed.shape == (-(-n // 16), k // 2, 16, 2) and x.shape[-1] == k, packed.shape
+    assert 1 <= m <= _module().amx_max, m   # (the weight's dtype, device, K: linear_amx_rows)
+    if bias is not None:
+        assert bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous()
+    out = torch.empty(m, n, dtype=x.dtype)
+    _module().linear_amx(out.data_ptr(), x2.data_ptr(), packed.data_ptr(),
+                         0 if bias is None else bias.data_ptr(), m, n, k,
+                         torch.get_num_threads())
     return out.view(*lead, n)

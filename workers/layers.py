@@ -23,10 +23,13 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias). On the CPU the weight is reordered once into oneDNN's blocked
     layout (what torch.compile's freezing does for CPU linears): 2-4x faster than `F.linear` at
-    decode batch sizes, same results. bf16 on a CPU with AVX512-BF16, a step of at most
-    `small_m` rows (decode) runs workers/linear_small_m.cpp on the plain weight instead (kept
-    beside the packed copy): it streams the weights near the memory's rate, where oneDNN reaches
-    about half of it. Elsewhere (cuda) it is `F.linear`."""
+    decode batch sizes, same results. A bf16 step of few rows (decode) streams the weights
+    from a second copy near the memory's rate, where oneDNN reaches about 60% of it:
+    - on a CPU with AMX-BF16 (and K a multiple of 32), up to `amx_m` (16) rows run
+      workers/linear_amx.cpp on a VNNI-packed copy (`vnni`);
+    - else on a CPU with AVX512-BF16, up to `small_m` (4) rows run workers/linear_small_m.cpp on
+      the plain weight (kept beside the packed copy).
+    Elsewhere (cuda) it is `F.linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  prepack: bool = True) -> None:
@@ -35,7 +38,10 @@ class Linear(nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight.detach().contiguous()
-        self.small_m = kernels.linear_small_m_rows(self.weight) if prepack else 0
+        self.amx_m = kernels.linear_amx_rows(self.weight) if prepack else 0
+        self.vnni = kernels.pack_vnni(self.weight) if self.amx_m else None
+        self.small_m = kernels.linear_small_m_rows(self.weight) \
+            if prepack and not self.amx_m else 0
         if prepack and _can_prepack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
@@ -47,12 +53,16 @@ class Linear(nn.Module):
     @property
     def kernel(self) -> str:
         name = "onednn-packed" if self.packed is not None else "torch"
+        if self.amx_m:
+            return f"{name}+amx-bf16"
         return f"{name}+small-m-avx512bf16" if self.small_m else name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_m and 0 < x.numel() <= self.small_m * self.in_features \
-                and x.dtype == torch.bfloat16:
-            return kernels.linear_small_m(x, self.weight, self.bias)
+        if x.dtype == torch.bfloat16 and 0 < x.numel():
+            if self.amx_m and x.numel() <= self.amx_m * self.in_features:
+                return kernels.linear_amx(x, self.vnni, self.out_features, self.bias)
+            if self.small_m and x.numel() <= self.small_m * self.in_features:
+                return kernels.linear_small_m(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

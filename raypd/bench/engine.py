@@ -97,7 +97,7 @@ class _TimedKernels:
     """workers/kernels.py's native library with every call timed (the bench swaps it in for
     `kernels._module` while it counts; attributes that are not calls pass through)."""
 
-    CALLS = ("add_rms_norm", "rope_and_cache", "silu_mul", "linear_small_m")
+    CALLS = ("add_rms_norm", "rope_and_cache", "silu_mul", "linear_small_m", "linear_amx")
 
     def __init__(self, lib) -> None:
         self._lib, self.seconds = lib, 0.0
