@@ -5,8 +5,9 @@ One flat batch of every scheduled token (no padding): decodes first, read in bat
 similar context length (on the CPU a native kernel reading the pool in place, on cuda a Triton
 kernel reading it in place where Triton imports (workers/triton_decode.py), elsewhere a gather
 and two matmuls; softmax in float32 everywhere), then prefill
-chunks, one SDPA each (a chunk with no cached prefix attends to its own K/V without touching the
-pool). Sliding-window layers mask keys older than the window. A quantized pool (int8 / fp8,
+chunks, one attention call each (a chunk with no cached prefix attends to its own K/V without
+touching the pool): bf16 on a CPU with AMX, workers/attention_amx.cpp (flash-style blocks, no
+mask tensor); elsewhere SDPA. Sliding-window layers mask keys older than the window. A quantized pool (int8 / fp8,
 workers/kv_quant.py) is written through `write_quantized` and read dequantized by the PyTorch
 path (the native kernel reads float pools only), and every prefill chunk reads its K/V back from
 the pool, so a token's attention sees the same stored K/V whichever chunk or worker wrote it. The compact model calls
@@ -139,13 +140,15 @@ def _decode_attention_torch(q: torch.Tensor, kv: LayerKV, g: DecodeGroup, scale:
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
                        seg: PrefillSegment, scale: float, window: int | None) -> torch.Tensor:
     """One chunk: q [q_len, H, D] -> [q_len, H, D], causal over its cached prefix + itself."""
+    if seg.block_table is not None:   # else the chunk is the whole context: its own K/V
+        k = kv.gather("k", seg.block_table, seg.context_len, q.dtype)   # [S, Hkv, D]
+        v = kv.gather("v", seg.block_table, seg.context_len, q.dtype)
+    if window is None:   # bf16 on a CPU with AMX: flash-style blocks, no mask (None elsewhere)
+        o = native.prefill_attention_amx(q, k, v, scale)
+        if o is not None:
+            return o
     qs = q.transpose(0, 1).unsqueeze(0)                           # [1, H, q, D]
-    if seg.block_table is None:   # the chunk is the whole context: its own K/V, no gather
-        ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    else:
-        ks = kv.gather("k", seg.block_table, seg.context_len, q.dtype).transpose(0, 1)
-        vs = kv.gather("v", seg.block_table, seg.context_len, q.dtype).transpose(0, 1)
-        ks, vs = ks.unsqueeze(0), vs.unsqueeze(0)
+    ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     offset = seg.context_len - seg.q_len
     if window is not None and q.device.type == "cpu" and seg.q_len >= BLOCKED_MIN_QUERIES:
         return _blocked_causal_attention(q, ks[0].transpose(0, 1), vs[0].transpose(0, 1), offset,
@@ -167,7 +170,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: La
 
 # CPU prefill of a sliding-window layer: from this many queries on, attention runs as query
 # blocks of BLOCK_QUERIES rows, each two GEMMs over only the keys it can see (no [q, context]
-# mask). Full-attention layers use torch's flash kernel (SDPA), 3-5x faster than these blocks
+# mask). Full-attention layers use attention_amx.cpp or torch's flash kernel (SDPA), the latter
+# 3-5x faster than these blocks
 # here (bf16, 2 threads: 2,048 tokens 9.8 ms a layer against 48; 1,024 new after 1,024 cached
 # 11 ms against 37).
 BLOCKED_MIN_QUERIES = 512

@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("fused_ops.cpp"),
            Path(__file__).with_name("linear_small_m.cpp"),
-           Path(__file__).with_name("linear_amx.cpp"))             # one library
-HEADERS = (Path(__file__).with_name("bf16.h"),)                   # part of its build key
+           Path(__file__).with_name("linear_amx.cpp"),
+           Path(__file__).with_name("attention_amx.cpp"))          # one library
+HEADERS = (Path(__file__).with_name("bf16.h"),                    # part of its build key
+           Path(__file__).with_name("exp_avx512.h"))
 # -ffast-math: reassociated (vectorized) sums and glibc's vector expf; the kernel holds no
 # infinities or NaNs (masked keys are outside its loops), so finite-math is safe
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fPIC", "-shared", "-fopenmp"]
@@ -137,7 +139,10 @@ def _module():
     fn.linear_amx.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int]
     lib.raypd_linear_amx_max.restype = ctypes.c_int64
     fn.amx_max = int(lib.raypd_linear_amx_max())           # 0: no AMX-BF16
-    for f in (fn.add_rms_norm, fn.silu_mul, fn.linear_small_m, fn.linear_amx):
+    fn.prefill_attention_amx = lib.raypd_prefill_attention_amx
+    fn.prefill_attention_amx.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, ctypes.c_int]
+    for f in (fn.add_rms_norm, fn.silu_mul, fn.linear_small_m, fn.linear_amx,
+              fn.prefill_attention_amx):
         f.restype = None
     fn.rope_and_cache.restype = ctypes.c_int
     return fn
@@ -313,3 +318,27 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, n: int,
                          0 if bias is None else bias.data_ptr(), m, n, k,
                          torch.get_num_threads())
     return out.view(*lead, n)
+
+
+# ---- prefill attention, bf16 on CPUs with AMX-BF16 (attention_amx.cpp) -------------------------
+def prefill_attention_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          scale: float) -> torch.Tensor | None:
+    """Causal attention of q [Tq, H, D] (the last Tq positions) over k, v [S, Hkv, D] (every
+    position, the chunk's own last) -> [Tq, H, D]; None where the kernel does not apply (not
+    bf16 on the CPU, no AMX-BF16, D not a multiple of 32 up to 128, the portable switch)."""
+    tq, h, d = q.shape
+    s, h_kv = k.shape[:2]
+    if q.device.type != "cpu" or not q.dtype == k.dtype == v.dtype == torch.bfloat16 \
+            or d % 32 or d > 128 or h % h_kv or k.shape != v.shape or k.shape[2] != d \
+            or not 1 <= tq <= s or force_no_amx():
+        return None
+    fn = _module()
+    if fn is None or not fn.amx_max:
+        return None
+    # each token's heads x D contiguous (slices of a fused QKV projection are): read in place
+    q, k, v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (q, k, v))
+    out = torch.empty(tq, h, d, dtype=q.dtype)
+    fn.prefill_attention_amx(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), tq, s, h,
+                             h_kv, d, q.stride(0), k.stride(0), v.stride(0), scale,
+                             torch.get_num_threads())
+    return out

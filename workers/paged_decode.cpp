@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "exp_avx512.h"
 
 namespace {
 
@@ -30,6 +31,7 @@ struct bf16 { uint16_t x; };
 
 using raypd_bf16::bf16_to_f;
 using raypd_bf16::f_to_bf16;
+using raypd_simd::exp_nonpositive;
 
 template <typename T> inline void row_to_f(const T* src, float* dst, int64_t D);
 template <> inline void row_to_f<float>(const float* src, float* dst, int64_t D) {
@@ -109,24 +111,6 @@ AVX512_BF16 inline __m512 reduce16(const __m512* v) {
                          _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
                        _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
-// e^x for x <= 0 (a softmax's shifted scores): 2^n * e^(f ln 2), |f| <= 1/2, Taylor to the
-// 7th power (relative error below 2e-7); very negative x gives 0
-AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Where head_dim index d sits after vpunpck{l,h}wd of two rows (128-bit lanes interleaved):
