@@ -43,6 +43,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
             ctypes.c_double, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 MAX_GROUP = 16   # query heads per KV head the kernel takes
+MAX_KV_HEADS = 256
 
 
 def force_portable() -> bool:
@@ -166,7 +167,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not (q.dim() == 3 and k_cache.dim() == 4 and k_cache.is_contiguous()
             and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
             and v_cache.shape == k_cache.shape and k_cache.shape[3] == D and 0 < D <= 512
-            and k_cache.shape[2] > 0 and H % k_cache.shape[2] == 0
+            and 0 < k_cache.shape[2] <= MAX_KV_HEADS and H % k_cache.shape[2] == 0
             and H // k_cache.shape[2] <= MAX_GROUP and tables.dim() == 2 and tables.shape[0] == B
             and lens.shape == (B,)):
         raise ValueError(f"paged_decode: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / "
