@@ -204,3 +204,26 @@ def serial_openmp_here() -> None:
     if (lib := libgomp()) is not None:
         lib.omp_set_num_threads(1)
     _serial.done = True
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEEP_BELOW = 1 << 30
+
+
+@functools.cache
+def keep_freed_host_memory() -> bool:
+    """glibc's malloc, for this process: allocations under 1 GiB come from its heap, and freed
+    memory stays there (M_MMAP_THRESHOLD and M_TRIM_THRESHOLD at 1 GiB). By default each large
+    temporary of a CPU step (a 2,048-token chunk's activations: MBs a layer) is a fresh mmap
+    whose pages fault in on first touch, and is unmapped when freed; kept, the next step reuses
+    them (what tcmalloc or jemalloc give, which vLLM's CPU guide preloads). SmolLM2, 2 threads:
+    a 2,048-token prefill 0.72 -> 0.57 s. The resident size stays at the largest step's
+    working set. False where the C library has no mallopt (not glibc)."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, KEEP_BELOW) and mallopt(M_TRIM_THRESHOLD, KEEP_BELOW))

@@ -19,7 +19,14 @@ from kvcache.manager import KVCacheManager, cdiv
 from protocol.errors import RequestError, UnknownLoRAError
 from protocol.lifecycle import EngineStats
 from protocol.messages import AdmittedRequest, MigratedRequest
-from workers.device import DEVICES, DTYPES, device_name, load_dtype, resolve_device
+from workers.device import (
+    DEVICES,
+    DTYPES,
+    device_name,
+    keep_freed_host_memory,
+    load_dtype,
+    resolve_device,
+)
 from workers.kv_quant import QUANT_FORMATS, is_quantized
 from workers.kv_tier2 import attach_tier2, observe_prefill_cost, tier2_counters
 from workers.lora import LoRAStats, read_adapter
@@ -96,6 +103,8 @@ class LLMEngine:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device)   # the one device decision (workers/device.py)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()   # a step's temporaries reuse memory, no page faults
         owns_model = loaded is None   # its own load: nobody else runs the stock model
         if loaded is None and is_random(cfg.model):   # benchmarks: built on the device
             loaded = build_random(cfg.model, cfg.dtype, self.device, seed=cfg.seed)
