@@ -82,6 +82,7 @@ class Flight:
 
     request_id: str
     epoch: int = 0
+    last_epoch: int = 0        # the highest epoch any attempt or move (failed ones too) used
     attempt_id: str = ""       # the id workers know this attempt by (request id + epoch)
     decode: Any = None         # decode worker handle of this attempt
     prefill: Any = None        # prefill worker handle of this attempt
@@ -102,6 +103,7 @@ class Flight:
     def new_attempt(self, epoch: int, attempt_id: str) -> None:
         with self.lock:
             self.epoch, self.attempt_id = epoch, attempt_id
+            self.last_epoch = max(self.last_epoch, epoch)
             self.decode = self.prefill = self.transfer_id = self.inbox = None
             self.moving = False
 

@@ -336,7 +336,9 @@ class Orchestrator:
                     raise WorkerFailed(f"request {flight.request_id} failed: its workers died "
                                        f"{failures} times (last: {type(e).__name__})") from e
                 self.fleet.refresh()     # see who is gone before routing again
-            epoch = flight.epoch + 1     # past any epoch a move used
+            # past any epoch a move used, the failed ones too: a failed move's cleanup on its
+            # target (an abort of that epoch's id) must not meet this attempt there
+            epoch = max(flight.epoch, flight.last_epoch) + 1
             if time.time() > request.deadline:
                 break
         raise WorkerFailed(f"request {flight.request_id} passed its deadline while its "
@@ -631,7 +633,9 @@ class Orchestrator:
         if frozen is None:
             return False
         self.releases.settle_ack(flight)     # P's ack (its ledger key names this attempt)
-        epoch = flight.epoch + 1
+        epoch = max(flight.epoch, flight.last_epoch) + 1
+        with flight.lock:
+            flight.last_epoch = epoch        # used, whether the move succeeds or not
         admitted = replace(flight.admitted, epoch=epoch)
         new = admitted.worker_request_id
         moved = MigratedRequest(admitted, d1_id, frozen)
