@@ -22,19 +22,13 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "bf16.h"
 #include "exp_avx512.h"
 
-#define AMX_BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
-
 namespace {
 
-struct alignas(64) TileConfig {   // palette 1: the layout _tile_loadconfig reads
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using raypd_amx::TileConfig;
 
 AMX_BF16 void configure() {
   TileConfig c;

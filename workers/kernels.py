@@ -34,7 +34,7 @@ SOURCES = (SOURCE, Path(__file__).with_name("fused_ops.cpp"),
            Path(__file__).with_name("linear_amx.cpp"),
            Path(__file__).with_name("attention_amx.cpp"))          # one library
 HEADERS = (Path(__file__).with_name("bf16.h"),                    # part of its build key
-           Path(__file__).with_name("exp_avx512.h"))
+           Path(__file__).with_name("exp_avx512.h"), Path(__file__).with_name("amx.h"))
 # -ffast-math: reassociated (vectorized) sums and glibc's vector expf; the kernel holds no
 # infinities or NaNs (masked keys are outside its loops), so finite-math is safe
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fPIC", "-shared", "-fopenmp"]

@@ -23,23 +23,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx.h"
 #include "bf16.h"
 
-#define AMX_BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
-
 namespace {
+
+using raypd_amx::TileConfig;
 
 constexpr int64_t MAX_M = 16;   // rows of an A tile
 // bytes ahead that each stream of W is prefetched into L2 (the hardware prefetcher alone ramps
 // up too slowly on a call's short streams; 1-8 KB measured within noise of each other)
 constexpr int PREFETCH_BYTES = 2048;
-
-struct alignas(64) TileConfig {   // palette 1: the layout _tile_loadconfig reads
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // tiles: 0, 1 = C (M x 16 float32, two column blocks), 2 = A (M x 32 bf16 of x), 3, 4 = B
 AMX_BF16 void configure(int M) {
