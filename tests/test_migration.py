@@ -4,6 +4,8 @@ a move that fails after the freeze re-prefills elsewhere, never an error."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 from conftest import hf_greedy, random_prompt, start_streaming
@@ -68,6 +70,20 @@ def _clean(cluster: PDCluster) -> None:
     for counts in cluster.check_invariants():
         assert counts["referenced"] == 0, counts
     assert cluster.leaked_blocks() == 0
+
+
+def _wait_restarted(cluster: PDCluster, timeout_s: float = 120.0) -> None:
+    """Until every worker answers: one that exited restarts (max_restarts), and a call that
+    reaches it meanwhile fails with ActorUnavailableError (the request may well have finished
+    before Ray has brought it back, on a slow machine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get([w.check_invariants.remote() for w in cluster.workers])
+            return
+        except ray.exceptions.ActorUnavailableError:
+            assert time.monotonic() < deadline, "a worker did not come back"
+            time.sleep(0.1)
 
 
 def test_drain_under_load_moves_running_decodes_and_loses_nothing(tiny_reference):
@@ -231,5 +247,6 @@ def test_a_failed_move_re_prefills_and_completes(expected, cluster):
         assert text == result.text
         if fault == "died":
             cluster.orchestrator.fleet.refresh()
+            _wait_restarted(cluster)
         _clean(cluster)
     assert cluster.orchestrator.migrations["fallback"] >= 2
