@@ -208,7 +208,7 @@ def test_a_lost_ack_is_closed_by_the_lease_in_both_ledgers():
         assert cluster.run_request(PROMPTS[2], GREEDY).token_ids
         ledger = cluster.orchestrator.ledger
         assert [h.kind for h in ledger.open_holds()] == ["staged"]   # left to the lease
-        deadline = time.time() + 20
+        deadline = time.time() + 60
         while ledger.open_holds() and time.time() < deadline:
             ray.get(p.expire_leases.remote())
             cluster.orchestrator.fleet.refresh()        # P's report says the lease expired

@@ -33,7 +33,7 @@ def _wait_until(cond, timeout=60.0):
         time.sleep(0.05)
 
 
-def _drained(cluster: PDCluster, timeout=30.0) -> None:
+def _drained(cluster: PDCluster, timeout=60.0) -> None:
     """Every worker's ledger holds, and nothing stays referenced (leases expire)."""
     def clean():
         try:   # a restarted worker answers once it is back (with an empty pool)

@@ -52,7 +52,7 @@ def _direct(cluster, prompt, max_tokens=10) -> list[int]:
 
 
 def _drained(cluster) -> None:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if not cluster.orchestrator.in_flight() and \
                 all(c["referenced"] == 0 for c in cluster.check_invariants()):
