@@ -131,8 +131,8 @@ def test_scale_up_and_down_while_requests_run_loses_none(server, capsys):
         # decode-1's running long request moves to decode-0 with its KV (live migration), so
         # decode-1 may already be gone
         assert "decode-1" not in rows or rows["decode-1"][3] == "draining"
-        # traffic meanwhile goes to the active workers only: once each of the 3 clients has
-        # had a request that arrived after the drain served (however slow the machine)
+        # traffic meanwhile goes to the active workers only: checked once three requests that
+        # arrived after the drain were served (however slow the machine)
         later: list[dict] = []
         deadline = time.monotonic() + 60
         while len(later) < 3:
