@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,14 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos=None) -> li
                              max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def wait_until(cond, timeout=60.0) -> None:
+    """Poll `cond` every 50 ms until it holds; fail the test after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def random_prompt(n: int, seed: int, vocab: int = 250, low: int = 3) -> list[int]:

@@ -6,12 +6,11 @@ requests elsewhere. Sampling never produces NaN, whatever the temperature or see
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import ray
 import torch
-from conftest import random_prompt
+from conftest import random_prompt, wait_until
 
 from cluster.pd import PDCluster, PDConfig
 from ingress.errors import classify
@@ -24,13 +23,6 @@ LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=8, ignore_eos=True)
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-
-def _wait_until(cond, timeout=60.0):
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def _referenced(cluster) -> int:
@@ -51,7 +43,7 @@ def test_a_failing_step_fails_only_its_requests_and_the_worker_serves_on():
                 out["e"] = e
         t = threading.Thread(target=run)
         t.start()
-        _wait_until(lambda: len(deltas) >= 3)
+        wait_until(lambda: len(deltas) >= 3)
         ray.get(decode.fail_next_steps.remote(1))
         t.join(60)
         assert "e" in out, "the request of the failed step did not fail"
@@ -60,7 +52,7 @@ def test_a_failing_step_fails_only_its_requests_and_the_worker_serves_on():
         assert "engine step failed" in err.message
         # the loop lives: the next request is served, the failed one left no block behind
         assert len(cluster.run_request(random_prompt(20, seed=2), SHORT).token_ids) == 8
-        _wait_until(lambda: _referenced(cluster) == 0, 60)
+        wait_until(lambda: _referenced(cluster) == 0, 60)
         s = ray.get(decode.stats.remote())
         assert s["loop_error"] is None and s["step_failures"] == 1
     finally:
@@ -77,18 +69,18 @@ def test_a_broken_loop_restarts_the_actor_and_its_request_is_retried():
                                            on_delta=deltas.append)
         t = threading.Thread(target=run)
         t.start()
-        _wait_until(lambda: len(deltas) >= 3)
+        wait_until(lambda: len(deltas) >= 3)
         orch = cluster.orchestrator
         victim = orch.in_flight_flights()[0].decode
         victim.crash_loop.remote()
         t.join(180)
         assert len(out["r"].token_ids) == LONG.max_tokens
         assert out["r"].lifecycle.retries >= 1
-        _wait_until(lambda: _pingable(victim), 120)      # restarted by Ray
+        wait_until(lambda: _pingable(victim), 120)      # restarted by Ray
         assert ray.get(victim.stats.remote())["loop_error"] is None
         assert [len(r.token_ids) for r in
                 cluster.generate([random_prompt(10, seed=s) for s in range(4)], SHORT)] == [8] * 4
-        _wait_until(lambda: _expire_and_count(cluster) == 0, 30)
+        wait_until(lambda: _expire_and_count(cluster) == 0, 30)
     finally:
         cluster.shutdown()
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import ray
-from conftest import make_engine, random_prompt
+from conftest import make_engine, random_prompt, wait_until
 
 from cluster.pd import PDCluster, PDConfig
 from protocol.messages import RequestInput
@@ -26,13 +26,6 @@ def _reference(tiny_loaded, prompts, sampling):
     return [r.output_token_ids for r in make_engine(tiny_loaded).generate(prompts, sampling)]
 
 
-def _wait_until(cond, timeout=60.0):
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def _drained(cluster: PDCluster, timeout=60.0) -> None:
     """Every worker's ledger holds, and nothing stays referenced (leases expire)."""
     def clean():
@@ -41,7 +34,7 @@ def _drained(cluster: PDCluster, timeout=60.0) -> None:
             return all(c["referenced"] == 0 for c in cluster.check_invariants())
         except ray.exceptions.ActorUnavailableError:
             return False
-    _wait_until(clean, timeout)
+    wait_until(clean, timeout)
 
 
 def _start(cluster, prompts, sampling):
@@ -63,7 +56,7 @@ def test_decode_worker_killed_mid_decode_request_completes(tiny_loaded):
             result["r"] = cluster.run_request(prompt, LONG, on_delta=deltas.append)
         t = threading.Thread(target=run)
         t.start()
-        _wait_until(lambda: sum(len(d.token_ids) for d in deltas) >= 20)
+        wait_until(lambda: sum(len(d.token_ids) for d in deltas) >= 20)
         victim = cluster.orchestrator.in_flight_flights()[0].decode
         ray.kill(victim, no_restart=False)          # Ray restarts it (max_restarts)
         t.join(120)
@@ -88,7 +81,7 @@ def test_prefill_worker_killed_requests_retry_elsewhere(tiny_loaded):
         victim = cluster.prefill[0]
         ray.get(victim.stall_next_step.remote(5.0))     # its next prefill hangs: kill lands
         t, out = _start(cluster, prompts, sampling)     # while a request is in it
-        _wait_until(lambda: ray.get(victim.load_report.remote()).busy_for_s > 0.2, 30)
+        wait_until(lambda: ray.get(victim.load_report.remote()).busy_for_s > 0.2, 30)
         ray.kill(victim, no_restart=False)
         t.join(180)
         results = out["r"]
@@ -154,14 +147,14 @@ def test_hung_prefill_worker_is_routed_around(tiny_loaded):
         # its next step hangs for 3.5 s: found hung (1 s) and routed around (~0.1 s) well within
         ray.get(stuck.stall_next_step.remote(3.5))
         t, out = _start(cluster, prompts[:1], sampling)    # round robin: lands on prefill-0
-        _wait_until(lambda: "prefill-0" in cluster.orchestrator.fleet.unhealthy, 20)
+        wait_until(lambda: "prefill-0" in cluster.orchestrator.fleet.unhealthy, 20)
         assert cluster.orchestrator.fleet.state["prefill-0"].draining
         results = cluster.generate(prompts[1:], sampling)  # served by prefill-1 meanwhile
         assert [r.token_ids for r in results] == expected[1:]
         assert {r.lifecycle.prefill_worker for r in results} == {"prefill-1"}
         t.join(60)
         assert out["r"][0].token_ids == expected[0]     # the stalled request finished too
-        _wait_until(lambda: "prefill-0" not in cluster.orchestrator.fleet.unhealthy, 20)
+        wait_until(lambda: "prefill-0" not in cluster.orchestrator.fleet.unhealthy, 20)
         _drained(cluster)
     finally:
         cluster.shutdown()
