@@ -5,6 +5,8 @@ the stock fallback too; bf16 logits within a stated tolerance; native kernel == 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from conftest import hf_greedy, make_engine, random_prompt
@@ -181,7 +183,27 @@ def test_native_kernel_builds_once_into_the_cache_and_reuses_it(tmp_path):
     assert lib.parent == tmp_path / "native" and lib.exists()
     mtime = lib.stat().st_mtime_ns
     assert kernels.build(tmp_path) == lib and lib.stat().st_mtime_ns == mtime   # not rebuilt
-    assert [p.name for p in lib.parent.iterdir()] == [lib.name]   # no temporary file left
+    # no temporary file left (the lock file stays: it is only ever locked, never rewritten)
+    assert {p.name for p in lib.parent.iterdir()} == {lib.name, lib.stem + ".lock"}
+
+
+def test_workers_starting_together_compile_the_kernel_once(tmp_path, monkeypatch):
+    """Builds that start together wait for one compile (each compiled on its own before: four
+    actors starting on a new 2-core machine ran four compiles at once)."""
+    calls = tmp_path / "calls"
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text("#!/bin/sh\n"
+                   'if [ "$1" = "--version" ]; then echo "fake-cxx 1.0"; exit 0; fi\n'
+                   f'echo compile >> "{calls}"\n'
+                   'while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done\n'
+                   'sleep 0.5\n'                      # long enough for the others to arrive
+                   'echo lib > "$out"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    with ThreadPoolExecutor(4) as pool:
+        libs = list(pool.map(lambda _: kernels.build(tmp_path), range(4)))
+    assert len(set(libs)) == 1 and libs[0].read_text() == "lib\n"
+    assert calls.read_text().splitlines() == ["compile"]
 
 
 def test_without_a_compiler_the_kernel_is_off_and_attention_takes_the_torch_path(

@@ -4,6 +4,8 @@
 // process its tile state).
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 
 #define AMX_BF16 \
@@ -16,5 +18,10 @@ struct alignas(64) TileConfig {   // palette 1
   uint16_t colsb[16];
   uint8_t rows[16];
 };
+
+// _tile_release() from code built without AMX in its target (the kernels' OpenMP regions: on a
+// CPU whose -march=native lacks AMX, such as an AVX2 Zen 3, GCC refuses to inline the intrinsic
+// there, so the library did not build at all)
+AMX_BF16 inline void release_tiles() { _tile_release(); }
 
 }  // namespace raypd_amx

@@ -237,6 +237,6 @@ extern "C" void raypd_prefill_attention_amx(uint16_t* out, const uint16_t* q, co
       const int64_t qb = qblocks - 1 - w / H, hq = w % H;
       item(out, q, kp.data() + (hq / G) * per_head, vt.data() + (hq / G) * per_head, s, hq, qb);
     }
-    _tile_release();
+    raypd_amx::release_tiles();
   }
 }

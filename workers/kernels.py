@@ -5,9 +5,10 @@ The source is plain C++ with a C ABI and no torch headers, so a build takes a se
 with the system compiler (a torch C++ extension took about a minute: torch's headers), and it
 does not depend on torch's version or the Python environment. The build folder is keyed by the
 source, the flags, the compiler's version and the CPU's features (-march=native: a cache on a
-home shared by different machines must not hand one the other's build). A build writes a
-temporary file and renames it into place, so concurrent builds (workers starting together)
-cannot leave a half-written library. Where it cannot be built (no compiler) or does not apply
+home shared by different machines must not hand one the other's build). A build holds a
+lock file beside the library (workers starting together compile it once; the others wait for
+it) and writes a temporary file that it renames into place, so no reader sees a half-written
+library. Where it cannot be built (no compiler) or does not apply
 (a GPU tensor, q and cache of different dtypes), the attention falls back to its pure-PyTorch
 path; `RAYPD_NATIVE_KERNELS=0` turns it off.
 """
@@ -15,6 +16,7 @@ path; `RAYPD_NATIVE_KERNELS=0` turns it off.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -95,17 +97,23 @@ def build(cache: Path) -> Path:
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".tmp", dir=lib.parent)
-    os.close(fd)
-    try:
-        out = subprocess.run([*cc[0], *CFLAGS, "-o", tmp, *map(str, SOURCES)],
-                             capture_output=True, text=True, timeout=300)
-        if out.returncode != 0:
-            raise RuntimeError(f"{' '.join(cc[0])} failed: {out.stderr.strip()[-2000:]}")
-        os.replace(tmp, lib)      # atomic: a concurrent build's rename wins, both are whole
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # one build at a time per key: workers starting together on a new machine wait for the
+    # first one's library instead of each compiling it (four compiles at once on 2 cores)
+    with open(lib.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return lib
+        fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".tmp", dir=lib.parent)
+        os.close(fd)
+        try:
+            out = subprocess.run([*cc[0], *CFLAGS, "-o", tmp, *map(str, SOURCES)],
+                                 capture_output=True, text=True, timeout=300)
+            if out.returncode != 0:
+                raise RuntimeError(f"{' '.join(cc[0])} failed: {out.stderr.strip()[-2000:]}")
+            os.replace(tmp, lib)  # atomic: a reader never sees a half-written library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return lib
 
 

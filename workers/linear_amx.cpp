@@ -157,6 +157,6 @@ extern "C" void raypd_linear_amx(uint16_t* out, const uint16_t* x, const uint16_
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < pairs; ++p)
       amx_pair(out, x, wp, bias, static_cast<int>(M), 2 * p, nblocks, N, K);
-    _tile_release();
+    raypd_amx::release_tiles();
   }
 }
