@@ -27,6 +27,18 @@ def test_auto_device_is_cuda_only_where_the_worker_holds_a_gpu(probe, expected):
     assert resolve_device("auto", probe).type == expected
 
 
+@pytest.mark.parametrize("native, saved, want", [
+    (True, "float32", "bfloat16"), (True, "bfloat16", "bfloat16"), (True, "float16", "bfloat16"),
+    # a CPU without native bf16 (AVX2 only): torch's bf16 matmuls are 5-10x slower there
+    (False, "bfloat16", "float32"), (False, "float16", "float32"), (False, "float32", "float32"),
+])
+def test_auto_dtype_on_the_cpu_is_bf16_only_where_the_cpu_multiplies_it_natively(
+        monkeypatch, native, saved, want):
+    from workers import device
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: native)
+    assert device.auto_dtype(saved, torch.device("cpu")) == want
+
+
 def test_explicit_devices_and_cuda_without_gpu_is_a_clear_error():
     gpu = DeviceProbe(cuda_available=True, in_ray_actor=True, ray_gpu_ids=(0,))
     assert resolve_device("cpu", gpu).type == "cpu"

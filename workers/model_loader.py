@@ -73,8 +73,8 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
     """Load `model` ("smollm2", "tiny" or a checkpoint path) in eval mode without grads.
 
-    `dtype` is "auto" (see workers/device.py: bfloat16 on hardware with native bf16, else the
-    checkpoint's own; float32 for tiny), "float32" or "bfloat16";
+    `dtype` is "auto" (see workers/device.py: bfloat16 on hardware with native bf16, float32 on
+    other CPUs; float32 for tiny), "float32" or "bfloat16";
     `seed` only affects "tiny".
     """
     if dtype != "auto" and dtype not in DTYPES:

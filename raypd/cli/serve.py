@@ -36,7 +36,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
                    help="model.dtype: the weights' dtype (auto: bfloat16 where the hardware "
                    "multiplies it natively, as AVX512-BF16/AMX CPUs and GPUs from Ampere on "
-                   "do; else the checkpoint's own)")
+                   "do; float32 on other CPUs; else the checkpoint's own)")
     p.add_argument("--kv-dtype", help="model.kv_dtype: auto, float32, bfloat16, int8, fp8 "
                    "(a quantized dtype must have passed its recorded kv-quality gate)")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
