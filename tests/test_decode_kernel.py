@@ -1,7 +1,8 @@
 """The native paged decode attention (workers/paged_decode.cpp) against a plain float64 PyTorch
 reference: GQA ratios 1, 3, 4, 8; head_dim 64 and 128; context lengths around a block's edges
 and a few thousand; block tables that are not contiguous; sliding windows; one thread and two
-(a long context is split between them); the AVX512-BF16 path and the portable one forced."""
+(a long context is split between them); the widest path the CPU has, the AVX2 one and the
+portable one forced."""
 
 from __future__ import annotations
 
@@ -50,7 +51,11 @@ def case(n_kv, group, head_dim, dtype, seed=0):
     return q, k_cache, v_cache, tables, lens
 
 
-@pytest.mark.parametrize("isa", ["fast", "portable"])
+def has_avx2() -> bool:
+    return kernels._module().path(64, 0, 1) == 1
+
+
+@pytest.mark.parametrize("isa", ["fast", "avx2", "portable"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -58,8 +63,10 @@ def case(n_kv, group, head_dim, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_matches_the_reference(monkeypatch, dtype, n_kv, group, head_dim, window,
                                             threads, isa):
-    if isa == "portable":
-        monkeypatch.setenv("RAYPD_KERNEL_ISA", "portable")
+    if isa == "avx2" and not has_avx2():
+        pytest.skip("no AVX2 + FMA on this CPU")
+    if isa != "fast":   # fast: the widest path the CPU has (AVX512-BF16 for bf16, or AVX2)
+        monkeypatch.setenv("RAYPD_KERNEL_ISA", isa)
     q, k_cache, v_cache, tables, lens = case(n_kv, group, head_dim, dtype)
     scale = head_dim ** -0.5
     before = torch.get_num_threads()
@@ -76,25 +83,32 @@ def test_decode_kernel_matches_the_reference(monkeypatch, dtype, n_kv, group, he
 
 def test_the_kernel_names_the_path_it_takes(monkeypatch):
     cpu = torch.device("cpu")
-    fast = kernels._module().isa(64, 0) == 2
+    avx512 = kernels._module().path(64, 1, 2) == 2
+    avx2 = "native-cpu-avx2" if has_avx2() else "native-cpu"
     assert kernels.decode_kernel_name(cpu, torch.bfloat16) == \
-        ("native-cpu-avx512bf16" if fast else "native-cpu")
-    assert kernels.decode_kernel_name(cpu, torch.float32) == "native-cpu"
+        ("native-cpu-avx512bf16" if avx512 else avx2)
+    assert kernels.decode_kernel_name(cpu, torch.float32) == avx2
+    assert kernels.decode_kernel_name(cpu, torch.float32, head_dim=60) == "native-cpu"  # D % 8
+    monkeypatch.setenv("RAYPD_KERNEL_ISA", "avx2")
+    assert kernels.decode_kernel_name(cpu, torch.bfloat16) == avx2
     monkeypatch.setenv("RAYPD_KERNEL_ISA", "portable")
     assert kernels.decode_kernel_name(cpu, torch.bfloat16) == "native-cpu"
+    assert kernels.decode_kernel_name(cpu, torch.float32) == "native-cpu"
 
 
-def test_fast_and_portable_paths_give_the_same_tokens(monkeypatch, tiny_loaded):
-    """The whole engine in bfloat16, greedy: the AVX512-BF16 path and the portable one agree
-    token for token (the portable path is what a CPU without AVX512-BF16 runs)."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fast_avx2_and_portable_paths_give_the_same_tokens(monkeypatch, dtype):
+    """The whole engine, greedy: the widest path (AVX512-BF16 for bf16 where the CPU has it),
+    the AVX2 one and the portable one agree token for token."""
     from conftest import make_engine, random_prompt
 
     from workers.model_loader import load_model
     from workers.request import SamplingParams
-    loaded = load_model("tiny", "bfloat16")
+    loaded = load_model("tiny", dtype)
     prompts = [random_prompt(n, seed=n) for n in (5, 17, 40, 90)]
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
-    fast = [r.output_token_ids for r in make_engine(loaded).generate(prompts, greedy)]
-    monkeypatch.setenv("RAYPD_KERNEL_ISA", "portable")
-    portable = [r.output_token_ids for r in make_engine(loaded).generate(prompts, greedy)]
-    assert fast == portable
+    tokens = {}
+    for isa in ("", "avx2", "portable"):
+        monkeypatch.setenv("RAYPD_KERNEL_ISA", isa)
+        tokens[isa] = [r.output_token_ids for r in make_engine(loaded).generate(prompts, greedy)]
+    assert tokens[""] == tokens["avx2"] == tokens["portable"]

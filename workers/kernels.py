@@ -48,16 +48,23 @@ MAX_GROUP = 16   # query heads per KV head the kernel takes
 MAX_KV_HEADS = 256
 
 
+def isa_cap() -> int:
+    """The widest instructions the native kernels may use, by `RAYPD_KERNEL_ISA` (tests compare
+    the paths on one CPU): 0 `portable` (plain loops), 1 `avx2` (AVX2 + FMA: no AVX512 or AMX
+    path even where the CPU has them), 2 anything the CPU has (unset, or `avx512bf16`)."""
+    return {"portable": 0, "avx2": 1}.get(os.environ.get("RAYPD_KERNEL_ISA", ""), 2)
+
+
 def force_portable() -> bool:
-    """`RAYPD_KERNEL_ISA=portable`: the kernel's plain-loop path even where the CPU has
-    AVX512-BF16 (tests compare the two)."""
-    return os.environ.get("RAYPD_KERNEL_ISA", "") == "portable"
+    """`RAYPD_KERNEL_ISA=portable`: the kernels' plain-loop paths even where the CPU has
+    AVX2 or AVX512-BF16."""
+    return isa_cap() == 0
 
 
 def force_no_amx() -> bool:
-    """`RAYPD_KERNEL_ISA=avx512bf16` (or `portable`): no AMX path even where the CPU has it
-    (decode linears take the AVX512-BF16 small-M kernel; tests cover both)."""
-    return force_portable() or os.environ.get("RAYPD_KERNEL_ISA", "") == "avx512bf16"
+    """`RAYPD_KERNEL_ISA=avx512bf16` (or `avx2`, `portable`): no AMX path even where the CPU has
+    it (decode linears take the AVX512-BF16 small-M kernel; tests cover both)."""
+    return isa_cap() < 2 or os.environ.get("RAYPD_KERNEL_ISA", "") == "avx512bf16"
 
 
 def _cpu_features() -> str:
@@ -126,14 +133,14 @@ def _module():
     try:
         lib = ctypes.CDLL(str(build(cache_dir())))
         fn = lib.raypd_paged_decode
-        isa = lib.raypd_decode_isa
+        path = lib.raypd_decode_path
     except (OSError, RuntimeError, ValueError, AttributeError,
             subprocess.SubprocessError) as e:   # ValueError: $CXX unparsable
         log.warning("raypd: native decode attention unavailable (%s); using PyTorch ops", e)
         return None
     fn.argtypes, fn.restype = ARGTYPES, ctypes.c_int
-    isa.argtypes, isa.restype = [_i64, ctypes.c_int], ctypes.c_int
-    fn.isa = isa
+    path.argtypes, path.restype = [_i64, ctypes.c_int, ctypes.c_int], ctypes.c_int
+    fn.path = path
     fn.add_rms_norm = lib.raypd_add_rms_norm
     fn.add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_double, ctypes.c_int]
     fn.rope_and_cache = lib.raypd_rope_and_cache
@@ -187,7 +194,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
           lens.data_ptr(), out.data_ptr(), B, H, D, bs, h_kv, tables.shape[1], num_blocks,
           float(scale), int(window or 0), DTYPE_CODES[q.dtype], torch.get_num_threads(),
-          int(force_portable())):
+          isa_cap()):
         raise ValueError("paged_decode: a context length outside its block table, or a block "
                          "outside the pool")
     return out
@@ -196,13 +203,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def decode_kernel_name(device: torch.device, dtype: torch.dtype | None = None,
                        head_dim: int = 64) -> str:
     """Which decode attention runs: native-cpu-avx512bf16 (bf16 pools on a CPU with
-    AVX512-BF16), native-cpu (the kernel's portable loops), or torch."""
+    AVX512-BF16), native-cpu-avx2 (AVX2 + FMA: float32 pools, bf16 pools elsewhere),
+    native-cpu (the kernel's portable loops), or torch."""
     fn = _module() if device.type == "cpu" else None
     if fn is None:
         return "torch"
-    if dtype == torch.bfloat16 and fn.isa(head_dim, int(force_portable())) == 2:
-        return "native-cpu-avx512bf16"
-    return "native-cpu"
+    code = DTYPE_CODES.get(dtype if dtype is not None else torch.float32)
+    path = fn.path(head_dim, code, isa_cap()) if code is not None else 0
+    return {2: "native-cpu-avx512bf16", 1: "native-cpu-avx2"}.get(path, "native-cpu")
 
 
 # ---- fused small operations of the compact model (bf16 on the CPU; workers/fused_ops.cpp) ----
@@ -259,7 +267,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def linear_small_m_rows(weight: torch.Tensor) -> int:
     """The most rows of x the small-M linear takes for this weight (0: it does not apply)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 \
-            or force_portable():
+            or isa_cap() < 2:
         return 0
     return _small_m_max()
 

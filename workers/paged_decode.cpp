@@ -7,9 +7,10 @@
 // until the AVX512 path read a tile for all heads at once: each token's heads x D are
 // contiguous, so a block is one run of memory. SmolLM2, batch 16 x 570 tokens, 2 threads:
 // 0.59 -> 0.56 ms a layer with every layer's pool cold; 15.5 -> 13.9 ms of a decode step.)
-// Dot products: AVX512-BF16 (vdpbf16ps: bf16 pairs into float32) for bf16 pools where the CPU
-// has it, chosen at run time; elsewhere (float32 pools, other CPUs, or isa = 1: the portable
-// path forced) plain loops the compiler vectorizes, rows converted to float32 first.
+// Dot products, chosen at run time (raypd_decode_path): AVX512-BF16 (vdpbf16ps: bf16 pairs into
+// float32) for bf16 pools where the CPU has it; else AVX2 + FMA on rows widened to float32
+// (float32 pools, and bf16 pools on CPUs such as Zen 3); else (or the portable path forced)
+// plain loops the compiler vectorizes, rows converted to float32 first.
 // Invariants: k_cache and v_cache are [num_blocks, block_size, kv_heads, head_dim] contiguous;
 // block_tables[b] covers context_lens[b] tokens; window > 0 keeps only the last `window` keys.
 // Plain C++ with a C ABI (no torch headers; workers/kernels.py loads it with ctypes and hands it
@@ -257,11 +258,217 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
     }
 }
 
+// The same on AVX2 + FMA (any x86-64 CPU since about 2013: Zen, Haswell), float32 or bf16 pools,
+// for CPUs without AVX512-BF16 (and float32 pools everywhere): a work item's tiles of up to 8
+// tokens (a block's, or what a block holds of the run) are read once for every KV head; bf16
+// rows are widened to float32 once per tile. Per KV head: each token's key dotted with the head's
+// G query heads (8 tokens' sums in flight, reduced into one register of 8 scores), an online
+// softmax over the tile as one vector, then the values weighted by their probabilities into
+// each query head's float32 accumulator (in memory between tiles, two 8-lane chunks at a time).
+// D a multiple of 8. (The portable loops, one token and query head at a time with a scalar exp:
+// SmolLM2 batch 16 x 570 tokens, float32, 2 threads, 4.4 ms a layer on a Zen 3.)
+#define AVX2_FMA __attribute__((target("avx2,fma")))
+
+inline bool cpu_has_avx2_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+AVX2_FMA inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2_FMA inline __m256 load8(const bf16* p) {   // bf16 -> float32 is exact: the bits shifted up
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// lane i of the result = the sum of v[i]'s 8 lanes
+AVX2_FMA inline __m256 reduce8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+AVX2_FMA inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// e^x for x <= 0 on 8 lanes (as exp_avx512.h: 2^n e^(f ln 2), Taylor to the 7th power)
+AVX2_FMA inline __m256 exp8_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 y = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 720));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));   // 2^n: n >= -126 after the clamp
+}
+
+// acc[j] (D floats, j < NG query heads) += sum over the tile's tokens i of prob[j][i] * v[i]:
+// two 8-lane chunks at a time, each token's two value chunks loaded once for all NG heads
+// (2 NG independent sums in registers). prob: NG rows of 8.
+template <int NG>
+AVX2_FMA inline void pv_avx2(const float (*prob)[8], const float* const* v, int64_t D,
+                             int64_t h, int64_t n, float* acc) {
+  int64_t c = 0;
+  for (; c + 16 <= D; c += 16) {
+    __m256 a0[NG], a1[NG];
+    for (int j = 0; j < NG; ++j) {
+      a0[j] = _mm256_loadu_ps(acc + j * D + c);
+      a1[j] = _mm256_loadu_ps(acc + j * D + c + 8);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 v0 = _mm256_loadu_ps(v[i] + h * D + c), v1 = _mm256_loadu_ps(v[i] + h * D + c + 8);
+      for (int j = 0; j < NG; ++j) {
+        const __m256 pv = _mm256_broadcast_ss(&prob[j][i]);
+        a0[j] = _mm256_fmadd_ps(pv, v0, a0[j]);
+        a1[j] = _mm256_fmadd_ps(pv, v1, a1[j]);
+      }
+    }
+    for (int j = 0; j < NG; ++j) {
+      _mm256_storeu_ps(acc + j * D + c, a0[j]);
+      _mm256_storeu_ps(acc + j * D + c + 8, a1[j]);
+    }
+  }
+  for (; c < D; c += 8) {
+    __m256 a0[NG];
+    for (int j = 0; j < NG; ++j) a0[j] = _mm256_loadu_ps(acc + j * D + c);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 v0 = _mm256_loadu_ps(v[i] + h * D + c);
+      for (int j = 0; j < NG; ++j)
+        a0[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(&prob[j][i]), v0, a0[j]);
+    }
+    for (int j = 0; j < NG; ++j) _mm256_storeu_ps(acc + j * D + c, a0[j]);
+  }
+}
+
+// One KV head h over a tile of n <= 8 tokens: rows k[i], v[i] (float32, heads x D each);
+// q: the head's G query rows, float32, scaled; acc: G x D; lsum: G x 8 lanes of l.
+AVX2_FMA
+inline void tile_head_avx2(const float* q, const float* const* k, const float* const* v,
+                           int64_t G, int64_t D, int64_t h, int64_t n, Partial& p, float* acc,
+                           float* lsum) {
+  alignas(32) float prob[MAX_G][8];
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 dots[8];
+    for (int i = 0; i < 8; ++i) dots[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + g * D + c);
+      for (int64_t i = 0; i < 8; ++i)   // rows past n point at row 0: computed, then masked
+        dots[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + h * D + c), dots[i]);
+    }
+    const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), reduce8(dots), valid);
+    const float mx = std::max(p.m[g], hmax8(sc));
+    __m256 ls = _mm256_loadu_ps(lsum + 8 * g);
+    if (mx > p.m[g]) {                 // a new max: rescale what was summed so far
+      const float c = p.m[g] > -FLT_MAX ? std::exp(p.m[g] - mx) : 0.f;
+      const __m256 cv = _mm256_set1_ps(c);
+      ls = _mm256_mul_ps(ls, cv);
+      float* ag = acc + g * D;
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(ag + d, _mm256_mul_ps(_mm256_loadu_ps(ag + d), cv));
+      p.m[g] = mx;
+    }
+    const __m256 e = _mm256_and_ps(exp8_nonpositive(_mm256_sub_ps(sc, _mm256_set1_ps(mx))), valid);
+    _mm256_storeu_ps(lsum + 8 * g, _mm256_add_ps(ls, e));
+    _mm256_store_ps(prob[g], e);
+  }
+  for (int64_t g = 0; g < G; g += 4) {   // query heads 4 at a time: a token's values loaded once
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: pv_avx2<4>(prob + g, v, D, h, n, acc + g * D); break;
+      case 3: pv_avx2<3>(prob + g, v, D, h, n, acc + g * D); break;
+      case 2: pv_avx2<2>(prob + g, v, D, h, n, acc + g * D); break;
+      default: pv_avx2<1>(prob + g, v, D, h, n, acc + g * D); break;
+    }
+  }
+}
+
+// Tokens [t0, t1) of sequence b for every KV head (p[h]: KV head h's partial).
+template <typename T>
+AVX2_FMA void attend_avx2(const T* qp, const T* kp, const T* vp, const int64_t* table,
+                          const Shape& s, int64_t b, int64_t t0, int64_t t1, Partial* const* p) {
+  const int64_t G = s.G, D = s.D, Hkv = s.Hkv, HD = Hkv * D;
+  std::vector<float> buf(s.H * D + Hkv * G * 8 + (sizeof(T) == 2 ? 16 * HD : 0) + 8);
+  float* q = buf.data();                       // every query head, float32, scaled
+  float* lsum = q + s.H * D;                   // Hkv x G x 8
+  float* rows = lsum + Hkv * G * 8;            // bf16 pools: the tile's K then V rows, widened
+  for (int64_t j = 0; j < s.H * D; ++j) {
+    float x;
+    if constexpr (sizeof(T) == 2) x = bf16_to_f(qp[b * s.H * D + j].x);
+    else x = qp[b * s.H * D + j];
+    q[j] = x * s.scale;
+  }
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < 8; ++i) lsum[(h * G + g) * 8 + i] = i == 0 ? p[h]->l[g] : 0.f;
+  const float* krow[8];
+  const float* vrow[8];
+  const int64_t row_bytes = s.row * static_cast<int64_t>(sizeof(T));
+  int64_t t = t0;
+  while (t < t1) {
+    const int64_t blk = t / s.bs;
+    const int64_t n = std::min<int64_t>({8, t1 - t, (blk + 1) * s.bs - t});
+    const int64_t base = table[b * s.W + blk] * s.bs + t % s.bs;
+    const int64_t t2 = (blk + 1) * s.bs;   // where the next block's rows start
+    if ((t == t0 || t % s.bs == 0) && t2 < t1) {   // at a block's first tile, the next
+      // block's rows on their way (blocks are scattered: no hardware prefetcher finds them; a
+      // block's own tiles are one run of memory, which it does find)
+      const int64_t m = std::min<int64_t>(s.bs, t1 - t2);
+      const int64_t nb = table[b * s.W + t2 / s.bs] * s.bs;
+      const char* kr = reinterpret_cast<const char*>(kp + nb * s.row);
+      const char* vr = reinterpret_cast<const char*>(vp + nb * s.row);
+      for (int64_t c = 0; c < m * row_bytes; c += 64) {
+        _mm_prefetch(kr + c, _MM_HINT_T0);
+        _mm_prefetch(vr + c, _MM_HINT_T0);
+      }
+    }
+    for (int64_t i = 0; i < 8; ++i) {   // rows past n repeat row 0 (their scores are masked)
+      const int64_t r = i < n ? i : 0;
+      if constexpr (sizeof(T) == 2) {
+        float* kf = rows + i * HD;
+        float* vf = rows + (8 + i) * HD;
+        if (i < n)
+          for (int64_t d = 0; d < HD; d += 8) {
+            _mm256_storeu_ps(kf + d, load8(kp + (base + r) * s.row + d));
+            _mm256_storeu_ps(vf + d, load8(vp + (base + r) * s.row + d));
+          }
+        krow[i] = i < n ? kf : rows;
+        vrow[i] = i < n ? vf : rows + 8 * HD;
+      } else {
+        krow[i] = reinterpret_cast<const float*>(kp + (base + r) * s.row);
+        vrow[i] = reinterpret_cast<const float*>(vp + (base + r) * s.row);
+      }
+    }
+    for (int64_t h = 0; h < Hkv; ++h)
+      tile_head_avx2(q + h * G * D, krow, vrow, G, D, h, n, *p[h], p[h]->acc,
+                     lsum + h * G * 8);
+    t += n;
+  }
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t g = 0; g < G; ++g) {
+      float l = 0.f;
+      for (int64_t i = 0; i < 8; ++i) l += lsum[(h * G + g) * 8 + i];
+      p[h]->l[g] = l;
+    }
+}
+
 // q, out: [B, H, D]; k_cache, v_cache: [num_blocks, bs, Hkv, D]; block_tables: [B, W] int64;
 // context_lens: [B] int64; all contiguous
 template <typename T>
 void run(const T* qp, const T* kp, const T* vp, const int64_t* tp, const int64_t* lp, T* op,
-         int64_t B, const Shape& s, int64_t window, int nthreads, bool fast) {
+         int64_t B, const Shape& s, int64_t window, int nthreads, int path) {
   const int64_t items = B * s.Hkv;
   // split long contexts while there are fewer sequences than threads (at least 4 blocks a split)
   int64_t max_len = 0;
@@ -290,10 +497,14 @@ void run(const T* qp, const T* kp, const T* vp, const int64_t* tp, const int64_t
     Partial* p[MAX_HKV];
     for (int64_t h = 0; h < s.Hkv; ++h) p[h] = &parts[(b * s.Hkv + h) * splits + k];
     if constexpr (sizeof(T) == 2) {
-      if (fast) {
+      if (path == 2) {
         attend_bf16_avx512(qp, kp, vp, tp, s, b, t0, t1, p);
         continue;
       }
+    }
+    if (path == 1) {
+      attend_avx2(qp, kp, vp, tp, s, b, t0, t1, p);
+      continue;
     }
     for (int64_t h = 0; h < s.Hkv; ++h)
       attend_portable(qp, kp, vp, tp, s, b, h, t0, t1, *p[h]);
@@ -338,31 +549,35 @@ static bool in_bounds(const int64_t* tp, const int64_t* lp, int64_t B, int64_t b
   return true;
 }
 
-// Which dot-product path a bf16 pool of this head_dim takes: 2 AVX512-BF16, 1 portable.
-extern "C" int raypd_decode_isa(int64_t D, int force_portable) {
-  return !force_portable && D % 32 == 0 && D <= MAX_D && raypd_bf16::cpu_has_avx512_bf16()
-             ? 2
-             : 1;
+// Which path a pool of this head_dim and dtype (0 float32, 1 bfloat16) takes: 2 AVX512-BF16
+// (bf16 pools), 1 AVX2 + FMA, 0 the portable loops. cap: 2 any, 1 at most AVX2
+// (RAYPD_KERNEL_ISA=avx2), 0 portable (RAYPD_KERNEL_ISA=portable).
+extern "C" int raypd_decode_path(int64_t D, int dtype, int cap) {
+  if (cap >= 2 && dtype == 1 && D % 32 == 0 && D <= MAX_D && raypd_bf16::cpu_has_avx512_bf16())
+    return 2;
+  if (cap >= 1 && D % 8 == 0 && D <= MAX_D && cpu_has_avx2_fma()) return 1;
+  return 0;
 }
 
-// dtype: 0 float32, 1 bfloat16. The caller (workers/kernels.py) checks shapes, contiguity and
-// dtypes; head_dim <= 512, H a multiple of Hkv, H / Hkv <= 16, Hkv <= 256. Returns 0, or 1 (nothing
-// computed) when a context length or a block it reads is outside its table or the pool.
+// dtype: 0 float32, 1 bfloat16; cap as raypd_decode_path's. The caller (workers/kernels.py)
+// checks shapes, contiguity and dtypes; head_dim <= 512, H a multiple of Hkv, H / Hkv <= 16,
+// Hkv <= 256. Returns 0, or 1 (nothing computed) when a context length or a block it reads is
+// outside its table or the pool.
 extern "C" int raypd_paged_decode(const void* q, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, const int64_t* context_lens,
                                   void* out, int64_t B, int64_t H, int64_t D, int64_t bs,
                                   int64_t Hkv, int64_t W, int64_t num_blocks, double scale,
-                                  int64_t window, int dtype, int nthreads, int force_portable) {
+                                  int64_t window, int dtype, int nthreads, int cap) {
   if (!in_bounds(block_tables, context_lens, B, bs, W, num_blocks)) return 1;
   const Shape s{H, D, bs, Hkv, W, H / Hkv, Hkv * D, static_cast<float>(scale)};
   nthreads = std::max(1, nthreads);
   if (dtype == 1)
     run(static_cast<const bf16*>(q), static_cast<const bf16*>(k_cache),
         static_cast<const bf16*>(v_cache), block_tables, context_lens, static_cast<bf16*>(out),
-        B, s, window, nthreads, raypd_decode_isa(D, force_portable) == 2);
+        B, s, window, nthreads, raypd_decode_path(D, 1, cap));
   else
     run(static_cast<const float*>(q), static_cast<const float*>(k_cache),
         static_cast<const float*>(v_cache), block_tables, context_lens,
-        static_cast<float*>(out), B, s, window, nthreads, false);
+        static_cast<float*>(out), B, s, window, nthreads, raypd_decode_path(D, 0, cap));
   return 0;
 }
