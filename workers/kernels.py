@@ -55,12 +55,6 @@ def isa_cap() -> int:
     return {"portable": 0, "avx2": 1}.get(os.environ.get("RAYPD_KERNEL_ISA", ""), 2)
 
 
-def force_portable() -> bool:
-    """`RAYPD_KERNEL_ISA=portable`: the kernels' plain-loop paths even where the CPU has
-    AVX2 or AVX512-BF16."""
-    return isa_cap() == 0
-
-
 def force_no_amx() -> bool:
     """`RAYPD_KERNEL_ISA=avx512bf16` (or `avx2`, `portable`): no AMX path even where the CPU has
     it (decode linears take the AVX512-BF16 small-M kernel; tests cover both)."""
