@@ -17,6 +17,7 @@ from workers.attention import DecodeGroup, LayerKV, _decode_attention_torch
 from workers.model_loader import load_model
 from workers.request import SamplingParams
 
+BF16 = torch.bfloat16
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
@@ -24,10 +25,10 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 WINDOW = 24   # the Mistral-shaped model's sliding window: shorter than most prompts below
 
 
-def _save_checkpoint(path, config_cls, tokenizer, seed: int, **extra):
+def _save_checkpoint(path, config_cls, tokenizer, seed: int, dtype=torch.float32, **extra):
     config = config_cls(vocab_size=len(tokenizer), **SHAPE, **extra)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -45,6 +46,9 @@ def checkpoints(tmp_path_factory):
                                             sliding_window=WINDOW),
         "llama_gelu": _save_checkpoint(root / "gelu", LlamaConfig, tokenizer, 4,
                                        hidden_act="gelu"),
+        # bf16 checkpoints (as SmolLM2's), served in float32 on a CPU without native bf16
+        "llama_bf16": _save_checkpoint(root / "llama_bf16", LlamaConfig, tokenizer, 5, BF16),
+        "qwen2_bf16": _save_checkpoint(root / "qwen2_bf16", Qwen2Config, tokenizer, 6, BF16),
     }
 
 
@@ -73,6 +77,24 @@ def test_greedy_matches_generate_for_each_family(checkpoints, family, model_impl
     for r in reqs:
         assert r.output_token_ids == hf_greedy(reference, r.prompt_token_ids, 20), \
             f"{family}/{model_impl}: {len(r.prompt_token_ids)}-token prompt"
+    _drained(engine)
+
+
+@pytest.mark.parametrize("family", ["llama_bf16", "qwen2_bf16"])
+def test_float32_model_of_a_bf16_checkpoint_matches_generate(checkpoints, family):
+    """A bf16 checkpoint in float32: decode steps' linears read the weights as bf16 (exact)
+    through workers/linear_w16.cpp where the CPU has AVX2 + FMA; greedy tokens are still
+    generate()'s in float32, at batch 8 (8 rows) and alone (1 row)."""
+    path = checkpoints[family]
+    engine = make_engine(load_model(str(path), "float32"))
+    w16 = kernels.linear_w16_rows(torch.zeros(1, 1)) > 0
+    assert ("bf16-weights" in engine.get_stats()["linear_kernel"]) == w16
+    prompts = [random_prompt(n, seed=200 + i) for i, n in enumerate(PROMPT_LENS)]
+    reference = _reference(path)
+    for reqs in (engine.generate(prompts, GREEDY), engine.generate(prompts[:1], GREEDY)):
+        for r in reqs:
+            assert r.output_token_ids == hf_greedy(reference, r.prompt_token_ids, 20), \
+                f"{family}: {len(r.prompt_token_ids)}-token prompt"
     _drained(engine)
 
 

@@ -34,6 +34,7 @@ SOURCE = Path(__file__).with_name("paged_decode.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("fused_ops.cpp"),
            Path(__file__).with_name("linear_small_m.cpp"),
            Path(__file__).with_name("linear_amx.cpp"),
+           Path(__file__).with_name("linear_w16.cpp"),
            Path(__file__).with_name("attention_amx.cpp"))          # one library
 HEADERS = (Path(__file__).with_name("bf16.h"),                    # part of its build key
            Path(__file__).with_name("exp_avx512.h"), Path(__file__).with_name("amx.h"))
@@ -149,9 +150,13 @@ def _module():
     fn.linear_amx.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int]
     lib.raypd_linear_amx_max.restype = ctypes.c_int64
     fn.amx_max = int(lib.raypd_linear_amx_max())           # 0: no AMX-BF16
+    fn.linear_w16 = lib.raypd_linear_w16
+    fn.linear_w16.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int]
+    lib.raypd_linear_w16_max.restype = ctypes.c_int64
+    fn.w16_max = int(lib.raypd_linear_w16_max())           # 0: no AVX2 + FMA
     fn.prefill_attention_amx = lib.raypd_prefill_attention_amx
     fn.prefill_attention_amx.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, ctypes.c_int]
-    for f in (fn.add_rms_norm, fn.silu_mul, fn.linear_small_m, fn.linear_amx,
+    for f in (fn.add_rms_norm, fn.silu_mul, fn.linear_small_m, fn.linear_amx, fn.linear_w16,
               fn.prefill_attention_amx):
         f.restype = None
     fn.rope_and_cache.restype = ctypes.c_int
@@ -287,6 +292,41 @@ def linear_small_m(x: torch.Tensor, weight: torch.Tensor,
     _module().linear_small_m(out.data_ptr(), x2.data_ptr(), weight.data_ptr(),
                              0 if bias is None else bias.data_ptr(), m, n, k,
                              torch.get_num_threads())
+    return out.view(*lead, n)
+
+
+# ---- float32 linears of few rows whose weights are bf16 values, stored as bf16 (linear_w16.cpp) ----
+def linear_w16_rows(weight: torch.Tensor) -> int:
+    """The most rows of x the bf16-stored float32 linear takes for this weight (0: it does not
+    apply: not a float32 CPU weight, a value bf16 does not hold exactly, no AVX2 + FMA, or
+    RAYPD_KERNEL_ISA=portable)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 \
+            or isa_cap() < 1:
+        return 0
+    fn = _module()
+    if fn is None or fn.w16_max == 0:
+        return 0
+    if not torch.equal(weight.to(torch.bfloat16).float(), weight):
+        return 0      # a float32 checkpoint's own values: stored as bf16 they would change
+    return fn.w16_max
+
+
+def linear_w16(x: torch.Tensor, w16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] float32 @ W [N, K]^T (+ bias [N]) for at most linear_w16_rows(W) rows of x,
+    with W held as `w16` (W.to(bfloat16), exact): the float32 products and sums, in another
+    order, reading half the bytes."""
+    n, k = w16.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    assert x.dtype == torch.float32 and w16.dtype == torch.bfloat16 and w16.is_contiguous()
+    assert x.shape[-1] == k and 1 <= m <= _module().w16_max, (x.shape, m)
+    if bias is not None:
+        assert bias.shape == (n,) and bias.dtype == torch.float32 and bias.is_contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    _module().linear_w16(out.data_ptr(), x2.data_ptr(), w16.data_ptr(),
+                         0 if bias is None else bias.data_ptr(), m, n, k,
+                         torch.get_num_threads())
     return out.view(*lead, n)
 
 

@@ -29,6 +29,9 @@ class Linear(nn.Module):
       workers/linear_amx.cpp on a VNNI-packed copy (`vnni`);
     - else on a CPU with AVX512-BF16, up to `small_m` (4) rows run workers/linear_small_m.cpp on
       the plain weight (kept beside the packed copy).
+    A float32 step of few rows whose weights are all bf16 values (a float32 model of a bf16
+    checkpoint, as on a CPU without native bf16) streams them as bf16 through
+    workers/linear_w16.cpp (AVX2 + FMA): exact, half the bytes, up to `w16_m` (16) rows.
     Elsewhere (cuda) it is `F.linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -42,6 +45,10 @@ class Linear(nn.Module):
         self.vnni = kernels.pack_vnni(self.weight) if self.amx_m else None
         self.small_m = kernels.linear_small_m_rows(self.weight) \
             if prepack and not self.amx_m else 0
+        self.w16_m = kernels.linear_w16_rows(self.weight) if prepack else 0
+        self.w16 = self.weight.to(torch.bfloat16) if self.w16_m else None
+        if self.w16_m and self.bias is not None and self.bias.dtype != torch.float32:
+            self.w16_m, self.w16 = 0, None
         if prepack and _can_prepack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
@@ -55,6 +62,8 @@ class Linear(nn.Module):
         name = "onednn-packed" if self.packed is not None else "torch"
         if self.amx_m:
             return f"{name}+amx-bf16"
+        if self.w16_m:
+            return f"{name}+small-m-bf16-weights-avx2"
         return f"{name}+small-m-avx512bf16" if self.small_m else name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +72,9 @@ class Linear(nn.Module):
                 return kernels.linear_amx(x, self.vnni, self.out_features, self.bias)
             if self.small_m and x.numel() <= self.small_m * self.in_features:
                 return kernels.linear_small_m(x, self.weight, self.bias)
+        elif self.w16_m and x.dtype == torch.float32 \
+                and 0 < x.numel() <= self.w16_m * self.in_features:
+            return kernels.linear_w16(x, self.w16, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
