@@ -274,3 +274,19 @@ def test_blocked_prefill_attention_gives_the_same_tokens(checkpoints, family, mo
     for r in reqs:
         assert r.output_token_ids == hf_greedy(reference, r.prompt_token_ids, 20)
     _drained(engine)
+
+
+def test_decode_bound_counts_the_weight_bytes_the_linears_read(checkpoints):
+    """`raypd bench engine`'s decode bound is taken on the bytes a step streams: a float32 model
+    of a bf16 checkpoint reads its linears' weights as bf16 (where the CPU has AVX2 + FMA), so
+    they count 2 bytes a value, not 4; a float32 checkpoint's count 4."""
+    from raypd.bench.engine import _decode_weight_bytes
+    from workers.layers import Linear
+    for family, halved in (("llama_bf16", kernels.linear_w16_rows(torch.zeros(1, 1)) > 0),
+                           ("llama", False)):
+        hf, _, _ = loaded = load_model(str(checkpoints[family]), "float32")
+        engine = make_engine(loaded)
+        full = sum(p.numel() * 4 for p in hf.parameters())
+        linear = sum(m.out_features * m.in_features for m in engine.runner.compact.modules()
+                     if isinstance(m, Linear))
+        assert _decode_weight_bytes(engine, hf) == (full - 2 * linear if halved else full)

@@ -97,7 +97,8 @@ class _TimedKernels:
     """workers/kernels.py's native library with every call timed (the bench swaps it in for
     `kernels._module` while it counts; attributes that are not calls pass through)."""
 
-    CALLS = ("add_rms_norm", "rope_and_cache", "silu_mul", "linear_small_m", "linear_amx")
+    CALLS = ("add_rms_norm", "rope_and_cache", "silu_mul", "linear_small_m", "linear_amx",
+             "linear_w16")
 
     def __init__(self, lib) -> None:
         self._lib, self.seconds = lib, 0.0
@@ -154,6 +155,21 @@ def _python_overhead_ms(engine: LLMEngine, prompts: list[list[int]], steps: int 
     step_ms = 1e3 * statistics.median(plain)
     return {"step_ms": step_ms, "torch_ops_ms": torch_ms, "native_kernels_ms": native_ms,
             "python_overhead_ms": step_ms - torch_ms - native_ms}
+
+
+def _decode_weight_bytes(engine: LLMEngine, hf_model) -> int:
+    """The weight bytes a decode step streams: the model's parameters in its dtype, less what
+    the linears that hold their weights as bf16 (workers/linear_w16.cpp: a float32 model of a
+    bf16 checkpoint) do not read. The decode bound is taken on these, not on float32 bytes the
+    engine never reads."""
+    from workers.layers import Linear
+    total = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    compact = getattr(engine.runner, "compact", None)
+    if compact is None:
+        return total
+    saved = sum(m.w16.numel() * (4 - 2) for m in compact.modules()
+                if isinstance(m, Linear) and m.w16 is not None)
+    return total - saved
 
 
 def _sample_ms(engine: LLMEngine, batch: int, repeats: int) -> float:
@@ -415,7 +431,8 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     _engine_run(engine, warm, [4] * 4)
 
     # ---- decode at batch 1 and 16 ----------------------------------------------------------
-    weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    weight_bytes = _decode_weight_bytes(engine, hf_model)
+    out["decode_weight_bytes"] = weight_bytes
     read_gbps = _memory_read_gbps(dev)
     out["memory_read_gbps"] = read_gbps
     for b in (1, 16):
