@@ -136,12 +136,14 @@ def _module():
     fn.argtypes, fn.restype = ARGTYPES, ctypes.c_int
     path.argtypes, path.restype = [_i64, ctypes.c_int, ctypes.c_int], ctypes.c_int
     fn.path = path
-    fn.add_rms_norm = lib.raypd_add_rms_norm
-    fn.add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_double, ctypes.c_int]
-    fn.rope_and_cache = lib.raypd_rope_and_cache
-    fn.rope_and_cache.argtypes = [_ptr] * 6 + [_i64] * 5 + [ctypes.c_int]
-    fn.silu_mul = lib.raypd_silu_mul
-    fn.silu_mul.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_int]
+    fn.add_rms_norm, fn.rope_and_cache, fn.silu_mul = {}, {}, {}
+    for dtype, suffix in ((torch.bfloat16, ""), (torch.float32, "_f32")):   # by dtype
+        f = fn.add_rms_norm[dtype] = getattr(lib, "raypd_add_rms_norm" + suffix)
+        f.argtypes, f.restype = [_ptr] * 4 + [_i64, _i64, ctypes.c_double, ctypes.c_int], None
+        f = fn.rope_and_cache[dtype] = getattr(lib, "raypd_rope_and_cache" + suffix)
+        f.argtypes, f.restype = [_ptr] * 6 + [_i64] * 5 + [ctypes.c_int], ctypes.c_int
+        f = fn.silu_mul[dtype] = getattr(lib, "raypd_silu_mul" + suffix)
+        f.argtypes, f.restype = [_ptr, _ptr, _i64, _i64, ctypes.c_int], None
     fn.linear_small_m = lib.raypd_linear_small_m
     fn.linear_small_m.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int]
     lib.raypd_linear_small_m_max.restype = ctypes.c_int64
@@ -156,10 +158,8 @@ def _module():
     fn.w16_max = int(lib.raypd_linear_w16_max())           # 0: no AVX2 + FMA
     fn.prefill_attention_amx = lib.raypd_prefill_attention_amx
     fn.prefill_attention_amx.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, ctypes.c_int]
-    for f in (fn.add_rms_norm, fn.silu_mul, fn.linear_small_m, fn.linear_amx, fn.linear_w16,
-              fn.prefill_attention_amx):
+    for f in (fn.linear_small_m, fn.linear_amx, fn.linear_w16, fn.prefill_attention_amx):
         f.restype = None
-    fn.rope_and_cache.restype = ctypes.c_int
     return fn
 
 
@@ -212,40 +212,49 @@ def decode_kernel_name(device: torch.device, dtype: torch.dtype | None = None,
     return {2: "native-cpu-avx512bf16", 1: "native-cpu-avx2"}.get(path, "native-cpu")
 
 
-# ---- fused small operations of the compact model (bf16 on the CPU; workers/fused_ops.cpp) ----
+# ---- fused small operations of the compact model (bf16, float32 on the CPU; fused_ops.cpp) ----
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def fused_ops_apply(dtype: torch.dtype, device: torch.device, hidden: int) -> bool:
-    """Whether the compact model's fused ops run for weights of `dtype` on `device`."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and hidden <= 8192 \
-        and _module() is not None
+    """Whether the compact model's fused ops run for weights of `dtype` on `device`
+    (`RAYPD_FUSED_OPS=0` turns them off: torch's own ops, transformers' bit for bit in
+    float32)."""
+    return device.type == "cpu" and dtype in FUSED_DTYPES and hidden <= 8192 \
+        and os.environ.get("RAYPD_FUSED_OPS", "1") != "0" and _module() is not None
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """h += delta (in place, when given), then RMSNorm(h) * weight: [T, D] bf16, contiguous."""
-    assert h.is_contiguous() and h.dtype == torch.bfloat16 and weight.is_contiguous()
+    """h += delta (in place, when given), then RMSNorm(h) * weight: [T, D] bf16 or float32,
+    contiguous."""
+    assert h.is_contiguous() and h.dtype in FUSED_DTYPES and weight.is_contiguous()
+    assert weight.dtype == h.dtype
     if delta is not None:
         delta = delta.contiguous()
         assert delta.shape == h.shape and delta.dtype == h.dtype
     x = torch.empty_like(h)
-    _module().add_rms_norm(x.data_ptr(), h.data_ptr(), 0 if delta is None else delta.data_ptr(),
-                           weight.data_ptr(), h.shape[0], h.shape[1], float(eps),
-                           torch.get_num_threads())
+    _module().add_rms_norm[h.dtype](x.data_ptr(), h.data_ptr(),
+                                    0 if delta is None else delta.data_ptr(),
+                                    weight.data_ptr(), h.shape[0], h.shape[1], float(eps),
+                                    torch.get_num_threads())
     return x
 
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                    num_heads: int, num_kv_heads: int) -> None:
-    """Rotate qkv's q and k heads in place ([T, H + 2 Hkv, D] bf16) by cos/sin ([T, 1, D]) and
-    write each token's k and v into the pool at its slot."""
+    """Rotate qkv's q and k heads in place ([T, H + 2 Hkv, D] bf16 or float32) by cos/sin
+    ([T, 1, D]) and write each token's k and v into the pool (of the same dtype) at its slot."""
     t, heads, d = qkv.shape
     assert heads == num_heads + 2 * num_kv_heads and qkv.is_contiguous()
+    assert qkv.dtype in FUSED_DTYPES
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.dtype == v_cache.dtype == qkv.dtype == cos.dtype == sin.dtype
     cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
     slots = slots.to(torch.int64).contiguous()
     assert slots.numel() == t
-    if _module().rope_and_cache(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+    if _module().rope_and_cache[qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                 k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), t,
                                 num_heads, num_kv_heads, d,
                                 k_cache.numel() // (num_kv_heads * d), torch.get_num_threads()):
@@ -253,11 +262,12 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2 I] (gate, up) -> silu(gate) * up, bf16."""
+    """[T, 2 I] (gate, up) -> silu(gate) * up, bf16 or float32."""
     gate_up = gate_up.contiguous()
+    assert gate_up.dtype in FUSED_DTYPES
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-    _module().silu_mul(out.data_ptr(), gate_up.data_ptr(), t, two_i // 2,
+    _module().silu_mul[gate_up.dtype](out.data_ptr(), gate_up.data_ptr(), t, two_i // 2,
                        torch.get_num_threads())
     return out
 

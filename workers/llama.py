@@ -66,14 +66,16 @@ class _Layer(nn.Module):
     def forward_fused(self, h: torch.Tensor, delta: torch.Tensor | None,
                       cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                       lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer with workers/fused_ops.cpp (bf16 on the CPU): `h` is the residual
+        """The same layer with workers/fused_ops.cpp (bf16, float32 on the CPU): `h` is the residual
         stream and `delta` the previous layer's output still to be added to it (added here, in
         the same pass as this layer's first RMSNorm). Returns (h, this layer's delta)."""
         t = h.shape[0]
         x = kernels.add_rms_norm(h, delta, self.ln1, self.eps)
         qkv = self._proj("qkv", x, lora).view(t, self.num_heads + 2 * self.num_kv_heads,
                                               self.head_dim)
-        written = meta.kv_scales is None
+        # a quantized pool, or one of another dtype (kv_dtype): attention writes it
+        written = meta.kv_scales is None \
+            and meta.kv_cache[self.layer_idx][0].dtype == qkv.dtype
         if written:     # q and k rotated in place, k and v written into their slots
             k_cache, v_cache = meta.kv_cache[self.layer_idx]
             kernels.rope_and_cache(qkv, *cos_sin, k_cache, v_cache, meta.slot_mapping,
@@ -130,8 +132,8 @@ class CompactLlama(nn.Module):
         self.lm_head = Linear(self.embed if head is w else head.detach().to(device))
         self.rope = RotaryEmbedding(config, self.layers[0].head_dim, max_positions, w.dtype,
                                     device)
-        # bf16 on the CPU: the small ops fused (workers/fused_ops.cpp); float32 keeps torch's
-        # own ops, which match transformers bit for bit
+        # on the CPU the small ops are fused (workers/fused_ops.cpp), bf16 and float32 (a few
+        # float32 ulps from transformers'; RAYPD_FUSED_OPS=0 keeps torch's own ops)
         self.fused = kernels.fused_ops_apply(w.dtype, torch.device(device),
                                              config.hidden_size)
 

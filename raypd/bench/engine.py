@@ -117,7 +117,11 @@ class _TimedKernels:
 
     def __getattr__(self, name: str):
         f = getattr(self._lib, name)
-        return self._timed(f) if name in self.CALLS else f
+        if name not in self.CALLS:
+            return f
+        if isinstance(f, dict):     # one function per dtype
+            return {k: self._timed(v) for k, v in f.items()}
+        return self._timed(f)
 
 
 def _python_overhead_ms(engine: LLMEngine, prompts: list[list[int]], steps: int = 12) -> dict:
