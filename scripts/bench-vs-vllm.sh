@@ -10,7 +10,10 @@
 # with the default config (1 prefill + 1 decode worker), `raypd serve` colocated
 # (workers.prefill.count: 0, one decode worker, engine.threads_per_worker: 2) and llama.cpp
 # (2 threads). Each server gets a warm-up run, then each of its workloads RUNS times (3; 1 with
-# --quick) with `vllm bench serve`, same seed:
+# --quick) with `vllm bench serve`. Every run (and the warm-up) sends prompts no earlier run
+# sent, the same ones to every server: run r has seed r + 1 (the warm-up 0) and its own text
+# files, so a run never hits the prefix cache an earlier run filled (only what it shares within
+# itself, as the prefix workloads intend):
 #   single_stream_text     text prompts of 390-540 tokens (scripts/bench_vs_vllm.py data), 64
 #                          out, concurrency 1; llama.cpp joins here only (text prompts, one
 #                          request at a time; it has no ignore_eos: its outputs may end early)
@@ -52,11 +55,11 @@ if [ "$QUICK" = "--quick" ]; then RUNS=1; N1=4; N=16; else RUNS=3; N1=8; N=32; f
 ALL=vllm,default,colocated
 # name|servers|backend|arguments of `vllm bench serve` (besides url, model, tokenizer, seed)
 WORKLOADS=(
-  "single_stream_text|$ALL,llamacpp|openai|--dataset-name custom --dataset-path $WORK/single_text.jsonl --custom-output-len 64 --skip-chat-template --num-prompts $N1 --max-concurrency 1"
+  "single_stream_text|$ALL,llamacpp|openai|--dataset-name custom --dataset-path $WORK/single_text.RUN.jsonl --custom-output-len 64 --skip-chat-template --num-prompts $N1 --max-concurrency 1"
   "random_512x64_c8|$ALL|vllm|--dataset-name random --random-input-len 512 --random-output-len 64 --num-prompts $N --max-concurrency 8"
   "random_1024x128_c16|$ALL|vllm|--dataset-name random --random-input-len 1024 --random-output-len 128 --num-prompts $N --max-concurrency 16"
   "prefix_repetition_c8|$ALL|vllm|--dataset-name prefix_repetition --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 128 --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 64 --num-prompts $N --max-concurrency 8"
-  "shared_prefix_chat_c8|$ALL|openai-chat --endpoint /v1/chat/completions|--dataset-name custom --dataset-path $WORK/chat_prefix.jsonl --custom-output-len 64 --skip-chat-template --num-prompts $N --max-concurrency 8"
+  "shared_prefix_chat_c8|$ALL|openai-chat --endpoint /v1/chat/completions|--dataset-name custom --dataset-path $WORK/chat_prefix.RUN.jsonl --custom-output-len 64 --skip-chat-template --num-prompts $N --max-concurrency 8"
 )
 
 SERVER_PID=""
@@ -79,15 +82,16 @@ wait_healthy() {   # port, seconds, log
   echo "server not healthy after $2 s; log: $3" >&2; tail -n 30 "$3" >&2; return 1
 }
 
-client() {   # label, port, name, backend, args, result file
-  local ids=()
+client() {   # label, port, name, backend, args, result file, run (warmup, 0, 1, ...)
+  local ids=() seed=0 args=${5//RUN/$7}
+  [ "$7" = warmup ] || seed=$(($7 + 1))
   # llama-cpp-python's server answers 400 unless an x-request-id header is a UUID; vLLM's
   # client sends prefix + index: a UUID prefix one digit short (indices 0-9: N1 <= 10)
   [ "$1" = llamacpp ] && ids=(--request-id-prefix 00000000-0000-4000-8000-00000000000)
   # shellcheck disable=SC2086
   HF_HUB_OFFLINE=1 "$VENV/bin/vllm" bench serve "${ids[@]}" --backend $4 --base-url "http://127.0.0.1:$2" \
-    --model "$HF_DIR" --tokenizer "$HF_DIR" --served-model-name "$SERVED" --seed 0 --ignore-eos \
-    --request-rate inf $5 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
+    --model "$HF_DIR" --tokenizer "$HF_DIR" --served-model-name "$SERVED" --seed "$seed" --ignore-eos \
+    --request-rate inf $args --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
     --save-result --result-dir "$WORK" --result-filename "$6" > "$WORK/${6%.json}.log" 2>&1 \
     || { echo "client failed: $WORK/${6%.json}.log" >&2; tail -n 20 "$WORK/${6%.json}.log" >&2; }
 }
@@ -100,12 +104,12 @@ drive() {   # label, port: a warm-up run, then each of the label's workloads RUN
     [[ ",$servers," == *",$label,"* ]] || continue
     if [ -z "${WARMED:-}" ]; then
       echo "bench-vs-vllm: $label / warm-up" >&2
-      client "$label" "$port" "$name" "$backend" "${args/--num-prompts $N1/--num-prompts 2}" "$label.warmup.json"
+      client "$label" "$port" "$name" "$backend" "${args/--num-prompts $N1/--num-prompts 2}" "$label.warmup.json" warmup
       WARMED=1
     fi
     for r in $(seq 0 $((RUNS - 1))); do
       echo "bench-vs-vllm: $label / $name / run $r" >&2
-      client "$label" "$port" "$name" "$backend" "$args" "$label.$name.$r.json"
+      client "$label" "$port" "$name" "$backend" "$args" "$label.$name.$r.json" "$r"
     done
   done
   WARMED=

@@ -1,10 +1,12 @@
 """Helpers of scripts/bench-vs-vllm.sh: the text datasets it sends and the JSON it writes.
 
   python scripts/bench_vs_vllm.py data HF_DIR WORK [--quick]
-      WORK/single_text.jsonl: text prompts of 390-540 tokens (by the model's tokenizer), cut
-      from the docstrings of Python's standard library (natural English, on every machine);
-      WORK/chat_prefix.jsonl: one shared ~400-token system preamble, then a distinct question
-      (vLLM's custom dataset format: {"prompt": ...} per line)
+      WORK/single_text.RUN.jsonl: 8 text prompts of 390-540 tokens (by the model's tokenizer),
+      cut from the docstrings of Python's standard library (natural English, on every machine);
+      WORK/chat_prefix.RUN.jsonl: one shared ~400-token system preamble, then 64 distinct
+      questions (vLLM's custom dataset format: {"prompt": ...} per line); one file of each per
+      RUN in warmup, 0, 1, 2 (RUN_SETS), none sharing a prompt or a preamble with another, so a
+      run never hits what an earlier run left in a server's prefix cache
   python scripts/bench_vs_vllm.py summarize WORK OUT.json RUNS WORKLOAD...
       medians and spread over RUNS runs of every (server, workload), ratios raypd / vLLM,
       failed requests, and each target of issue 29 met or not
@@ -42,14 +44,20 @@ def _stdlib_text() -> list[str]:
     return paras
 
 
+RUN_SETS = ("warmup", "0", "1", "2")
+SINGLE_PER_RUN = 8
+
+
 def make_data(hf_dir: str, work: str, quick: bool) -> None:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(hf_dir)
     rng = random.Random(0)
     paras = _stdlib_text()
     rng.shuffle(paras)
-    prompts, cur = [], ""
+    want = SINGLE_PER_RUN * len(RUN_SETS)
+    prompts, cur, used = [], "", 0
     for p in paras:
+        used += 1
         cur = f"{cur}\n\n{p}" if cur else p
         n = len(tok(cur)["input_ids"])
         if n > 540:
@@ -57,23 +65,27 @@ def make_data(hf_dir: str, work: str, quick: bool) -> None:
         elif n >= 390:
             prompts.append(cur + "\n\nSummarize the text above in plain words.")
             cur = ""
-        if len(prompts) == 16:
+        if len(prompts) == want:
             break
-    assert len(prompts) >= 8, "not enough standard-library text for the single-stream prompts"
-    with open(os.path.join(work, "single_text.jsonl"), "w") as f:
-        for p in prompts:
-            f.write(json.dumps({"prompt": p}) + "\n")
-    preamble, i = "", 0
-    while len(tok(preamble)["input_ids"]) < 400:
-        preamble = f"{preamble} {paras[-1 - i]}".strip()
-        i += 1
-    preamble = ("You are a support assistant for a Python team. Reference notes follow; answer "
-                "from them.\n\n" + preamble)
+    assert len(prompts) == want, \
+        f"{len(prompts)} single-stream prompts from the standard library's text, {want} wanted"
+    for i, run in enumerate(RUN_SETS):
+        with open(os.path.join(work, f"single_text.{run}.jsonl"), "w") as f:
+            for p in prompts[i * SINGLE_PER_RUN:(i + 1) * SINGLE_PER_RUN]:
+                f.write(json.dumps({"prompt": p}) + "\n")
     questions = [f"Question {k}: in two sentences, what does the note about '{w}' say?"
                  for k, w in enumerate(" ".join(paras[:40]).split()[::37][:64])]
-    with open(os.path.join(work, "chat_prefix.jsonl"), "w") as f:
-        for q in questions:
-            f.write(json.dumps({"prompt": f"{preamble}\n\n{q}"}) + "\n")
+    spare = paras[used:][::-1]          # paragraphs no single-stream prompt took
+    for run in RUN_SETS:                # each run its own preamble
+        preamble = ""
+        while len(tok(preamble)["input_ids"]) < 400:
+            assert spare, "not enough standard-library text for the chat preambles"
+            preamble = f"{preamble} {spare.pop(0)}".strip()
+        preamble = ("You are a support assistant for a Python team. Reference notes follow; "
+                    "answer from them.\n\n" + preamble)
+        with open(os.path.join(work, f"chat_prefix.{run}.jsonl"), "w") as f:
+            for q in questions:
+                f.write(json.dumps({"prompt": f"{preamble}\n\n{q}"}) + "\n")
 
 
 def _load(work: str, server: str, name: str, runs: int) -> list[dict] | None:
