@@ -477,7 +477,8 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     out["sample_ms_b16"] = _sample_ms(engine, 16, repeats)
 
     # ---- prefill throughput (one request of n tokens, cold) -------------------------------
-    non_embed = weight_bytes / hf_model.dtype.itemsize - info.vocab_size * info.hidden_size
+    # parameters, not decode bytes (bf16-held linears read 2 bytes a value, compute the same)
+    non_embed = sum(p.numel() for p in hf_model.parameters()) - info.vocab_size * info.hidden_size
     out["prefill_tok_s"], out["hf_prefill_tok_s"], out["prefill_gflops"] = {}, {}, {}
     for n in prefill_lens:
         p = prompt(n)
