@@ -46,9 +46,7 @@ class Linear(nn.Module):
         self.small_m = kernels.linear_small_m_rows(self.weight) \
             if prepack and not self.amx_m else 0
         self.w16_m = kernels.linear_w16_rows(self.weight) if prepack else 0
-        self.w16 = self.weight.to(torch.bfloat16) if self.w16_m else None
-        if self.w16_m and self.bias is not None and self.bias.dtype != torch.float32:
-            self.w16_m, self.w16 = 0, None
+        self.w16 = self.weight.to(torch.bfloat16) if self.w16_m else None   # (bias: float32 too)
         if prepack and _can_prepack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
