@@ -6,8 +6,8 @@ similar context length (on the CPU a native kernel reading the pool in place, on
 kernel reading it in place where Triton imports (workers/triton_decode.py), elsewhere a gather
 and two matmuls; softmax in float32 everywhere), then prefill
 chunks, one attention call each (a chunk with no cached prefix attends to its own K/V without
-touching the pool): bf16 on a CPU with AMX, workers/attention_amx.cpp (flash-style blocks, no
-mask tensor); elsewhere SDPA. Sliding-window layers mask keys older than the window. A quantized pool (int8 / fp8,
+touching the pool): bf16 on a CPU with AMX, workers/attention_amx.cpp, float32 on a CPU with
+AVX2 + FMA, workers/attention_f32.cpp (flash-style blocks, no mask tensor); elsewhere SDPA. Sliding-window layers mask keys older than the window. A quantized pool (int8 / fp8,
 workers/kv_quant.py) is written through `write_quantized` and read dequantized by the PyTorch
 path (the native kernel reads float pools only), and every prefill chunk reads its K/V back from
 the pool, so a token's attention sees the same stored K/V whichever chunk or worker wrote it. The compact model calls
@@ -147,6 +147,10 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: La
         o = native.prefill_attention_amx(q, k, v, scale)
         if o is not None:
             return o
+    # float32 on a CPU with AVX2 + FMA: flash-style blocks, sliding windows too (None elsewhere)
+    o = native.prefill_attention_f32(q, k, v, scale, window)
+    if o is not None:
+        return o
     qs = q.transpose(0, 1).unsqueeze(0)                           # [1, H, q, D]
     ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     offset = seg.context_len - seg.q_len
@@ -168,10 +172,10 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: La
     return o[0].transpose(0, 1)
 
 
-# CPU prefill of a sliding-window layer: from this many queries on, attention runs as query
-# blocks of BLOCK_QUERIES rows, each two GEMMs over only the keys it can see (no [q, context]
-# mask). Full-attention layers use attention_amx.cpp or torch's flash kernel (SDPA), the latter
-# 3-5x faster than these blocks
+# CPU prefill of a sliding-window layer where attention_f32.cpp does not apply (bf16, or no AVX2):
+# from this many queries on, attention runs as query blocks of BLOCK_QUERIES rows, each two GEMMs
+# over only the keys it can see (no [q, context] mask). Full-attention layers use the native
+# kernels or torch's flash kernel (SDPA), the latter 3-5x faster than these blocks
 # here (bf16, 2 threads: 2,048 tokens 9.8 ms a layer against 48; 1,024 new after 1,024 cached
 # 11 ms against 37).
 BLOCKED_MIN_QUERIES = 512

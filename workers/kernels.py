@@ -35,9 +35,11 @@ SOURCES = (SOURCE, Path(__file__).with_name("fused_ops.cpp"),
            Path(__file__).with_name("linear_small_m.cpp"),
            Path(__file__).with_name("linear_amx.cpp"),
            Path(__file__).with_name("linear_w16.cpp"),
-           Path(__file__).with_name("attention_amx.cpp"))          # one library
+           Path(__file__).with_name("attention_amx.cpp"),
+           Path(__file__).with_name("attention_f32.cpp"))          # one library
 HEADERS = (Path(__file__).with_name("bf16.h"),                    # part of its build key
-           Path(__file__).with_name("exp_avx512.h"), Path(__file__).with_name("amx.h"))
+           Path(__file__).with_name("exp_avx512.h"), Path(__file__).with_name("exp_avx2.h"),
+           Path(__file__).with_name("amx.h"))
 # -ffast-math: reassociated (vectorized) sums and glibc's vector expf; the kernel holds no
 # infinities or NaNs (masked keys are outside its loops), so finite-math is safe
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fPIC", "-shared", "-fopenmp"]
@@ -158,7 +160,13 @@ def _module():
     fn.w16_max = int(lib.raypd_linear_w16_max())           # 0: no AVX2 + FMA
     fn.prefill_attention_amx = lib.raypd_prefill_attention_amx
     fn.prefill_attention_amx.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, ctypes.c_int]
-    for f in (fn.linear_small_m, fn.linear_amx, fn.linear_w16, fn.prefill_attention_amx):
+    fn.prefill_attention_f32 = lib.raypd_prefill_attention_f32
+    fn.prefill_attention_f32.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, _i64,
+                                                                   ctypes.c_int]
+    fn.prefill_attention_f32_ok = lib.raypd_prefill_attention_f32_ok
+    fn.prefill_attention_f32_ok.argtypes, fn.prefill_attention_f32_ok.restype = [_i64], ctypes.c_int
+    for f in (fn.linear_small_m, fn.linear_amx, fn.linear_w16, fn.prefill_attention_amx,
+              fn.prefill_attention_f32):
         f.restype = None
     return fn
 
@@ -402,4 +410,29 @@ def prefill_attention_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     fn.prefill_attention_amx(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), tq, s, h,
                              h_kv, d, q.stride(0), k.stride(0), v.stride(0), scale,
                              torch.get_num_threads())
+    return out
+
+
+# ---- prefill attention, float32 on CPUs with AVX2 + FMA (attention_f32.cpp) -----------------------
+def prefill_attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          window: int | None = None) -> torch.Tensor | None:
+    """Causal attention of q [Tq, H, D] (the last Tq positions) over k, v [S, Hkv, D] (every
+    position, the chunk's own last), each query seeing only the `window` newest keys of a
+    sliding-window layer -> [Tq, H, D]; None where the kernel does not apply (not float32 on the
+    CPU, no AVX2 + FMA, D not a multiple of 16 up to 256, RAYPD_KERNEL_ISA=portable)."""
+    tq, h, d = q.shape
+    s, h_kv = k.shape[:2]
+    if q.device.type != "cpu" or not q.dtype == k.dtype == v.dtype == torch.float32 \
+            or h % h_kv or k.shape != v.shape or k.shape[2] != d or not 1 <= tq <= s \
+            or isa_cap() < 1:
+        return None
+    fn = _module()
+    if fn is None or not fn.prefill_attention_f32_ok(d):
+        return None
+    # each token's heads x D contiguous (slices of a fused QKV projection are): read in place
+    q, k, v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (q, k, v))
+    out = torch.empty(tq, h, d, dtype=q.dtype)
+    fn.prefill_attention_f32(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), tq, s, h,
+                             h_kv, d, q.stride(0), k.stride(0), v.stride(0), scale,
+                             int(window or 0), torch.get_num_threads())
     return out

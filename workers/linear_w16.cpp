@@ -18,8 +18,7 @@
 #include <cstdint>
 
 #include "bf16.h"
-
-#define AVX2_FMA __attribute__((target("avx2,fma")))
+#include "exp_avx2.h"
 
 namespace {
 
@@ -93,8 +92,7 @@ AVX2_FMA void row_block(float* out, const float* x, const uint16_t* w, const flo
 }  // namespace
 
 extern "C" int64_t raypd_linear_w16_max() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? MAX_M : 0;
+  return raypd_simd::cpu_has_avx2_fma() ? MAX_M : 0;
 }
 
 // out [M, N] float32, x [M, K] float32, w [N, K] bf16, bias [N] float32 or null, contiguous;

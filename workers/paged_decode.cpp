@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "exp_avx2.h"
 #include "exp_avx512.h"
 
 namespace {
@@ -267,12 +268,8 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
 // each query head's float32 accumulator (in memory between tiles, two 8-lane chunks at a time).
 // D a multiple of 8. (The portable loops, one token and query head at a time with a scalar exp:
 // SmolLM2 batch 16 x 570 tokens, float32, 2 threads, 4.4 ms a layer on a Zen 3.)
-#define AVX2_FMA __attribute__((target("avx2,fma")))
-
-inline bool cpu_has_avx2_fma() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
+using raypd_simd::cpu_has_avx2_fma;
+using raypd_simd::exp8_nonpositive;
 
 AVX2_FMA inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 AVX2_FMA inline __m256 load8(const bf16* p) {   // bf16 -> float32 is exact: the bits shifted up
@@ -295,24 +292,6 @@ AVX2_FMA inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// e^x for x <= 0 on 8 lanes (as exp_avx512.h: 2^n e^(f ln 2), Taylor to the 7th power)
-AVX2_FMA inline __m256 exp8_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 y = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 720));
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                       _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));   // 2^n: n >= -126 after the clamp
-}
 
 // acc[j] (D floats, j < NG query heads) += sum over the tile's tokens i of prob[j][i] * v[i]:
 // two 8-lane chunks at a time, each token's two value chunks loaded once for all NG heads
