@@ -30,15 +30,16 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_w16_linear_is_the_float32_matmul(n, k, m, with_bias):
-    """K below, at and past 8-element chunks (scalar tails), N not a multiple of the 4-row
-    tile, M across the 3-row x chunks up to the most it takes: the float32 product up to the
-    summation order (float32 sums of k products: well under 1e-5 relative at these K)."""
+    """K below, at and past 8-element chunks (tails zero-padded in the packed copy and in x),
+    N not a multiple of the 4-row tile, M across the 3-row x chunks up to the most it takes:
+    the float32 product up to the summation order (float32 sums of k products: well under 1e-5
+    relative at these K)."""
     assert ROWS >= 16
     g = torch.Generator().manual_seed(n * 1000 + k * 10 + m)
     w = bf16_valued(n, k, g=g)
     x = torch.randn(m, k, generator=g)
     b = torch.randn(n, generator=g) if with_bias else None
-    got = kernels.linear_w16(x, w.to(BF16), b)
+    got = kernels.linear_w16(x, kernels.pack_w16(w), n, b)
     assert got.dtype == torch.float32 and got.shape == (m, n)
     want = reference(x, w, b)
     scale = (x.double().abs() @ w.double().abs().T) + (0 if b is None else b.double().abs())
@@ -49,7 +50,7 @@ def test_w16_linear_keeps_leading_dims_and_reads_strided_x():
     g = torch.Generator().manual_seed(1)
     w = bf16_valued(96, 64, g=g)
     x = torch.randn(2, 1, 128, generator=g)[..., ::2]     # not contiguous
-    got = kernels.linear_w16(x, w.to(BF16), None)
+    got = kernels.linear_w16(x, kernels.pack_w16(w), 96, None)
     assert got.shape == (2, 1, 96)
     torch.testing.assert_close(got, (x.reshape(2, 64) @ w.T).view(2, 1, 96),
                                atol=1e-5, rtol=1e-5)
@@ -62,6 +63,7 @@ def test_linear_takes_the_w16_path_up_to_its_rows_and_onednn_past_them(monkeypat
     lin = Linear(bf16_valued(640, 576, g=g))
     assert lin.w16_m == ROWS and lin.packed is not None and lin.weight is None
     assert lin.w16.dtype == BF16 and "bf16-weights" in lin.kernel
+    assert lin.w16.shape == (160, 72, 4, 8)     # tiles of 4 rows x 8 columns
     calls = []
     real = kernels.linear_w16
     monkeypatch.setattr(kernels, "linear_w16", lambda *a: calls.append(a[0].shape) or real(*a))
@@ -86,3 +88,14 @@ def test_portable_switch_turns_the_w16_linear_off(monkeypatch):
     monkeypatch.setenv("RAYPD_KERNEL_ISA", "portable")
     lin = Linear(bf16_valued(64, 64, g=torch.Generator().manual_seed(4)))
     assert lin.w16_m == 0 and lin.w16 is None and lin.kernel == "onednn-packed"
+
+
+def test_the_packed_layout_is_tiles_of_four_rows_by_eight_columns():
+    """pack_w16: wp[t, c, r, i] = W[4 t + r, 8 c + i], bf16 exactly, zero past N and K."""
+    w = bf16_valued(6, 11, g=torch.Generator().manual_seed(6))
+    wp = kernels.pack_w16(w)
+    assert wp.shape == (2, 2, 4, 8) and wp.dtype == BF16
+    for n in range(8):
+        for k in range(16):
+            want = w[n, k].item() if n < 6 and k < 11 else 0.0
+            assert wp[n // 4, k // 8, n % 4, k % 8].item() == want

@@ -329,20 +329,38 @@ def linear_w16_rows(weight: torch.Tensor) -> int:
     return fn.w16_max
 
 
-def linear_w16(x: torch.Tensor, w16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] float32 @ W [N, K]^T (+ bias [N]) for at most linear_w16_rows(W) rows of x,
-    with W held as `w16` (W.to(bfloat16), exact): the float32 products and sums, in another
-    order, reading half the bytes."""
-    n, k = w16.shape
+W16_ROWS, W16_COLS = 4, 8   # linear_w16.cpp's tile: 4 rows x 8 columns, 64 bytes
+
+
+def pack_w16(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (float32 whose values are all bf16, linear_w16_rows > 0) as bf16 in the
+    layout linear_w16 reads: [ceil(N / 4), ceil(K / 8), 4, 8], wp[t, c, r, i] = weight[4 t + r,
+    8 c + i], zero past N and K (each tile of 4 rows one sequential stream)."""
+    n, k = weight.shape
+    n4, k8 = -(-n // W16_ROWS) * W16_ROWS, -(-k // W16_COLS) * W16_COLS
+    padded = torch.zeros(n4, k8, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    return padded.view(n4 // W16_ROWS, W16_ROWS, k8 // W16_COLS, W16_COLS) \
+        .permute(0, 2, 1, 3).contiguous()
+
+
+def linear_w16(x: torch.Tensor, packed: torch.Tensor, n: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] float32 @ W [n, K]^T (+ bias [n]) for at most linear_w16_rows(W) rows of x,
+    with W held as pack_w16(W) (bf16, exact): the float32 products and sums, in another order,
+    reading half the bytes."""
+    k = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    assert x.dtype == torch.float32 and w16.dtype == torch.bfloat16 and w16.is_contiguous()
-    assert x.shape[-1] == k and 1 <= m <= _module().w16_max, (x.shape, m)
+    assert x.dtype == torch.float32 and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    assert packed.shape == (-(-n // W16_ROWS), -(-k // W16_COLS), W16_ROWS, W16_COLS), \
+        (packed.shape, n, k)
+    assert 1 <= m <= _module().w16_max, (x.shape, m)
     if bias is not None:
         assert bias.shape == (n,) and bias.dtype == torch.float32 and bias.is_contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
-    _module().linear_w16(out.data_ptr(), x2.data_ptr(), w16.data_ptr(),
+    _module().linear_w16(out.data_ptr(), x2.data_ptr(), packed.data_ptr(),
                          0 if bias is None else bias.data_ptr(), m, n, k,
                          torch.get_num_threads())
     return out.view(*lead, n)

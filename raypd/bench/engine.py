@@ -171,7 +171,7 @@ def _decode_weight_bytes(engine: LLMEngine, hf_model) -> int:
     compact = getattr(engine.runner, "compact", None)
     if compact is None:
         return total
-    saved = sum(m.w16.numel() * (4 - 2) for m in compact.modules()
+    saved = sum(m.out_features * m.in_features * (4 - 2) for m in compact.modules()
                 if isinstance(m, Linear) and m.w16 is not None)
     return total - saved
 
