@@ -62,11 +62,12 @@ def test_linear_takes_the_w16_path_up_to_its_rows_and_onednn_past_them(monkeypat
     g = torch.Generator().manual_seed(2)
     lin = Linear(bf16_valued(640, 576, g=g))
     assert lin.w16_m == ROWS and lin.packed is not None and lin.weight is None
-    assert lin.w16.dtype == BF16 and "bf16-weights" in lin.kernel
-    assert lin.w16.shape == (160, 72, 4, 8)     # tiles of 4 rows x 8 columns
+    assert lin.w16.packed.dtype == BF16 and "bf16-weights" in lin.kernel
+    assert lin.w16.packed.shape == (160, 72, 4, 8)     # tiles of 4 rows x 8 columns
     calls = []
-    real = kernels.linear_w16
-    monkeypatch.setattr(kernels, "linear_w16", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = kernels.W16Weight.__call__
+    monkeypatch.setattr(kernels.W16Weight, "__call__",
+                        lambda self, x: calls.append(x.shape) or real(self, x))
     for m in (1, ROWS, ROWS + 1, 64):
         x = torch.randn(m, 576, generator=g)
         want = torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
@@ -99,3 +100,16 @@ def test_the_packed_layout_is_tiles_of_four_rows_by_eight_columns():
         for k in range(16):
             want = w[n, k].item() if n < 6 and k < 11 else 0.0
             assert wp[n // 4, k // 8, n % 4, k % 8].item() == want
+
+
+def test_a_strided_or_3d_input_takes_the_general_path_with_the_same_result():
+    """The layer's bound weight takes 2-D contiguous x; anything else goes through
+    kernels.linear_w16 (reshaped, made contiguous): the same values."""
+    g = torch.Generator().manual_seed(7)
+    lin = Linear(bf16_valued(40, 24, g=g), torch.randn(40, generator=g))
+    x = torch.randn(3, 48, generator=g)
+    want = lin(x[:, ::2].contiguous())
+    assert torch.equal(lin(x[:, ::2]), want)
+    assert torch.equal(lin(x[:, ::2].contiguous().view(3, 1, 24)), want.view(3, 1, 40))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        lin.w16(torch.randn(2, 23))

@@ -366,6 +366,36 @@ def linear_w16(x: torch.Tensor, packed: torch.Tensor, n: int,
     return out.view(*lead, n)
 
 
+class W16Weight:
+    """A weight packed for linear_w16 (pack_w16) and bound to the kernel, its layout and bias
+    checked once here: a decode step calls it ~120 times (SmolLM2), so each call checks only x
+    (2-D, contiguous, float32, K columns, 1..max_rows rows) and allocates the output (~3 us
+    against ~11 for linear_w16's general checks and reshapes)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.n, self.k = weight.shape
+        self.max_rows = linear_w16_rows(weight)
+        assert self.max_rows > 0, "linear_w16 does not apply to this weight"
+        if bias is not None:
+            assert bias.shape == (self.n,) and bias.dtype == torch.float32 \
+                and bias.is_contiguous()
+        self.packed, self.bias = pack_w16(weight), bias      # held: the kernel reads them
+        self._args = (self.packed.data_ptr(), 0 if bias is None else bias.data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32, contiguous, 1 <= M <= max_rows -> x @ W^T (+ bias) [M, N]."""
+        m, k = x.shape
+        if k != self.k or not 1 <= m <= self.max_rows or x.dtype != torch.float32 \
+                or not x.is_contiguous():
+            raise ValueError(f"linear_w16: x {tuple(x.shape)} {x.dtype} against W [{self.n}, "
+                             f"{self.k}] (contiguous float32, 1..{self.max_rows} rows)")
+        out = torch.empty(m, self.n, dtype=torch.float32)
+        # looked up per call: `raypd bench engine` times the library's calls by swapping it
+        _module().linear_w16(out.data_ptr(), x.data_ptr(), *self._args, m, self.n, k,
+                             torch.get_num_threads())
+        return out
+
+
 # ---- linears of 1-16 rows on VNNI-packed weights, bf16 on CPUs with AMX-BF16 (linear_amx.cpp) ---
 def linear_amx_rows(weight: torch.Tensor) -> int:
     """The most rows of x the AMX linear takes for this weight (0: it does not apply: not a bf16

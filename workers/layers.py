@@ -46,7 +46,8 @@ class Linear(nn.Module):
         self.small_m = kernels.linear_small_m_rows(self.weight) \
             if prepack and not self.amx_m else 0
         self.w16_m = kernels.linear_w16_rows(self.weight) if prepack else 0
-        self.w16 = kernels.pack_w16(self.weight) if self.w16_m else None   # (bias: float32 too)
+        # (bias: float32 too)
+        self.w16 = kernels.W16Weight(self.weight, self.bias) if self.w16_m else None
         if prepack and _can_prepack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
@@ -72,7 +73,9 @@ class Linear(nn.Module):
                 return kernels.linear_small_m(x, self.weight, self.bias)
         elif self.w16_m and x.dtype == torch.float32 \
                 and 0 < x.numel() <= self.w16_m * self.in_features:
-            return kernels.linear_w16(x, self.w16, self.out_features, self.bias)
+            if x.dim() == 2 and x.is_contiguous():    # the compact model's activations
+                return self.w16(x)
+            return kernels.linear_w16(x, self.w16.packed, self.out_features, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

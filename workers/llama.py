@@ -60,7 +60,7 @@ class _Layer(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
 
     def _proj(self, name: str, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        y = getattr(self, name)(x)
+        y = getattr(self, name).forward(x)   # no module hooks here: nn.Module's call costs ~5 us
         return y if lora is None else lora.apply(y, x, self.layer_idx, name)
 
     def forward_fused(self, h: torch.Tensor, delta: torch.Tensor | None,
@@ -182,7 +182,7 @@ class CompactLlama(nn.Module):
         return rms_norm(h, self.norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.lm_head.forward(hidden)
 
     @property
     def linear_kernel(self) -> str:
