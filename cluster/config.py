@@ -97,6 +97,8 @@ class TransferSection:
     lease_s: float = _opt(30.0, gt=0)
     failure_policy: str = _opt("recompute", choices=("recompute", "fail"))
     local_prefill_max_tokens: int = _opt(0, min=0)   # D prefills itself when it lacks <= this
+    local_prefill_when_backlogged: bool = True   # ... or when the prefill pool's backlog
+                                                 # is longer (router/local_prefill.py)
 
 
 @dataclass
@@ -174,6 +176,7 @@ class RaypdConfig:
             policy_cfg["ttft_slo_s"] = r.slo.ttft_s
         return FlowConfig(policy=r.policy, policy_cfg=policy_cfg, index_mode=r.index_mode,
                           local_prefill_max_tokens=t.local_prefill_max_tokens,
+                          local_prefill_when_backlogged=t.local_prefill_when_backlogged,
                           failure_policy=t.failure_policy, transport=t.transport,
                           admit_timeout_s=r.admit_timeout_s,
                           request_timeout_s=r.request_timeout_s,

@@ -31,7 +31,8 @@ ACKED = "acked"                    # P: D has the pages
 ABORTED = "aborted"                # client abort, or the router gave the attempt up
 EXPIRED = "expired"                # the lease ran out (D never pulled, ack lost, deadline passed)
 TRANSFER_FAILED = "transfer_failed"  # the pull failed or was rejected; the attempt goes on
-FALLBACK_LOCAL = "fallback_local"  # D prefills it itself (no prefill worker left)
+FALLBACK_LOCAL = "fallback_local"  # D prefills it itself (no prefill worker left, or the
+                                   # pool's backlog is longer: router/local_prefill.py)
 PREFILL_FAILED = "prefill_failed"  # P failed before staging
 WORKER_DIED = "worker_died"        # the holding worker is gone (its memory with it)
 RELEASE_REASONS = (FILLED, ACKED, ABORTED, EXPIRED, TRANSFER_FAILED, FALLBACK_LOCAL,

@@ -341,6 +341,8 @@ class LoadReport:
     total_blocks: int = 0
     block_size: int = 0                # tokens a block holds
     queued_s: float | None = None      # seconds of prefill work queued + running (by the fit)
+    prefill_tokens: int = 0            # prompt tokens still to compute, queued + running (both
+                                       # roles: a decode worker's own prefills too)
     prefill_fit: PrefillFit | None = None
     decode_fit: DecodeFit | None = None
     decode_batch: int = 0              # sequences decoding now

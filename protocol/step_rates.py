@@ -44,6 +44,18 @@ class PrefillFit:
             t *= 1.0 + (num_tokens + num_cached_tokens) / (2.0 * self.ctx_tokens)
         return self.overhead_s + t
 
+    def tokens_within(self, seconds: float) -> int:
+        """The most new tokens one step prefills from an empty context within `seconds` (the
+        inverse of `seconds(n, 0)`; 0 when the step overhead alone takes longer)."""
+        r = seconds - self.overhead_s
+        if r <= 0:
+            return 0
+        if self.ctx_tokens <= 0:
+            return int(r * self.tok_s + 1e-9)   # (1e-9: float noise at an exact fit)
+        # n / tok_s * (1 + n / (2 ctx)) = r
+        return int(self.ctx_tokens * (math.sqrt(1.0 + 2.0 * r * self.tok_s / self.ctx_tokens)
+                                      - 1.0) + 1e-9)
+
     def backlog_s(self, prompts: Sequence[tuple[int, int]], token_budget: int) -> float:
         """Seconds to prefill every (num_tokens, num_computed_tokens) of `prompts` on a worker
         that batches them into steps of at most `token_budget` new tokens: the per-token costs

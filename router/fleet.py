@@ -54,7 +54,8 @@ class Fleet:
         self.draining: set[str] = set()          # worker ids: no new requests (scale-in)
         self.unhealthy: set[str] = set()         # worker ids that failed their last report
         self._incarnation: dict[str, str] = {}   # worker id -> incarnation last reported
-        self.lock = threading.Lock()             # membership, states, index
+        self.lock = threading.RLock()            # membership, states, index (reentrant: a
+        # prefill choice holds it across the local-prefill check and the policy's pick)
         self._refresh_lock = threading.Lock()    # one refresh at a time (the loop's, a drain's)
         self._report_refs: dict[Any, Any] = {}   # worker -> report still on its way
         self._stop = threading.Event()

@@ -80,7 +80,14 @@ from router.flight import (
     HandoffReleases,
     MoveSignal,
 )
-from router.policies import Locality, RoutingRequest, make_policy
+from router.local_prefill import NO_LIMIT, local_prefill_limit
+from router.policies import (
+    Locality,
+    RoutingDecision,
+    RoutingRequest,
+    cached_tokens,
+    make_policy,
+)
 from router.prefix_index import ApproxPrefixIndex
 from router.request_traces import TraceStore  # trace hook
 from router.streams import DeltaStreams, WorkerGone
@@ -89,6 +96,7 @@ from router.worker_view import REPORT_INTERVAL_S, note_decode, note_prefill
 
 FAILURE_POLICIES = ("recompute", "fail")
 MOVED = object()            # a request's item stream: its decode moved to another worker
+LOCAL = object()            # the prefill choice: the decode worker prefills it itself
 MAX_MOVE_FALLBACKS = 8      # re-prefills after failed moves, per request
 PRESSURE_FREE_SHARE = 0.05  # migrate_on_kv_pressure: a decode worker with fewer free blocks
 PRESSURE_BLOCKS_PER_SEQ = 4  # than this share of its pool, or than this many per running
@@ -111,6 +119,8 @@ class FlowConfig:
     policy_cfg: dict | None = None
     index_mode: str = "precise"            # precise (KV events) | approx (own decisions + TTL)
     local_prefill_max_tokens: int = 0      # D prefills itself when it lacks <= this many tokens
+    local_prefill_when_backlogged: bool = False   # ... or when it would finish before the
+                                           # prefill pool could start it (router/local_prefill.py)
     failure_policy: str = "recompute"      # on a failed transfer: recompute on D, or fail
     transport: str = "object_store"
     rdt_backend: str = "gloo"
@@ -399,7 +409,7 @@ class Orchestrator:
                clock: AttemptClock) -> Admission:
         """Decode-first: the first decode worker with room reserves blocks and plans the
         transfer. Round trip 1 (more only while decode workers are full)."""
-        local_max = self.cfg.local_prefill_max_tokens if self.fleet.live("prefill") else 1 << 62
+        local_max = self.cfg.local_prefill_max_tokens if self.fleet.live("prefill") else NO_LIMIT
         deadline = min(time.monotonic() + self.cfg.admit_timeout_s,
                        time.monotonic() + request.deadline - time.time())
         while True:
@@ -416,8 +426,8 @@ class Orchestrator:
                 # is open before
                 inbox = self.streams.open(d, did, flight.attempt_id)
                 try:
-                    adm: Admission = _unwrap(lambda d=d, r=request: clock.get(
-                        d.admit.remote(r, local_max)))
+                    adm: Admission = _unwrap(lambda d=d, r=request, n=local_max: clock.get(
+                        d.admit.remote(r, n)))
                 except ray.exceptions.RayActorError:
                     self.streams.close(did, flight.attempt_id)
                     continue                 # died or restarting: the reporter will notice
@@ -448,6 +458,33 @@ class Orchestrator:
                                       retry_after_s=5)
             clock.sleep(0.02)
 
+    def _local_prefill_limit(self, decode_id: str) -> int:
+        """Under fleet.lock: the most uncached tokens decode worker `decode_id` prefills itself
+        now instead of a prefill worker (router/local_prefill.py)."""
+        return local_prefill_limit(self.fleet.states("prefill"), self.fleet.state[decode_id],
+                                   self.cfg.local_prefill_max_tokens,
+                                   self.cfg.local_prefill_when_backlogged, time.monotonic())
+
+    def _decide_prefill(self, flight: Flight, admission: Admission, tried: set[str]) -> Any:
+        """The prefill worker for an admitted request, or LOCAL: its decode worker prefills
+        it (the prefill pool's backlog is longer than that takes; asked on a first try only,
+        decided with the pool's state held, so the requests right behind see the choice)."""
+        req = self._routing_request(admission.request, admission.decode_cached_blocks,
+                                    admission.decode_worker)
+        with self.fleet.lock:
+            if not tried and self.cfg.local_prefill_when_backlogged:
+                did = admission.decode_worker
+                lacks = req.num_tokens - cached_tokens(req, admission.decode_cached_blocks)
+                if did in self.fleet.state and lacks <= self._local_prefill_limit(did):
+                    note_prefill(self.fleet.state[did], req,
+                                 RoutingDecision(did, "local_backlog", None,
+                                                 admission.decode_cached_blocks),
+                                 Locality.pooled_fit(self.fleet.states("prefill")),
+                                 time.monotonic())
+                    self.decisions["local:backlog"] = self.decisions.get("local:backlog", 0) + 1
+                    return LOCAL
+            return self._decide("prefill", req, frozenset(tried), flight)
+
     def _prefill_and_stream(self, flight: Flight, admission: Admission, clock: AttemptClock):
         """Round trips 2 and 3: P prefills and stages the plan, D pulls, verifies, lands and
         starts streaming. A prefill worker that fails (dies, errs, stages pages D rejects) is
@@ -462,25 +499,25 @@ class Orchestrator:
                 self.releases.release(flight)
                 raise _aborted(flight)
             try:
-                p = self._decide("prefill", self._routing_request(
-                    admitted, admission.decode_cached_blocks, admission.decode_worker),
-                    frozenset(tried), flight)
+                p = self._decide_prefill(flight, admission, tried)
             except RoutingRejected as e:
                 if e.reason != "no_workers":
                     self.releases.release(flight)
                     raise
                 p = None
-            if p is None:                    # no prefill worker left: D prefills it itself
+            if p is None or p is LOCAL:      # no prefill worker left, or the pool's backlog
+                # is longer than D takes: D prefills it itself
                 if self.cfg.failure_policy == "fail" and last_error is not None:
                     self.releases.release(flight)
                     raise TransferFailed(f"KV transfer for request {flight.request_id} "
                                          f"failed: {last_error}") from last_error
                 if clock.get(d.fallback_local.remote(rid)):
                     self.ledger.release(did, RESERVED, rid, FALLBACK_LOCAL)
+                    self.traces.prefilled_locally(flight.request_id)  # trace hook
                     return self._open_stream(flight, None, clock)
                 self.releases.release(flight)
-                raise TransferFailed(f"request {flight.request_id}: no prefill worker left "
-                                     "and its reservation is gone") from last_error
+                raise TransferFailed(f"request {flight.request_id}: its decode worker was to "
+                                     "prefill it, but its reservation is gone") from last_error
             pid = self.fleet.worker_id(p, "?")
             tried.add(pid)
             flight.prefill = p

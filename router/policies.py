@@ -50,6 +50,8 @@ class WorkerState:
     free_blocks: int = 0          # blocks an allocation could take now (free + evictable)
     total_blocks: int = 0
     queued_s: float | None = None          # reported: seconds of queued + running prefill work
+    prefill_tokens: int = 0                # reported: prompt tokens still to compute (queued +
+                                           # running; a decode worker's own prefills too)
     prefill_fit: PrefillFit | None = None  # reported: measured prefill speed (None: no data)
     decode_fit: DecodeFit | None = None    # reported: measured decode step time
     decode_batch: int = 0                  # reported: sequences decoding
@@ -78,6 +80,7 @@ class WorkerState:
         self.num_requests, self.active_blocks = rep.num_requests, rep.active_blocks
         self.cached_blocks, self.free_blocks = rep.cached_blocks, rep.free_blocks
         self.total_blocks, self.queued_s = rep.total_blocks, rep.queued_s
+        self.prefill_tokens = rep.prefill_tokens
         self.prefill_fit, self.decode_fit = rep.prefill_fit, rep.decode_fit
         self.decode_batch, self.decode_step_s = rep.decode_batch, rep.decode_step_s
         self.kv_bytes_per_token = rep.kv_bytes_per_token

@@ -71,6 +71,12 @@ class TraceStore:
             t.admitted_at, t.decode_worker, t.local_prefill = now, decode_worker, local
             t.span("admit", decode_worker, start, now)
 
+    def prefilled_locally(self, rid: str) -> None:
+        """Its decode worker prefills it (no prefill worker left, or the pool's backlog)."""
+        with self._lock:
+            if (t := self._traces.get(rid)) is not None:
+                t.local_prefill = True
+
     def prefilled(self, rid: str, prefill_worker: str, timing: PrefillTiming | None) -> None:
         """P answered; `timing` is what it measured (None from a worker that does not say)."""
         now = self.clock()

@@ -186,7 +186,9 @@ class DecodeHost(EngineHost):
         return self.handoff.land(res, result, pulled)
 
     def fallback_local(self, request_id: str) -> bool:
-        """No transfer will come (no prefill worker left): prefill the reserved request here."""
+        """No transfer will come (no prefill worker left, or the prefill pool's backlog is
+        longer than this worker takes: router/local_prefill.py): prefill the reserved request
+        here."""
         with self._lock:
             done = self.handoff.fallback(request_id)
         self._work.set()

@@ -284,10 +284,10 @@ class EngineHost:
             running = sum(r.num_tokens - r.num_computed_tokens for r in running_reqs)
         pfit, dfit = self.rates.prefill_fit(), self.rates.decode_fit()
         queued_s = None
+        to_prefill = [(r.num_tokens, r.num_computed_tokens)
+                      for r in (*waiting, *running_reqs) if prefilling(r)]
         if pfit is not None:   # the worker's own estimate of its prefill work, by its own fit
-            queued_s = pfit.backlog_s([(r.num_tokens, r.num_computed_tokens)
-                                       for r in (*waiting, *running_reqs)
-                                       if prefilling(r)], e.cfg.max_num_batched_tokens)
+            queued_s = pfit.backlog_s(to_prefill, e.cfg.max_num_batched_tokens)
         decoding = [r for r in running_reqs if not prefilling(r)]
         step_s = dfit.step_s(len(decoding), sum(r.num_tokens for r in decoding)) \
             if dfit is not None and decoding else 0.0
@@ -297,6 +297,7 @@ class EngineHost:
                           evictable_blocks=e.kv.pool.num_evictable_blocks,
                           total_blocks=total, block_size=e.cfg.block_size,
                           queued_s=queued_s, prefill_fit=pfit, decode_fit=dfit,
+                          prefill_tokens=sum(n - c for n, c in to_prefill),
                           decode_batch=len(decoding), decode_step_s=step_s,
                           kv_bytes_per_token=int(e.kv_bytes_per_token), kv=self._kv_counters(),
                           incarnation=self.incarnation, reported_at=time.monotonic(),

@@ -254,7 +254,8 @@ class DecodeHandoff:
 
     # ---- give up ------------------------------------------------------------------------------
     def fallback(self, rid: str) -> bool:
-        """No transfer will come (no prefill worker left): prefill here."""
+        """No transfer will come (no prefill worker left, or the router chose this worker to
+        prefill it): prefill here."""
         res = self.reservations.get(rid)
         if res is None or res.state is not PullState.RESERVED:
             return False
