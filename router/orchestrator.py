@@ -119,8 +119,9 @@ class FlowConfig:
     policy_cfg: dict | None = None
     index_mode: str = "precise"            # precise (KV events) | approx (own decisions + TTL)
     local_prefill_max_tokens: int = 0      # D prefills itself when it lacks <= this many tokens
-    local_prefill_when_backlogged: bool = False   # ... or when it would finish before the
-                                           # prefill pool could start it (router/local_prefill.py)
+    local_prefill_when_backlogged: bool = False   # ... or when the prefill pool's wait is
+                                           # longer than it takes on D, (1 + D's decode batch)
+                                           # times over (router/local_prefill.py)
     failure_policy: str = "recompute"      # on a failed transfer: recompute on D, or fail
     transport: str = "object_store"
     rdt_backend: str = "gloo"
