@@ -1,18 +1,15 @@
 #!/usr/bin/env bash
 # Set up (first run only), then the whole test suite. Extra arguments go to pytest.
-#   scripts/test.sh          everything: unit, integration (Ray actors, servers), e2e (bench
-#                            smoke runs, chaos, `ray up` smoke), SmolLM2 checks
-#   scripts/test.sh --fast   the inner loop: no Ray actors or servers, no e2e runs, no SmolLM2
-#                            checks
-# Test files run on RAYPD_TEST_WORKERS pytest-xdist workers (default 2; a file's tests stay on
-# one worker, in order, so its module fixtures start once); `-n 0` runs them in this process.
+#   scripts/test.sh          everything (~11 min here): unit, integration (Ray actors, servers),
+#                            e2e (bench smoke runs, chaos, `ray up` smoke), SmolLM2 checks
+#   scripts/test.sh --fast   the inner loop (~3 min): no Ray actors or servers, no e2e runs,
+#                            no SmolLM2 checks
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec python -m pytest -q -n "${RAYPD_TEST_WORKERS:-2}" --dist loadfile \
-    -m "not integration and not e2e and not cluster and not realmodel" "$@"
+  exec python -m pytest -q -m "not integration and not e2e and not cluster and not realmodel" "$@"
 fi
-exec python -m pytest -q -n "${RAYPD_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec python -m pytest -q "$@"
