@@ -36,7 +36,8 @@ SOURCES = (SOURCE, Path(__file__).with_name("fused_ops.cpp"),
            Path(__file__).with_name("linear_amx.cpp"),
            Path(__file__).with_name("linear_w16.cpp"),
            Path(__file__).with_name("attention_amx.cpp"),
-           Path(__file__).with_name("attention_f32.cpp"))          # one library
+           Path(__file__).with_name("attention_f32.cpp"),
+           Path(__file__).with_name("decode_layers.cpp"))          # one library
 HEADERS = (Path(__file__).with_name("bf16.h"),                    # part of its build key
            Path(__file__).with_name("exp_avx512.h"), Path(__file__).with_name("exp_avx2.h"),
            Path(__file__).with_name("amx.h"))
@@ -158,6 +159,11 @@ def _module():
     fn.linear_w16.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int]
     lib.raypd_linear_w16_max.restype = ctypes.c_int64
     fn.w16_max = int(lib.raypd_linear_w16_max())           # 0: no AVX2 + FMA
+    fn.decode_layers_f32 = lib.raypd_decode_layers_f32
+    fn.decode_layers_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_double,
+                                     ctypes.c_double, _ptr, _ptr, _ptr, ctypes.c_int,
+                                     ctypes.c_int]
+    fn.decode_layers_f32.restype = ctypes.c_int
     fn.prefill_attention_amx = lib.raypd_prefill_attention_amx
     fn.prefill_attention_amx.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, ctypes.c_int]
     fn.prefill_attention_f32 = lib.raypd_prefill_attention_f32
@@ -484,3 +490,46 @@ def prefill_attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
                              h_kv, d, q.stride(0), k.stride(0), v.stride(0), scale,
                              int(window or 0), torch.get_num_threads())
     return out
+
+
+# ---- the compact model's decode layers in one call (decode_layers.cpp) ---------------------------
+LAYER_WORDS = 11   # per layer: qkv, qkv bias, o, o bias, gate_up, down, ln1, ln2, k, v, window
+GROUP_WORDS = 5    # per decode group: start, count, block tables, context lens, width
+
+
+def decode_layers_f32(layer_words: torch.Tensor, groups: list[tuple[int, torch.Tensor,
+                                                                     torch.Tensor]],
+                      h: torch.Tensor, dims: tuple[int, ...], eps: float, scale: float,
+                      cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Every layer of a pure decode step (float32, bf16-held linears, a float32 pool), as
+    llama._Layer.forward_fused computes them one call at a time: `layer_words` [L, LAYER_WORDS]
+    int64 (the layers' operands, CompactLlama.decode_words); `groups` (start row, block tables
+    [count, width], context lens [count]); h [T, hidden] the residual stream (updated in place);
+    dims (T, hidden, H, Hkv, D, I, block_size, num_blocks); cos, sin [T, D]; slots [T].
+    Returns the last layer's output, still to be added to h."""
+    t, hidden = h.shape
+    assert dims[0] == t and dims[1] == hidden and h.dtype == torch.float32 and h.is_contiguous()
+    assert layer_words.dtype == torch.int64 and layer_words.is_contiguous() \
+        and layer_words.shape[1] == LAYER_WORDS
+    assert cos.shape == sin.shape == (t, dims[4]) and cos.is_contiguous() and sin.is_contiguous()
+    assert slots.dtype == torch.int64 and slots.shape == (t,) and slots.is_contiguous()
+    words, held, rows = [], [], 0
+    for start, tables, lens in groups:       # the groups' rows partition [0, T), in order
+        tables = tables.to(torch.int64).contiguous()
+        lens = lens.to(torch.int64).contiguous()
+        count = tables.shape[0]
+        assert start == rows and lens.shape == (count,) and count > 0
+        rows += count
+        held += [tables, lens]
+        words += [start, count, tables.data_ptr(), lens.data_ptr(), tables.shape[1]]
+    assert rows == t
+    group_words = torch.tensor(words, dtype=torch.int64)
+    dims_t = torch.tensor(dims, dtype=torch.int64)
+    delta = torch.empty_like(h)
+    if _module().decode_layers_f32(layer_words.data_ptr(), layer_words.shape[0],
+                                   group_words.data_ptr(), len(groups), h.data_ptr(),
+                                   delta.data_ptr(), dims_t.data_ptr(), float(eps), float(scale),
+                                   cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                   torch.get_num_threads(), isa_cap()):
+        raise ValueError("decode_layers: a slot or a block outside the pool")
+    return delta

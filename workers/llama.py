@@ -136,6 +136,74 @@ class CompactLlama(nn.Module):
         # float32 ulps from transformers'; RAYPD_FUSED_OPS=0 keeps torch's own ops)
         self.fused = kernels.fused_ops_apply(w.dtype, torch.device(device),
                                              config.hidden_size)
+        # a pure decode step of float32 activations on bf16-held linears runs every layer in
+        # one native call (workers/decode_layers.cpp: the same kernels, bit for bit, without the
+        # Python between them); up to `one_call_rows` rows; False: one call per operation
+        self.one_call_rows = self._one_call_rows() if self.fused and w.dtype == torch.float32 \
+            else 0
+        self.one_call_decode = self.one_call_rows > 0
+        self._words: tuple[torch.Tensor, torch.Tensor] | None = None   # (pool, its words)
+
+    def _one_call_rows(self) -> int:
+        """The most rows decode_layers takes for this model (0: it does not apply: a linear
+        not held as bf16, layers of different scales or norm eps, a norm weight not float32)."""
+        first = self.layers[0]
+        rows = []
+        for layer in self.layers:
+            lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if any(lin.w16 is None for lin in lins) or layer.gate_up.bias is not None \
+                    or layer.down.bias is not None or layer.scale != first.scale \
+                    or layer.eps != first.eps:
+                return 0
+            if any(n.dtype != torch.float32 or not n.is_contiguous()
+                   for n in (layer.ln1, layer.ln2)):
+                return 0
+            rows += [lin.w16.max_rows for lin in lins]
+        return min(rows)
+
+    def decode_words(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The layers' operands for decode_layers ([L, kernels.LAYER_WORDS] int64: packed
+        linears, biases, norms, this pool's K and V of the layer, sliding window), built once
+        per pool (the tensors they point into are held by this model and the pool)."""
+        if self._words is not None and self._words[0] is kv_cache:
+            return self._words[1]
+        def ptr(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.data_ptr()
+        rows = []
+        for layer in self.layers:
+            k, v = kv_cache[layer.layer_idx]
+            rows.append([layer.qkv.w16.packed.data_ptr(), ptr(layer.qkv.bias),
+                         layer.o.w16.packed.data_ptr(), ptr(layer.o.bias),
+                         layer.gate_up.w16.packed.data_ptr(), layer.down.w16.packed.data_ptr(),
+                         layer.ln1.data_ptr(), layer.ln2.data_ptr(), k.data_ptr(), v.data_ptr(),
+                         layer.window or 0])
+        words = torch.tensor(rows, dtype=torch.int64)
+        self._words = (kv_cache, words)
+        return words
+
+    def _one_call(self, h: torch.Tensor, meta: AttentionMetadata,
+                  lora: LoRABatch | None) -> bool:
+        """Whether this step's layers run as one native call."""
+        kv = meta.kv_cache
+        first = self.layers[0]
+        return self.one_call_decode and lora is None and not meta.prefills \
+            and meta.kv_scales is None and 0 < h.shape[0] == meta.num_decodes \
+            and h.shape[0] <= self.one_call_rows and isinstance(kv, torch.Tensor) \
+            and kv.dtype == torch.float32 and kv.device.type == "cpu" and kv.is_contiguous() \
+            and kv.shape[4:] == (first.num_kv_heads, first.head_dim)
+
+    def _decode_one_call(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                         meta: AttentionMetadata) -> torch.Tensor:
+        t = h.shape[0]
+        first, kv = self.layers[0], meta.kv_cache
+        cos, sin = (x.reshape(t, -1).contiguous() for x in cos_sin)
+        groups = [(g.start, g.block_tables, g.context_lens) for g in meta.decode_groups]
+        dims = (t, h.shape[1], first.num_heads, first.num_kv_heads, first.head_dim,
+                first.gate_up.out_features // 2, kv.shape[3], kv.shape[2])
+        delta = kernels.decode_layers_f32(self.decode_words(kv), groups, h, dims, first.eps,
+                                          first.scale, cos, sin,
+                                          meta.slot_mapping.to(torch.int64).contiguous())
+        return kernels.add_rms_norm(h, delta, self.norm, self.eps)
 
     @staticmethod
     def release_fused_sources(hf_model: nn.Module) -> int:
@@ -172,6 +240,8 @@ class CompactLlama(nn.Module):
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         h = self.embed[input_ids]
         cos_sin = self.rope.tables(positions)
+        if self.fused and self._one_call(h, meta, lora):
+            return self._decode_one_call(h, cos_sin, meta)
         if self.fused:
             delta = None
             for layer in self.layers:
