@@ -27,7 +27,7 @@ WINDOW = 40
 
 
 def _checkpoint(path, config_cls, tokenizer, seed: int, dtype=torch.bfloat16, **extra):
-    config = config_cls(vocab_size=len(tokenizer), **SHAPE, **extra)
+    config = config_cls(vocab_size=len(tokenizer), **{**SHAPE, **extra})
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -112,6 +112,16 @@ def test_a_float32_checkpoints_own_values_never_take_it(checkpoints):
     engine = make_engine(load_model(str(checkpoints["llama_f32"]), "float32"))
     assert engine.runner.compact.one_call_rows == 0
     assert not engine.runner.compact.one_call_decode
+
+
+def test_more_query_heads_per_kv_head_than_the_kernel_holds_never_take_it(tmp_path):
+    """17 query heads on one KV head: past the decode kernel's per-KV-head registers."""
+    _, tokenizer, _ = load_model("tiny")
+    path = _checkpoint(tmp_path / "wide", LlamaConfig, tokenizer, 5,
+                       **{**SHAPE, "hidden_size": 136, "num_attention_heads": 17,
+                          "num_key_value_heads": 1})
+    engine = make_engine(load_model(str(path), "float32"))
+    assert kernels.MAX_GROUP < 17 and engine.runner.compact.one_call_rows == 0
 
 
 def test_a_slot_outside_the_pool_is_refused(checkpoints):

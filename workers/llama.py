@@ -146,8 +146,14 @@ class CompactLlama(nn.Module):
 
     def _one_call_rows(self) -> int:
         """The most rows decode_layers takes for this model (0: it does not apply: a linear
-        not held as bf16, layers of different scales or norm eps, a norm weight not float32)."""
+        not held as bf16, layers of different scales or norm eps, a norm weight not float32,
+        heads beyond the decode kernel's limits)."""
         first = self.layers[0]
+        h, h_kv, d = first.num_heads, first.num_kv_heads, first.head_dim
+        # the decode kernel's limits (kernels.paged_decode checks them per call; here, once)
+        if not (0 < d <= 512 and 0 < h_kv <= kernels.MAX_KV_HEADS and h % h_kv == 0
+                and h // h_kv <= kernels.MAX_GROUP):
+            return 0
         rows = []
         for layer in self.layers:
             lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
