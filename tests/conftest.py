@@ -106,6 +106,18 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos=None) -> li
     return out[0, len(prompt_ids):].tolist()
 
 
+def save_random_checkpoint(path, config_cls, tokenizer, seed: int, dtype, shape: dict,
+                           **extra):
+    """A random-weight checkpoint of `config_cls` (`shape` keys, `extra` over them) with the
+    tiny tokenizer, saved in `dtype` where raypd loads it through `--model PATH`."""
+    from transformers import AutoModelForCausalLM
+    config = config_cls(vocab_size=len(tokenizer), **{**shape, **extra})
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def wait_until(cond, timeout=60.0) -> None:
     """Poll `cond` every 50 ms until it holds; fail the test after `timeout` seconds."""
     deadline = time.time() + timeout

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_engine, random_prompt
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from conftest import make_engine, random_prompt, save_random_checkpoint
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from workers import kernels
 from workers.model_loader import load_model
@@ -27,11 +27,7 @@ WINDOW = 40
 
 
 def _checkpoint(path, config_cls, tokenizer, seed: int, dtype=torch.bfloat16, **extra):
-    config = config_cls(vocab_size=len(tokenizer), **{**SHAPE, **extra})
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_random_checkpoint(path, config_cls, tokenizer, seed, dtype, SHAPE, **extra)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import hf_greedy, make_engine, random_prompt
+from conftest import hf_greedy, make_engine, random_prompt, save_random_checkpoint
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from workers import kernels
@@ -26,12 +26,7 @@ WINDOW = 24   # the Mistral-shaped model's sliding window: shorter than most pro
 
 
 def _save_checkpoint(path, config_cls, tokenizer, seed: int, dtype=torch.float32, **extra):
-    config = config_cls(vocab_size=len(tokenizer), **SHAPE, **extra)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_random_checkpoint(path, config_cls, tokenizer, seed, dtype, SHAPE, **extra)
 
 
 @pytest.fixture(scope="module")
