@@ -5,7 +5,8 @@
 // workers/llama.py's _Layer.forward_fused, so its result is that path's, bit for bit; what it
 // saves is the Python between them (~10 calls a layer, each a few microseconds of argument
 // checks, allocations and ctypes conversions: SmolLM2 at batch 1, ~4 ms of a ~22 ms step).
-// Invariants (checked by the caller, workers/kernels.py DecodeLayers): every pointer below is
+// Invariants (checked by the callers, CompactLlama._one_call_rows / _one_call in
+// workers/llama.py and kernels.decode_layers_f32): every pointer below is
 // a contiguous float32 (or packed bf16) buffer of the shape named; 1 <= T <= the w16 kernel's
 // row limit; the decode groups' rows partition [0, T).
 #include <cstdint>

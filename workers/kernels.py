@@ -177,6 +177,13 @@ def _module():
     return fn
 
 
+def paged_decode_heads_fit(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether paged_decode.cpp holds these heads (its per-KV-head arrays are sized for at
+    most MAX_GROUP query heads, MAX_KV_HEADS KV heads and head_dim 512)."""
+    return 0 < head_dim <= 512 and 0 < num_kv_heads <= MAX_KV_HEADS \
+        and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  window: int | None) -> torch.Tensor | None:
@@ -194,10 +201,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lens = context_lens.to("cpu", torch.int64).contiguous()
     if not (q.dim() == 3 and k_cache.dim() == 4 and k_cache.is_contiguous()
             and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
-            and v_cache.shape == k_cache.shape and k_cache.shape[3] == D and 0 < D <= 512
-            and 0 < k_cache.shape[2] <= MAX_KV_HEADS and H % k_cache.shape[2] == 0
-            and H // k_cache.shape[2] <= MAX_GROUP and tables.dim() == 2 and tables.shape[0] == B
-            and lens.shape == (B,)):
+            and v_cache.shape == k_cache.shape and k_cache.shape[3] == D
+            and paged_decode_heads_fit(H, k_cache.shape[2], D)
+            and tables.dim() == 2 and tables.shape[0] == B and lens.shape == (B,)):
         raise ValueError(f"paged_decode: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)} (contiguous, same dtype), block_tables "
                          f"{tuple(tables.shape)}, context_lens {tuple(lens.shape)}")
@@ -513,7 +519,7 @@ def decode_layers_f32(layer_words: torch.Tensor, groups: list[tuple[int, torch.T
         and layer_words.shape[1] == LAYER_WORDS
     assert cos.shape == sin.shape == (t, dims[4]) and cos.is_contiguous() and sin.is_contiguous()
     assert slots.dtype == torch.int64 and slots.shape == (t,) and slots.is_contiguous()
-    words, held, rows = [], [], 0
+    words, held, rows = [], [], 0    # held: the converted tables the words point into
     for start, tables, lens in groups:       # the groups' rows partition [0, T), in order
         tables = tables.to(torch.int64).contiguous()
         lens = lens.to(torch.int64).contiguous()

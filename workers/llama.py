@@ -149,10 +149,9 @@ class CompactLlama(nn.Module):
         not held as bf16, layers of different scales or norm eps, a norm weight not float32,
         heads beyond the decode kernel's limits)."""
         first = self.layers[0]
-        h, h_kv, d = first.num_heads, first.num_kv_heads, first.head_dim
         # the decode kernel's limits (kernels.paged_decode checks them per call; here, once)
-        if not (0 < d <= 512 and 0 < h_kv <= kernels.MAX_KV_HEADS and h % h_kv == 0
-                and h // h_kv <= kernels.MAX_GROUP):
+        if not kernels.paged_decode_heads_fit(first.num_heads, first.num_kv_heads,
+                                              first.head_dim):
             return 0
         rows = []
         for layer in self.layers:
@@ -194,8 +193,7 @@ class CompactLlama(nn.Module):
         first = self.layers[0]
         return self.one_call_decode and lora is None and not meta.prefills \
             and meta.kv_scales is None and 0 < h.shape[0] == meta.num_decodes \
-            and h.shape[0] <= self.one_call_rows and isinstance(kv, torch.Tensor) \
-            and kv.dtype == torch.float32 and kv.device.type == "cpu" and kv.is_contiguous() \
+            and h.shape[0] <= self.one_call_rows and kv.dtype == torch.float32 and kv.device.type == "cpu" and kv.is_contiguous() \
             and kv.shape[4:] == (first.num_kv_heads, first.head_dim)
 
     def _decode_one_call(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -246,7 +244,7 @@ class CompactLlama(nn.Module):
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         h = self.embed[input_ids]
         cos_sin = self.rope.tables(positions)
-        if self.fused and self._one_call(h, meta, lora):
+        if self._one_call(h, meta, lora):   # (one_call_decode implies the fused ops)
             return self._decode_one_call(h, cos_sin, meta)
         if self.fused:
             delta = None
