@@ -168,19 +168,30 @@ def _python_overhead_ms(engine: LLMEngine, prompts: list[list[int]], steps: int 
             "python_overhead_ms": timed_step_ms - torch_ms - native_ms}
 
 
-def _decode_weight_bytes(engine: LLMEngine, hf_model) -> int:
-    """The weight bytes a decode step streams: the model's parameters in its dtype, less what
-    the linears that hold their weights as bf16 (workers/linear_w16.cpp: a float32 model of a
-    bf16 checkpoint) do not read. The decode bound is taken on these, not on float32 bytes the
-    engine never reads."""
-    from workers.layers import Linear
-    total = sum(p.numel() * p.element_size() for p in hf_model.parameters())
-    compact = getattr(engine.runner, "compact", None)
+def _decode_weight_bytes(engine: LLMEngine) -> int:
+    """The weight bytes a decode step streams: every linear's weight (lm_head included) and
+    bias as the step reads them, a linear that a float32 model holds as bf16
+    (workers/linear_w16.cpp) at 2 bytes a value, not the 4 of float32 bytes it never reads.
+    Not the input embedding, of which a step gathers one row a token (unless lm_head is that
+    matrix: tied, counted once as lm_head), nor the norms' few kB a layer. Counted on the model
+    the step runs: the stock model's parameters are no count of it, since the runner frees the
+    stock copies of what the compact model fuses (8B of Llama-3-8B's 16 GB went uncounted)."""
+    compact = engine.runner.compact
     if compact is None:
-        return total
-    saved = sum(m.out_features * m.in_features * (4 - 2) for m in compact.modules()
-                if isinstance(m, Linear) and m.w16 is not None)
-    return total - saved
+        model = engine.model
+        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        norms = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                    if "norm" in n)
+        untied = 0 if emb.data_ptr() == head.data_ptr() else emb.numel() * emb.element_size()
+        return sum(p.numel() * p.element_size() for p in model.parameters()) - untied - norms
+    total = 0
+    for m in compact.modules():
+        if isinstance(m, Linear):
+            held = m.weight if m.weight is not None else m.packed   # one of them is kept
+            per_value = 2 if m.w16 is not None else held.element_size()
+            total += m.out_features * m.in_features * per_value
+            total += 0 if m.bias is None else m.bias.numel() * m.bias.element_size()
+    return total
 
 
 def _sample_ms(engine: LLMEngine, batch: int, repeats: int) -> float:
@@ -353,7 +364,7 @@ def run_shape_bench(model: str, dtype: str = "auto", device: str = "auto",
                  "attention_kernel": stats["attention_kernel"],
                  "evidence": "gpu-measured" if dev.type == "cuda" else "cpu-measured"}
     _engine_run(engine, [prompt(64) for _ in range(2)], [4, 4])   # warm-up
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weight_bytes = _decode_weight_bytes(engine)
     read_gbps = _memory_read_gbps(dev)
     out.update(weight_bytes=weight_bytes, memory_read_gbps=read_gbps)
     p = prompt(prefill_tokens)
@@ -442,7 +453,7 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     _engine_run(engine, warm, [4] * 4)
 
     # ---- decode at batch 1 and 16 ----------------------------------------------------------
-    weight_bytes = _decode_weight_bytes(engine, hf_model)
+    weight_bytes = _decode_weight_bytes(engine)
     out["decode_weight_bytes"] = weight_bytes
     read_gbps = _memory_read_gbps(dev)
     out["memory_read_gbps"] = read_gbps
