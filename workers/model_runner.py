@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from workers.attention import (
@@ -304,9 +305,9 @@ class ModelRunner:
         lens = torch.tensor(positions, dtype=torch.long) + 1
         nblocks = [-(-(p + 1) // bs) for p in positions]
         width = max(nblocks)
-        padded = torch.zeros(len(tables), width, dtype=torch.long)
-        for r, (t, nb) in enumerate(zip(tables, nblocks, strict=True)):
-            padded[r, :nb] = torch.tensor(t[:nb], dtype=torch.long)
+        # one array for all rows (numpy reads nested lists ~3x faster than torch.tensor)
+        padded = torch.from_numpy(np.array([t[:nb] + [0] * (width - nb) for t, nb
+                                            in zip(tables, nblocks, strict=True)], np.int64))
         pos = lens - 1
         slots = padded.gather(1, (pos // bs).view(-1, 1)).view(-1) * bs + pos % bs
         groups = []
