@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -154,6 +155,10 @@ class CudaIpcTransport(KVTransport):
         super().__init__(**cfg)
         self.device = device
         self.directory = directory
+        # the last pull's seconds by phase (`raypd bench transfer` reports them): map (open
+        # the IPC handle, or the stand-in's file), copy (the caller's copy and a stream sync),
+        # release (close the mapping), checks (claim, node and GPU checks, the ticket's stat)
+        self.last_phases: dict[str, float] = {}
         if cleanup_stale:
             remove_stale_files(directory, PREFIX)
         self._finalizer = weakref.finalize(self, _release_all, self._staged)
@@ -268,6 +273,7 @@ class CudaIpcTransport(KVTransport):
             self._verify(handle, as_bytes(pages.detach().to("cpu").contiguous()))
 
     def _read(self, handle: TransferHandle, use):
+        t_start = time.perf_counter()
         self._check_handle(handle)
         export = handle.export
         if not isinstance(export, SharedPages):
@@ -291,15 +297,18 @@ class CudaIpcTransport(KVTransport):
         # from here this pull owns the export's one receive: it maps it, or forgoes it
         mapped = None
         pages = None
+        t_map = t_copy = t_release = time.perf_counter()
         try:
             if export.kind == "cuda":
                 pages = self._map_cuda(handle, export, index)
             else:
                 pages, mapped = self._map_cpu(handle, export)
+            t_copy = time.perf_counter()
             out = use(pages)
             if pages.device.type == "cuda":
                 torch.cuda.current_stream(pages.device).synchronize()
         finally:
+            t_release = time.perf_counter()
             received = pages is not None and export.kind == "cuda" and not local
             pages = None
             if export.kind == "cuda" and not received and export.rebuild_args:
@@ -309,10 +318,14 @@ class CudaIpcTransport(KVTransport):
                     mapped.close()
                 except BufferError:   # a view is still alive: the GC unmaps it
                     pass
+        t_checks = time.perf_counter()
         try:
             still = os.stat(claimed_path(export.ticket)).st_ino == inode
         except FileNotFoundError:
             still = False
+        self.last_phases = {"map": t_copy - t_map, "copy": t_release - t_copy,
+                            "release": t_checks - t_release,
+                            "checks": (t_map - t_start) + (time.perf_counter() - t_checks)}
         if not still:
             raise self._gone(handle, while_reading=True)
         return out

@@ -216,3 +216,29 @@ def test_p_reserved_gpu_memory_stays_flat_across_expired_stagings(tmp_path):
     finally:
         producer.close()
     assert reserved[-1] == reserved[0], reserved
+
+
+def test_a_pull_reports_its_seconds_by_phase(ipc, producer, tmp_path, monkeypatch):
+    """`raypd bench transfer` splits a pull into map, copy, release and checks
+    (CudaIpcTransport.last_phases): each phase's seconds are its own, on a clock that moves
+    only inside the map (3 s) and the copy (5 s)."""
+    clock = Clock()
+    monkeypatch.setattr(cuda_ipc, "time", type("T", (), {"perf_counter": staticmethod(clock)}))
+    open_ipc, scatter = ipc.open, cuda_ipc.scatter_blocks
+
+    def slow_open(*args):
+        clock.now += 3.0
+        return open_ipc(*args)
+
+    def slow_scatter(*args):
+        clock.now += 5.0
+        return scatter(*args)
+    monkeypatch.setattr(ipc, "open", slow_open)
+    monkeypatch.setattr(cuda_ipc, "scatter_blocks", slow_scatter)
+    handle, _ = _offer(producer)
+    consumer = CudaIpcTransport(directory=str(tmp_path), cleanup_stale=False)
+    kv = torch.zeros(2, 2, 8, 4, 2, 8)
+    consumer.fetch_into(_foreign(handle), kv, [4, 5, 6])
+    assert torch.equal(kv[:, :, 4:7], _pages())
+    assert consumer.last_phases == {"map": 3.0, "copy": 5.0, "release": 0.0, "checks": 0.0}
+    producer.ack(handle.transfer_id)

@@ -179,9 +179,11 @@ class _GpuPeer:
     def ack(self, transfer_id: str) -> bool:
         return self.producer.ack(transfer_id)
 
-    def pull(self, handle) -> float:
+    def pull(self, handle) -> tuple[float, dict[str, float]]:
+        """(seconds of the pull, its seconds by phase: CudaIpcTransport.last_phases)."""
         kv = self.caches[handle.num_blocks]
-        return self.consumer.pull_into(handle, kv, range(handle.num_blocks)).seconds
+        seconds = self.consumer.pull_into(handle, kv, range(handle.num_blocks)).seconds
+        return seconds, dict(self.consumer.transport_for(handle).last_phases)
 
     def device_copy_s(self, num_blocks: int, repeats: int) -> float:
         """Median seconds of a device-to-device copy_ of the same bytes (one warm-up)."""
@@ -242,15 +244,19 @@ def run_gpu_transfer_bench(model: str = "random:llama3-8b", ttft_prompt_tokens: 
         consumer = _GpuPeer.options(num_gpus=0.5).remote(shape, dtype)
         try:
             out["device_name"] = ray.get(consumer.device_name.remote())
-            ipc, copy, nbytes = {}, {}, {}
+            ipc, copy, nbytes, phases_ms = {}, {}, {}, {}
             for mib in sizes_mib:
                 n = max(1, mib * (1 << 20) // block_bytes)
                 ray.get([producer.prepare.remote(n, True), consumer.prepare.remote(n, False)])
-                times = []
+                times, phases = [], []
                 for _ in range(repeats + 1):
                     handle = ray.get(producer.offer.remote(n))
-                    times.append(ray.get(consumer.pull.remote(handle), timeout=120))
+                    seconds, split = ray.get(consumer.pull.remote(handle), timeout=120)
+                    times.append(seconds)
+                    phases.append(split)
                     ray.get(producer.ack.remote(handle.transfer_id))
+                phases_ms[str(mib)] = {k: 1e3 * statistics.median(p[k] for p in phases[1:])
+                                       for k in phases[1]}
                 copy_s = ray.get(consumer.device_copy_s.remote(n, repeats))
                 nbytes[str(mib)] = n * block_bytes
                 ipc[str(mib)] = n * block_bytes / statistics.median(times[1:]) / 1e9
@@ -262,8 +268,10 @@ def run_gpu_transfer_bench(model: str = "random:llama3-8b", ttft_prompt_tokens: 
         out.update(block_shape=list(shape), dtype=dtype, transfer_bytes=nbytes,
                    transfer_gbps=ipc, device_copy_gbps=copy,
                    transfer_vs_device_copy=ipc[ref] / copy[ref], reference_size_mib=int(ref),
+                   pull_phases_ms=phases_ms,
                    timing="cuda_ipc: D's pull_into (map + device-to-device copy into its "
-                          "kv_cache + stream sync); device copy: copy_ of the same bytes")
+                          "kv_cache + stream sync; pull_phases_ms splits it: map, copy, "
+                          "release, checks); device copy: copy_ of the same bytes")
         bs = 16
         num_blocks = 3 * -(-(ttft_prompt_tokens + 2) // bs) + 16
         cluster = PDCluster(PDConfig(engine={"model": model, "device": "cuda", "num_blocks": num_blocks,
