@@ -193,7 +193,8 @@ class CompactLlama(nn.Module):
         first = self.layers[0]
         return self.one_call_decode and lora is None and not meta.prefills \
             and meta.kv_scales is None and 0 < h.shape[0] == meta.num_decodes \
-            and h.shape[0] <= self.one_call_rows and kv.dtype == torch.float32 and kv.device.type == "cpu" and kv.is_contiguous() \
+            and h.shape[0] <= self.one_call_rows and kv.dtype == torch.float32 \
+            and kv.device.type == "cpu" and kv.is_contiguous() \
             and kv.shape[4:] == (first.num_kv_heads, first.head_dim)
 
     def _decode_one_call(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],

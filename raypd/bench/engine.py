@@ -33,7 +33,7 @@ import time
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from workers.device import resolve_device
+from workers.device import resolve_device, synchronize
 from workers.engine import EngineConfig, LLMEngine
 from workers.layers import Linear
 from workers.random_model import is_random
@@ -63,7 +63,7 @@ def _hf_generate(model, batch: list[list[int]], lengths: list[int], pad_id: int)
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lengths),
                        do_sample=False, pad_token_id=pad_id,
                        stopping_criteria=StoppingCriteriaList([_StopAtOwnLength(width, lengths)]))
-    _sync(model.device)
+    synchronize(model.device)
     return time.perf_counter() - t0
 
 
@@ -210,11 +210,6 @@ def _sample_ms(engine: LLMEngine, batch: int, repeats: int) -> float:
     return 1e3 * statistics.median(once() for _ in range(max(repeats, 5)))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 CPU = torch.device("cpu")
 
 
@@ -223,12 +218,12 @@ def _memory_read_gbps(device: torch.device = CPU) -> float:
     of 5."""
     x = torch.ones((2048 if device.type == "cuda" else 256) * 2**20 // 4, device=device)
     x.sum()
-    _sync(device)
+    synchronize(device)
 
     def once() -> float:
         t0 = time.perf_counter()
         x.sum()
-        _sync(device)
+        synchronize(device)
         return x.numel() * 4 / (time.perf_counter() - t0) / 1e9
     return _median(once, 5)
 
@@ -275,12 +270,12 @@ def _matmul_peak_gflops(dtype: torch.dtype, device: torch.device = CPU) -> float
     lin = Linear(w)
     with torch.inference_mode():
         lin(x)
-        _sync(device)
+        synchronize(device)
 
         def once() -> float:
             t0 = time.perf_counter()
             lin(x)
-            _sync(device)
+            synchronize(device)
             return 2 * n**3 / (time.perf_counter() - t0) / 1e9
         return _median(once, 5)
 
@@ -510,7 +505,7 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
             with torch.inference_mode():
                 t0 = time.perf_counter()
                 hf_model(torch.tensor([p], device=dev), logits_to_keep=1)
-                _sync(dev)
+                synchronize(dev)
                 return time.perf_counter() - t0
         t_eng, t_hf = _median(eng_once, repeats), _median(hf_once, repeats)
         flops = 2 * non_embed * n + 2 * info.num_layers * info.num_heads * info.head_dim * n * n

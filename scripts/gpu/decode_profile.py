@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from workers.device import synchronize  # noqa: E402
 from workers.engine import EngineConfig, LLMEngine  # noqa: E402
 from workers.request import SamplingParams  # noqa: E402
 
@@ -42,11 +43,6 @@ GROUPS = (("gemm", ("gemm", "nvjet", "splitkreduce", "cutlass", "linear", "addmm
 def group_of(name: str) -> str:
     low = name.lower()
     return next((g for g, keys in GROUPS if any(k in low for k in keys)), "other")
-
-
-def _sync(engine: LLMEngine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
 
 
 def _start(engine: LLMEngine, batch: int, prompt: int, seed: int) -> None:
@@ -77,13 +73,13 @@ def _replay_ms(engine: LLMEngine, batch: int) -> float | None:
     graph, _ = graphs._graphs[shapes[0]]
     for _ in range(3):
         graph.replay()
-    _sync(engine)
+    synchronize(engine.device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(20):
         graph.replay()
     end.record()
-    _sync(engine)
+    synchronize(engine.device)
     return start.elapsed_time(end) / 20
 
 
@@ -94,7 +90,7 @@ def _kernels(engine: LLMEngine, n: int, label: str) -> dict[str, float]:
     with profile(activities=acts) as prof:
         for _ in range(n):
             engine.step()
-        _sync(engine)
+        synchronize(engine.device)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages()
     print(f"--- {label}: kernels of {n} steps, by {key}")
