@@ -6,13 +6,20 @@ GPU; tests/test_gpu.py runs the real graphs."""
 
 from __future__ import annotations
 
+import conftest
 import pytest
 import torch
-from conftest import hf_greedy, make_engine, random_prompt
+from conftest import hf_greedy, random_prompt
 
 from workers import cuda_graphs
 from workers.cuda_graphs import DecodeGraphs, StaticDecode, batch_buckets, width_buckets
 from workers.request import SamplingParams
+
+
+def make_engine(loaded, **overrides):
+    """The engine on the CPU, on any machine (a GPU machine's default device is cuda, where
+    the stand-in below does not apply)."""
+    return conftest.make_engine(loaded, device="cpu", **overrides)
 
 
 class _Replay:

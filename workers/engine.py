@@ -540,6 +540,7 @@ class LLMEngine:
                  model_impl=self.runner.model_impl, model_fallback=self.runner.fallback_reason,
                  linear_kernel=self.runner.linear_kernel,
                  attention_kernel=self.runner.attention_kernel,
+                 fused_ops=self.runner.fused_ops,
                  device=self.device.type, device_name=device_name(self.device),
                  cuda_graphs=self.runner.graphs is not None,
                  cuda_graph_replays=self.runner.graphs.replays if self.runner.graphs else 0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers import kernels
+from workers import kernels, triton_ops
 from workers.attention import AttentionMetadata, paged_attention
 from workers.layers import Linear, RotaryEmbedding, rms_norm, silu_and_mul
 from workers.lora import LoRABatch
@@ -58,6 +58,7 @@ class _Layer(nn.Module):
         self.eps = hf_layer.input_layernorm.variance_epsilon
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.ops = kernels   # the fused ops' module (CompactLlama sets it for its device)
 
     def _proj(self, name: str, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = getattr(self, name).forward(x)   # no module hooks here: nn.Module's call costs ~5 us
@@ -66,11 +67,13 @@ class _Layer(nn.Module):
     def forward_fused(self, h: torch.Tensor, delta: torch.Tensor | None,
                       cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                       lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer with workers/fused_ops.cpp (bf16, float32 on the CPU): `h` is the residual
-        stream and `delta` the previous layer's output still to be added to it (added here, in
-        the same pass as this layer's first RMSNorm). Returns (h, this layer's delta)."""
+        """The same layer with the fused ops (`ops`: workers/fused_ops.cpp on the CPU, bf16 and
+        float32; workers/triton_ops.py on cuda): `h` is the residual stream and `delta` the
+        previous layer's output still to be added to it (added here, in the same pass as this
+        layer's first RMSNorm). Returns (h, this layer's delta)."""
+        ops = self.ops
         t = h.shape[0]
-        x = kernels.add_rms_norm(h, delta, self.ln1, self.eps)
+        x = ops.add_rms_norm(h, delta, self.ln1, self.eps)
         qkv = self._proj("qkv", x, lora).view(t, self.num_heads + 2 * self.num_kv_heads,
                                               self.head_dim)
         # a quantized pool, or one of another dtype (kv_dtype): attention writes it
@@ -78,7 +81,7 @@ class _Layer(nn.Module):
             and meta.kv_cache[self.layer_idx][0].dtype == qkv.dtype
         if written:     # q and k rotated in place, k and v written into their slots
             k_cache, v_cache = meta.kv_cache[self.layer_idx]
-            kernels.rope_and_cache(qkv, *cos_sin, k_cache, v_cache, meta.slot_mapping,
+            ops.rope_and_cache(qkv, *cos_sin, k_cache, v_cache, meta.slot_mapping,
                                    self.num_heads, self.num_kv_heads)
             qk = qkv[:, :self.num_heads + self.num_kv_heads]
         else:
@@ -87,9 +90,9 @@ class _Layer(nn.Module):
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         o = paged_attention(q, k, v, self.layer_idx, meta, self.scale, self.window,
                             kv_written=written)
-        x = kernels.add_rms_norm(h, self._proj("o", o.reshape(t, self.q_size), lora), self.ln2,
-                                 self.eps)
-        return h, self._proj("down", kernels.silu_mul(self._proj("gate_up", x, lora)), lora)
+        x = ops.add_rms_norm(h, self._proj("o", o.reshape(t, self.q_size), lora), self.ln2,
+                             self.eps)
+        return h, self._proj("down", ops.silu_mul(self._proj("gate_up", x, lora)), lora)
 
     def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
@@ -132,15 +135,24 @@ class CompactLlama(nn.Module):
         self.lm_head = Linear(self.embed if head is w else head.detach().to(device))
         self.rope = RotaryEmbedding(config, self.layers[0].head_dim, max_positions, w.dtype,
                                     device)
-        # on the CPU the small ops are fused (workers/fused_ops.cpp), bf16 and float32 (a few
-        # float32 ulps from transformers'; RAYPD_FUSED_OPS=0 keeps torch's own ops)
-        self.fused = kernels.fused_ops_apply(w.dtype, torch.device(device),
-                                             config.hidden_size)
+        # the small ops are fused: on the CPU by workers/fused_ops.cpp, bf16 and float32 (a
+        # few float32 ulps from transformers'), on cuda by workers/triton_ops.py;
+        # RAYPD_FUSED_OPS=0 keeps torch's own ops
+        device = torch.device(device)
+        self.ops = triton_ops if device.type == "cuda" else kernels
+        self.fused = triton_ops.applies(w.dtype, device, config.hidden_size,
+                                        self.layers[0].head_dim) if device.type == "cuda" \
+            else kernels.fused_ops_apply(w.dtype, device, config.hidden_size)
+        for layer in self.layers:
+            layer.ops = self.ops
+        # what the engine reports as `fused_ops`
+        self.fused_ops = ("triton-cuda" if device.type == "cuda" else "native-cpu") \
+            if self.fused else "off"
         # a pure decode step of float32 activations on bf16-held linears runs every layer in
         # one native call (workers/decode_layers.cpp: the same kernels, bit for bit, without the
         # Python between them); up to `one_call_rows` rows; False: one call per operation
-        self.one_call_rows = self._one_call_rows() if self.fused and w.dtype == torch.float32 \
-            else 0
+        self.one_call_rows = self._one_call_rows() \
+            if self.fused and w.dtype == torch.float32 and device.type == "cpu" else 0
         self.one_call_decode = self.one_call_rows > 0
         self._words: tuple[torch.Tensor, torch.Tensor] | None = None   # (pool, its words)
 
@@ -251,7 +263,7 @@ class CompactLlama(nn.Module):
             delta = None
             for layer in self.layers:
                 h, delta = layer.forward_fused(h, delta, cos_sin, meta, lora)
-            return kernels.add_rms_norm(h, delta, self.norm, self.eps)
+            return self.ops.add_rms_norm(h, delta, self.norm, self.eps)
         for layer in self.layers:
             h = layer(h, cos_sin, meta, lora)
         return rms_norm(h, self.norm, self.eps)

@@ -162,6 +162,11 @@ class ModelRunner:
     def linear_kernel(self) -> str:
         return self.compact.linear_kernel if self.compact is not None else "torch"
 
+    @property
+    def fused_ops(self) -> str:
+        """The compact model's fused small ops: native-cpu, triton-cuda or off."""
+        return self.compact.fused_ops if self.compact is not None else "off"
+
     @staticmethod
     def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The one host -> device copy of a step's metadata (counted: tests check there is

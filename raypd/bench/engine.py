@@ -356,7 +356,7 @@ def run_shape_bench(model: str, dtype: str = "auto", device: str = "auto",
                  "kv_dtype": engine.kv_dtype, "repeats": repeats, "device": stats["device"],
                  "device_name": stats["device_name"], "cuda_graphs": stats["cuda_graphs"],
                  "model_impl": stats["model_impl"], "linear_kernel": stats["linear_kernel"],
-                 "attention_kernel": stats["attention_kernel"],
+                 "attention_kernel": stats["attention_kernel"], "fused_ops": stats["fused_ops"],
                  "evidence": "gpu-measured" if dev.type == "cuda" else "cpu-measured"}
     _engine_run(engine, [prompt(64) for _ in range(2)], [4, 4])   # warm-up
     weight_bytes = _decode_weight_bytes(engine)
@@ -438,7 +438,7 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     out: dict = {"model": model, "quick": quick, "threads": torch.get_num_threads(),
                  "dtype": info.dtype, "kv_dtype": engine.kv_dtype, "repeats": repeats,
                  "model_impl": stats["model_impl"], "linear_kernel": stats["linear_kernel"],
-                 "attention_kernel": stats["attention_kernel"],
+                 "attention_kernel": stats["attention_kernel"], "fused_ops": stats["fused_ops"],
                  "device": stats["device"], "device_name": stats["device_name"],
                  "evidence": "gpu-measured" if stats["device"] == "cuda" else "cpu-measured",
                  "prompt_tokens": plen, "new_tokens": new}

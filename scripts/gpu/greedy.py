@@ -73,6 +73,7 @@ def one_case(model: str, graphs: bool, reference, n: int) -> dict:
     return {"model": model, "cuda_graphs": graphs, "ok": not mismatches,
             "requests": len(reqs), "mismatches": mismatches,
             "model_impl": stats.get("model_impl"), "engine_device": stats.get("device"),
+            "fused_ops": stats.get("fused_ops"),
             "cuda_graph_replays": stats.get("cuda_graph_replays"),
             "seconds": round(time.perf_counter() - t, 2)}
 
