@@ -335,13 +335,16 @@ class DecodeHost(EngineHost):
             detok = self._detok.get(rid)
             if detok is None:                      # ended already (an abort after its end)
                 continue
-            text = detok.add(tokens) if tokens else ""
             done = None
             if ended:
                 self._detok.pop(rid, None)
                 done = self._finished.pop(rid, RequestDone())
-                if done.lifecycle is not None:
-                    text += detok.finish(done.text)
+            if done is not None and done.lifecycle is not None:
+                # finished: the rest of the final text, which is cut before a stop string
+                # (these tokens' text may run past the cut: not streamed)
+                text = detok.finish(done.text)
+            else:
+                text = detok.add(tokens) if tokens else ""
             out.append(RequestDelta(rid, tuple(tokens), text, done, error))
         return StepDeltas(self.worker_id, tuple(out))
 

@@ -301,14 +301,14 @@ class LLMEngine:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
             hits = [text.find(s) for s in sp.stop if s in text]
             if hits:
-                req.output_text = text[:min(hits)]
+                req.output_text, req.stop_cut = text[:min(hits)], True
                 return "stop"
         if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
-        if not (reason == "stop" and req.sampling.stop and req.output_text):
+        if not (reason == "stop" and req.stop_cut):
             req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
         req.finish(reason, now)
         if req.lora_name:

@@ -39,6 +39,7 @@ class Request:
     first_scheduled_time: float | None = None   # perf_counter when first scheduled (trace)
     finish_time: float | None = None
     output_text: str = ""
+    stop_cut: bool = False   # output_text was cut before a stop string (it may be "")
     eos_token_ids: tuple[int, ...] = ()   # empty when sampling.ignore_eos
     lora_name: str = ""     # LoRA adapter this request runs under ("" = the base model)
     hold_kv: bool = False   # prefill worker: keep the blocks referenced after finishing (lease)
