@@ -21,9 +21,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from workers import kernels as native
 from workers import triton_decode
@@ -158,6 +155,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: La
         return _blocked_causal_attention(q, ks[0].transpose(0, 1), vs[0].transpose(0, 1), offset,
                                          scale, window)
     if window is None:   # torch's flash kernel; causal from the bottom right past a prefix
+        # (imported here: torch.nn.attention.bias imports torch._dynamo, ~2 s a process)
+        from torch.nn.attention.bias import causal_lower_right
         causal = {"is_causal": True} if offset == 0 else \
             {"attn_mask": causal_lower_right(seg.q_len, seg.context_len)}
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True, **causal)
@@ -266,6 +265,10 @@ def _no_mask(*args, **kwargs) -> None:
 
 
 def register_paged_attention() -> str:
+    """Plug the paged attention into transformers (the stock model's path; imported here so
+    the compact model's processes never import transformers' attention and masking code)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(ATTN_IMPL, _hf_paged_attention)
     AttentionMaskInterface.register(ATTN_IMPL, _no_mask)
     return ATTN_IMPL

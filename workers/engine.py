@@ -108,10 +108,11 @@ class LLMEngine:
         owns_model = loaded is None   # its own load: nobody else runs the stock model
         if loaded is None and is_random(cfg.model):   # benchmarks: built on the device
             loaded = build_random(cfg.model, cfg.dtype, self.device, seed=cfg.seed)
-        if loaded is None:
-            from workers.model_loader import load_model
-            loaded = load_model(cfg.model, load_dtype(cfg.dtype, cfg.model, self.device),
-                                seed=cfg.seed)
+        if loaded is None:   # the stock model only where it runs (workers/light_model.py)
+            from workers.model_loader import load_for_engine
+            loaded = load_for_engine(cfg.model, load_dtype(cfg.dtype, cfg.model, self.device),
+                                     seed=cfg.seed, stock_needed=cfg.model_impl == "stock"
+                                     or bool(cfg.lora_adapters))
         self.model, self.tokenizer, self.info = loaded
         self.cfg = cfg
         self.loras = {name: read_adapter(name, path, self.model.config)

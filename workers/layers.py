@@ -93,7 +93,6 @@ class RotaryEmbedding:
 
     def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         params = getattr(config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
@@ -102,7 +101,8 @@ class RotaryEmbedding:
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64)
                                        .to(device=device, dtype=torch.float) / dim))
             scaling = 1.0
-        else:
+        else:   # (transformers' own initialisation, for a stock model's config)
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"rope_type {rope_type!r} is not supported")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)

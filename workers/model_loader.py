@@ -1,4 +1,12 @@
-"""Loads a worker's model, tokenizer and ModelInfo: SmolLM2 (converted once from its GGUF), a seeded tiny Llama, or a local checkpoint."""
+"""Loads a worker's model, tokenizer and ModelInfo: SmolLM2 (converted once from its GGUF), a
+seeded tiny Llama, or a local checkpoint.
+
+`load_model` gives the stock transformers model (the reference tests compare with, the stock
+fallback, LoRA on the stock model); `load_for_engine` gives what an engine that loads its own
+model needs: where workers/light_model.py applies, the weights without transformers' model and
+config code (~3-4 s less a worker process to import), else `load_model`'s. transformers is
+imported only inside the functions that need it.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +15,22 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
 
 from workers.device import DTYPES, auto_dtype
+from workers.light_model import (
+    LightLlama,
+    checkpoint_files,
+    light_unsupported,
+    load_light_dir,
+    read_json,
+    tiny_state_dict,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 BUILTIN_MODELS = ("smollm2", "tiny")
@@ -34,6 +44,13 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# the tiny model: a 2-layer GQA Llama (std 0.1, so greedy output varies) over a byte-level
+# tokenizer (ids 0-2 the ChatML specials, id 3+b byte b); its weights: light_model.tiny_state_dict
+TINY_CONFIG: dict[str, Any] = dict(
+    model_type="llama", vocab_size=len(TINY_SPECIAL_TOKENS) + 256, hidden_size=64,
+    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=2048, initializer_range=0.1, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=2, dtype="float32")
 
 
 class ModelLoadError(ValueError):
@@ -70,7 +87,7 @@ def cache_dir() -> Path:
 
 def load_model(
     model: str = "smollm2", dtype: str = "auto", *, seed: int = 0
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:  # the stock model
     """Load `model` ("smollm2", "tiny" or a checkpoint path) in eval mode without grads.
 
     `dtype` is "auto" (see workers/device.py: bfloat16 on hardware with native bf16, float32 on
@@ -85,8 +102,7 @@ def load_model(
         hf_model, tokenizer = _build_tiny(seed)
         if dtype == "bfloat16":
             hf_model = hf_model.to(torch.bfloat16)
-        revision = f"tiny-seed{seed}-{_sha256(hf_model.config.to_json_string().encode())[:16]}"
-        model_id = "tiny"
+        revision, model_id = _tiny_revision(seed), "tiny"
     else:
         path = resolve_model_dir(model)
         hf_model, tokenizer = _load_dir(path, dtype)
@@ -96,10 +112,55 @@ def load_model(
     return hf_model, tokenizer, _model_info(model_id, revision, hf_model, tokenizer)
 
 
+def _tiny_revision(seed: int) -> str:
+    blob = json.dumps(TINY_CONFIG, sort_keys=True).encode()
+    return f"tiny-seed{seed}-{_sha256(blob)[:16]}"
+
+
+def load_for_engine(model: str, dtype: str = "auto", *, seed: int = 0,
+                    stock_needed: bool = False) -> tuple[Any, Any, ModelInfo]:
+    """What an engine that loads its own model runs: (LightLlama, tokenizer, ModelInfo) where
+    workers/light_model.py applies and the caller needs no stock model (`stock_needed`:
+    model_impl stock, LoRA adapters), else `load_model`'s. Both give the same ModelInfo and
+    weights for the same model, dtype and seed."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ModelLoadError(
+            f"dtype {dtype!r} is not supported; choose 'auto', 'float32' or 'bfloat16'"
+        )
+    if not stock_needed:
+        if model == "tiny":
+            weights = tiny_state_dict(TINY_CONFIG, seed)
+            from workers.light_model import LightConfig
+            light = LightLlama(LightConfig.from_dict(TINY_CONFIG),
+                               {k: v.to(DTYPES[dtype]) if dtype == "bfloat16" else v
+                                for k, v in weights.items()})
+            tokenizer = _tiny_tokenizer()
+            return light, tokenizer, _model_info("tiny", _tiny_revision(seed), light, tokenizer)
+        path = resolve_model_dir(model)
+        if light_unsupported(read_json(path / "config.json"),
+                             read_json(path / "tokenizer_config.json")) is None \
+                and checkpoint_files(path) and (path / "tokenizer.json").is_file():
+            if dtype == "auto":
+                saved = read_json(path / "config.json")
+                saved = saved.get("dtype") or saved.get("torch_dtype") or "float32"
+                dtype = auto_dtype(str(saved).removeprefix("torch."), torch.device("cpu"))
+            try:
+                from transformers import PreTrainedTokenizerFast
+                light = load_light_dir(path, DTYPES[dtype])
+                tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+            except (OSError, ValueError, KeyError) as e:
+                raise ModelLoadError(f"cannot load the checkpoint in {path}: {e}") from e
+            model_id = "smollm2" if model == "smollm2" else str(path)
+            return light, tokenizer, _model_info(model_id, _checkpoint_revision(path), light,
+                                                 tokenizer)
+    return load_model(model, dtype, seed=seed)
+
+
 def base_config(model: str):
     """The transformers config of `model` without loading its weights (tiny: built)."""
     if model == "tiny":
         return _build_tiny(0)[0].config
+    from transformers import AutoConfig
     return AutoConfig.from_pretrained(resolve_model_dir(model))
 
 
@@ -135,6 +196,7 @@ def resolve_model_dir(model: str) -> Path:
 
 
 def _load_dir(path: Path, dtype: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     try:
         if dtype == "auto":
             saved = AutoConfig.from_pretrained(path).dtype
@@ -149,13 +211,27 @@ def _load_dir(path: Path, dtype: str) -> tuple[PreTrainedModel, PreTrainedTokeni
     return hf_model, tokenizer
 
 
-def _build_tiny(seed: int) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """A 2-layer GQA Llama with random weights (std 0.1, so greedy output varies) over a
-    byte-level tokenizer: ids 0-2 are the ChatML specials, id 3+b is byte b."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the byte-level BPE alphabet)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
-    byte_chars = bytes_to_unicode()
+
+def _tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny model's byte-level tokenizer: ids 0-2 are the ChatML specials, id 3+b is byte
+    b."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = _bytes_to_unicode()
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS)}
     vocab.update({byte_chars[b]: len(TINY_SPECIAL_TOKENS) + b for b in range(256)})
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -170,25 +246,21 @@ def _build_tiny(seed: int) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
         additional_special_tokens=list(TINY_SPECIAL_TOKENS),
     )
     tokenizer.chat_template = CHATML_TEMPLATE
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        dtype="float32",
-        attn_implementation="sdpa",
-    )
+    assert len(tokenizer) == TINY_CONFIG["vocab_size"]
+    return tokenizer
+
+
+def _build_tiny(seed: int):
+    """The stock tiny model (TINY_CONFIG, weights `tiny_state_dict(TINY_CONFIG, seed)`) and its
+    tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _tiny_tokenizer()
+    fields = {k: v for k, v in TINY_CONFIG.items() if k != "model_type"}
+    config = LlamaConfig(**fields, attn_implementation="sdpa")
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state untouched
-        torch.manual_seed(seed)
         hf_model = LlamaForCausalLM(config)
+    hf_model.load_state_dict(tiny_state_dict(TINY_CONFIG, seed))
     return hf_model, tokenizer
 
 
@@ -224,7 +296,8 @@ def _tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def _model_info(
-    model_id: str, revision: str, hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+    model_id: str, revision: str, hf_model: PreTrainedModel | LightLlama,
+    tokenizer: PreTrainedTokenizerBase
 ) -> ModelInfo:
     config = hf_model.config
     num_heads = config.num_attention_heads

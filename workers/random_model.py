@@ -7,7 +7,6 @@ ids). Same name, seed and device: the same weights, so a prefill and a decode wo
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 PREFIX = "random:"
 SHAPES = {
@@ -35,8 +34,10 @@ def is_random(model: str) -> bool:
 def build_random(model: str, dtype: str, device: torch.device, seed: int = 0):
     """(model, tokenizer, ModelInfo) of `random:<shape>` in `dtype` ("auto": bfloat16 on cuda,
     float32 elsewhere), initialised on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from workers.device import DTYPES
-    from workers.model_loader import ModelLoadError, _build_tiny, _model_info
+    from workers.model_loader import ModelLoadError, _model_info, _tiny_tokenizer
     shape = model.removeprefix(PREFIX)
     if shape not in SHAPES:
         raise ModelLoadError(f"unknown random model shape {shape!r}; known: "
@@ -55,6 +56,6 @@ def build_random(model: str, dtype: str, device: torch.device, seed: int = 0):
     finally:
         torch.set_default_dtype(previous)
     hf_model.eval().requires_grad_(False)
-    tokenizer = _build_tiny(0)[1]
+    tokenizer = _tiny_tokenizer()
     revision = f"{shape}-seed{seed}-{dtype}"
     return hf_model, tokenizer, _model_info(model, revision, hf_model, tokenizer)
