@@ -158,3 +158,15 @@ def test_smollm2_loads_light_with_the_stock_cache_key():
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     assert tokenizer.apply_chat_template(chat, add_generation_prompt=True) == \
         stock_tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+
+
+def test_a_corrupt_weights_file_is_a_load_error_naming_the_folder(folders, tmp_path):
+    import shutil
+
+    from workers.model_loader import ModelLoadError
+    bad = tmp_path / "bad"
+    shutil.copytree(folders["llama"], bad)
+    for f in bad.glob("*.safetensors"):
+        f.write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelLoadError, match=str(bad)):
+        load_for_engine(str(bad), "float32")

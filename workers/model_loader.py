@@ -148,8 +148,10 @@ def load_for_engine(model: str, dtype: str = "auto", *, seed: int = 0,
                 from transformers import PreTrainedTokenizerFast
                 light = load_light_dir(path, DTYPES[dtype])
                 tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-            except (OSError, ValueError, KeyError) as e:
-                raise ModelLoadError(f"cannot load the checkpoint in {path}: {e}") from e
+            except Exception as e:  # noqa: BLE001 - OSError, a bad safetensors file, a missing
+                # tensor (KeyError): one clear error naming the folder
+                raise ModelLoadError(f"cannot load the checkpoint in {path}: "
+                                     f"{type(e).__name__}: {e}") from e
             model_id = "smollm2" if model == "smollm2" else str(path)
             return light, tokenizer, _model_info(model_id, _checkpoint_revision(path), light,
                                                  tokenizer)
