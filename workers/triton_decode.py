@@ -11,6 +11,7 @@ the host's `max_context_len`, never from the device), so it can be captured in a
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 from types import ModuleType
@@ -33,16 +34,21 @@ def _enabled() -> bool:
     return os.environ.get("RAYPD_TRITON_DECODE", "1") != "0"
 
 
+def import_kernels(module: str, what: str) -> ModuleType | None:
+    """`workers.<module>` (Triton kernels), or None where Triton cannot be imported: logged
+    once per caller (each caches its answer), `what` naming what then runs instead."""
+    try:
+        return importlib.import_module(f"workers.{module}")
+    except Exception as e:  # noqa: BLE001 - ImportError, or a Triton that fails to initialise
+        log.info("Triton kernels %s unavailable (%s: %s); %s", module, type(e).__name__, e,
+                 what)
+        return None
+
+
 @functools.cache
 def _kernels() -> ModuleType | None:
-    """workers/triton_decode_kernels.py, or None where Triton cannot be imported (logged once)."""
-    try:
-        from workers import triton_decode_kernels
-    except Exception as e:  # noqa: BLE001 - ImportError, or a Triton that fails to initialise
-        log.info("Triton decode attention unavailable (%s: %s); the torch path runs",
-                 type(e).__name__, e)
-        return None
-    return triton_decode_kernels
+    """workers/triton_decode_kernels.py, or None where Triton cannot be imported."""
+    return import_kernels("triton_decode_kernels", "the torch path runs")
 
 
 @functools.cache

@@ -17,13 +17,12 @@ any device's tensors, so a test can run them on the CPU under Triton's interpret
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from types import ModuleType
 
 import torch
 
-log = logging.getLogger(__name__)
+from workers.triton_decode import import_kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 16384          # one program holds a whole row
@@ -36,13 +35,8 @@ def _enabled() -> bool:
 
 @functools.cache
 def _kernels() -> ModuleType | None:
-    """workers/triton_ops_kernels.py, or None where Triton cannot be imported (logged once)."""
-    try:
-        from workers import triton_ops_kernels
-    except Exception as e:  # noqa: BLE001 - ImportError, or a Triton that fails to initialise
-        log.info("Triton fused ops unavailable (%s: %s); torch's ops run", type(e).__name__, e)
-        return None
-    return triton_ops_kernels
+    """workers/triton_ops_kernels.py, or None where Triton cannot be imported."""
+    return import_kernels("triton_ops_kernels", "torch's ops run")
 
 
 def applies(dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int) -> bool:
