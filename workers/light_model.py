@@ -8,7 +8,8 @@ weight first. Here:
 
 - `LightConfig`: the config.json fields the engine reads, with transformers' Llama defaults;
 - `LightLlama`: the weights under the stock model's attribute names (`model.layers[i].self_attn
-  .q_proj.weight`, ...), which is all `CompactLlama` and `ModelRunner` read from a model;
+  .q_proj.weight`, ...), which is all `CompactLlama` and a `ModelRunner` given its device (as
+  an engine gives it) read from a model;
 - `load_light_dir`: a local folder of safetensors; `tiny_state_dict`: the seeded tiny model's
   weights (workers/model_loader.py builds the stock tiny model from the same tensors, so both
   loads compute the same function).
@@ -129,28 +130,6 @@ class LightLlama:
         self.generation_config = SimpleNamespace(
             eos_token_id=config.eos_token_id if generation_eos is None else generation_eos)
 
-    def parameters(self):
-        """Every weight tensor (the stock model's `parameters()`, for the device and sizes)."""
-        seen: set[int] = set()
-        for t in self._tensors():
-            if id(t) not in seen:
-                seen.add(id(t))
-                yield t
-
-    def _tensors(self):
-        yield self.model.embed_tokens.weight
-        for layer in self.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
-                        m.down_proj):
-                yield lin.weight
-                if getattr(lin, "bias", None) is not None:
-                    yield lin.bias
-            yield layer.input_layernorm.weight
-            yield layer.post_attention_layernorm.weight
-        yield self.model.norm.weight
-        yield self.lm_head.weight
-
 
 def tiny_state_dict(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """The seeded tiny model's weights, in the stock model's names: every linear and the
@@ -199,14 +178,13 @@ def checkpoint_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def load_light_dir(path: Path, dtype: torch.dtype) -> LightLlama:
-    """The folder's weights in `dtype` (the caller checked `light_unsupported` and that it has
-    safetensors files)."""
+def load_light_dir(path: Path, config: dict, dtype: torch.dtype) -> LightLlama:
+    """The folder's weights in `dtype` (`config`: its config.json; the caller checked
+    `light_unsupported` and that it has safetensors files)."""
     from safetensors.torch import load_file
-    config = LightConfig.from_dict(read_json(path / "config.json"))
     weights: dict[str, torch.Tensor] = {}
     for f in checkpoint_files(path):
         for name, t in load_file(str(f)).items():
             weights[name] = t.to(dtype)
     eos = read_json(path / "generation_config.json").get("eos_token_id")
-    return LightLlama(config, weights, generation_eos=eos)
+    return LightLlama(LightConfig.from_dict(config), weights, generation_eos=eos)

@@ -33,7 +33,8 @@ def layer_windows(config) -> list[int | None]:
 
 
 class _Layer(nn.Module):
-    def __init__(self, hf_layer, config, window: int | None, device: torch.device) -> None:
+    def __init__(self, hf_layer, config, window: int | None, device: torch.device,
+                 ops) -> None:
         super().__init__()
         a, m = hf_layer.self_attn, hf_layer.mlp
         self.num_heads = config.num_attention_heads
@@ -58,7 +59,7 @@ class _Layer(nn.Module):
         self.eps = hf_layer.input_layernorm.variance_epsilon
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.ops = kernels   # the fused ops' module (CompactLlama sets it for its device)
+        self.ops = ops   # the fused ops' module for `device` (workers/kernels or triton_ops)
 
     def _proj(self, name: str, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = getattr(self, name).forward(x)   # no module hooks here: nn.Module's call costs ~5 us
@@ -123,9 +124,10 @@ class CompactLlama(nn.Module):
         assert reason is None, reason
         inner = hf_model.model
         w = inner.embed_tokens.weight
-        device = device if device is not None else w.device
+        device = torch.device(device if device is not None else w.device)
+        self.ops = triton_ops if device.type == "cuda" else kernels
         self.embed = w.detach().to(device)
-        self.layers = nn.ModuleList(_Layer(layer, config, window, device)
+        self.layers = nn.ModuleList(_Layer(layer, config, window, device, self.ops)
                                     for layer, window in zip(inner.layers, layer_windows(config),
                                                              strict=True))
         self.norm = inner.norm.weight.detach().to(device)
@@ -138,13 +140,9 @@ class CompactLlama(nn.Module):
         # the small ops are fused: on the CPU by workers/fused_ops.cpp, bf16 and float32 (a
         # few float32 ulps from transformers'), on cuda by workers/triton_ops.py;
         # RAYPD_FUSED_OPS=0 keeps torch's own ops
-        device = torch.device(device)
-        self.ops = triton_ops if device.type == "cuda" else kernels
         self.fused = triton_ops.applies(w.dtype, device, config.hidden_size,
                                         self.layers[0].head_dim) if device.type == "cuda" \
             else kernels.fused_ops_apply(w.dtype, device, config.hidden_size)
-        for layer in self.layers:
-            layer.ops = self.ops
         # what the engine reports as `fused_ops`
         self.fused_ops = ("triton-cuda" if device.type == "cuda" else "native-cpu") \
             if self.fused else "off"

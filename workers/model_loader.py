@@ -21,6 +21,7 @@ import torch
 
 from workers.device import DTYPES, auto_dtype
 from workers.light_model import (
+    LightConfig,
     LightLlama,
     checkpoint_files,
     light_unsupported,
@@ -94,10 +95,7 @@ def load_model(
     other CPUs; float32 for tiny), "float32" or "bfloat16";
     `seed` only affects "tiny".
     """
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ModelLoadError(
-            f"dtype {dtype!r} is not supported; choose 'auto', 'float32' or 'bfloat16'"
-        )
+    _check_dtype(dtype)
     if model == "tiny":
         hf_model, tokenizer = _build_tiny(seed)
         if dtype == "bfloat16":
@@ -112,6 +110,13 @@ def load_model(
     return hf_model, tokenizer, _model_info(model_id, revision, hf_model, tokenizer)
 
 
+def _check_dtype(dtype: str) -> None:
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ModelLoadError(
+            f"dtype {dtype!r} is not supported; choose 'auto', 'float32' or 'bfloat16'"
+        )
+
+
 def _tiny_revision(seed: int) -> str:
     blob = json.dumps(TINY_CONFIG, sort_keys=True).encode()
     return f"tiny-seed{seed}-{_sha256(blob)[:16]}"
@@ -123,30 +128,25 @@ def load_for_engine(model: str, dtype: str = "auto", *, seed: int = 0,
     workers/light_model.py applies and the caller needs no stock model (`stock_needed`:
     model_impl stock, LoRA adapters), else `load_model`'s. Both give the same ModelInfo and
     weights for the same model, dtype and seed."""
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ModelLoadError(
-            f"dtype {dtype!r} is not supported; choose 'auto', 'float32' or 'bfloat16'"
-        )
+    _check_dtype(dtype)
     if not stock_needed:
         if model == "tiny":
             weights = tiny_state_dict(TINY_CONFIG, seed)
-            from workers.light_model import LightConfig
             light = LightLlama(LightConfig.from_dict(TINY_CONFIG),
                                {k: v.to(DTYPES[dtype]) if dtype == "bfloat16" else v
                                 for k, v in weights.items()})
             tokenizer = _tiny_tokenizer()
             return light, tokenizer, _model_info("tiny", _tiny_revision(seed), light, tokenizer)
         path = resolve_model_dir(model)
-        if light_unsupported(read_json(path / "config.json"),
-                             read_json(path / "tokenizer_config.json")) is None \
+        config = read_json(path / "config.json")
+        if light_unsupported(config, read_json(path / "tokenizer_config.json")) is None \
                 and checkpoint_files(path) and (path / "tokenizer.json").is_file():
             if dtype == "auto":
-                saved = read_json(path / "config.json")
-                saved = saved.get("dtype") or saved.get("torch_dtype") or "float32"
+                saved = config.get("dtype") or config.get("torch_dtype") or "float32"
                 dtype = auto_dtype(str(saved).removeprefix("torch."), torch.device("cpu"))
             try:
                 from transformers import PreTrainedTokenizerFast
-                light = load_light_dir(path, DTYPES[dtype])
+                light = load_light_dir(path, config, DTYPES[dtype])
                 tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
             except Exception as e:  # noqa: BLE001 - OSError, a bad safetensors file, a missing
                 # tensor (KeyError): one clear error naming the folder
