@@ -29,6 +29,15 @@ after it, the memory returns to P's caching allocator. torch's IPC calls sit beh
 The lease, plan digest and page checksums of the handoff (protocol/messages.py,
 workers/kv_handoff.py) sit above this and apply unchanged.
 
+Staging pool (GPU pages, `staging_pool_mib` > 0, the default): P stages into byte ranges of a
+few long-lived segments (kvtransfer/staging_pool.py) instead of a fresh buffer per transfer. Each
+export is still one send with one receive, but every transfer staged in a segment shares its
+CUDA allocation, so D keeps its mapping of the segment (`_MAPPED`, per producer process and
+segment) and torch's receive cache makes a later open of it a reference-count release instead of
+a map and an unmap. Because such a receive does not wait on the export's event, P waits for its
+staging copy before it publishes. A released range goes back to the pool only after the ticket
+is unlinked, so a pull that read a reused range fails its final check, as above.
+
 The CPU stand-in: pages on the CPU are staged in the ticket file itself (a POSIX shared-memory
 file, mapped by both sides), with the same handle, checks and release order, so the protocol
 runs end to end on machines without a GPU. `device="cuda"` asks for the GPU path only: on a
@@ -39,8 +48,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -57,12 +68,16 @@ from kvtransfer.base import (
     torch_dtype,
 )
 from kvtransfer.shm import DEFAULT_DIR, remove_stale_files
+from kvtransfer.staging_pool import Range, StagingPool
 
 PREFIX = "raypd-ipc"
 CLAIMED = ".pulled"   # suffix of a ticket a pull has claimed
 DEVICES = ("auto", "cuda", "cpu")
 _LOCAL: dict[str, torch.Tensor] = {}   # transfer_id -> staged buffer, for readers in this
                                        # process (CUDA cannot open its own IPC handles)
+MAX_MAPPED = 16                        # pool segments a reader keeps mapped (least recent out)
+_MAPPED: OrderedDict[tuple[int, str], torch.Tensor] = OrderedDict()  # (pid, segment) -> a view
+_MAPPED_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,7 @@ class SharedPages:
     pid: int                         # the producer's process
     rebuild_args: tuple = ()         # cuda: torch.multiprocessing.reductions.reduce_tensor's
     gpu_uuid: str = ""               # cuda: the physical GPU holding the buffer
+    segment: str = ""                # cuda: the staging-pool segment, "" for a private buffer
 
 
 class TorchCudaIpc:
@@ -135,19 +151,27 @@ class _Staged:
     export: SharedPages
     buffer: torch.Tensor             # cuda: the device buffer; cpu: a view of the mapping
     mapped: mmap.mmap | None = None  # cpu stand-in only
+    pool: StagingPool | None = None  # cuda, pooled: where `range` goes back after release
+    range: Range | None = None
 
 
 class CudaIpcTransport(KVTransport):
     name = "cuda_ipc"
 
     def __init__(self, *, device: str = "auto", directory: str = DEFAULT_DIR,
-                 cleanup_stale: bool = True, **cfg: Any) -> None:
+                 cleanup_stale: bool = True, staging_pool_mib: int = 1024, **cfg: Any) -> None:
         """`device`: "auto" (GPU pages over CUDA IPC, CPU pages over the stand-in), "cuda"
         (GPU only: refuses without a GPU and refuses CPU pages) or "cpu" (the stand-in, GPU
-        pages are copied to the host first)."""
+        pages are copied to the host first). `staging_pool_mib`: the most GPU memory P keeps
+        for staging between transfers (the module doc's staging pool; 0: a private buffer per
+        transfer). torch's caching allocator keeps freed staging buffers reserved anyway, so
+        the pool holds about what the private buffers' peak would have."""
         if device not in DEVICES:
             raise TransferError(f"cuda_ipc device must be one of {', '.join(DEVICES)}, "
                                 f"got {device!r}")
+        if not isinstance(staging_pool_mib, int) or staging_pool_mib < 0:
+            raise TransferError(f"cuda_ipc staging_pool_mib must be an integer >= 0, "
+                                f"got {staging_pool_mib!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise TransferError("the cuda_ipc transport was asked for device 'cuda' but this "
                                 "process sees no GPU (torch.cuda.is_available() is False); give "
@@ -155,6 +179,8 @@ class CudaIpcTransport(KVTransport):
         super().__init__(**cfg)
         self.device = device
         self.directory = directory
+        self.staging_pool_bytes = staging_pool_mib << 20
+        self._pools: dict[torch.device, StagingPool] = {}
         # the last pull's seconds by phase (`raypd bench transfer` reports them): map (open
         # the IPC handle, or the stand-in's file), copy (the caller's copy and a stream sync),
         # release (close the mapping), checks (claim, node and GPU checks, the ticket's stat)
@@ -162,6 +188,18 @@ class CudaIpcTransport(KVTransport):
         if cleanup_stale:
             remove_stale_files(directory, PREFIX)
         self._finalizer = weakref.finalize(self, _release_all, self._staged)
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()
+
+    def pool_bytes(self) -> int:
+        """GPU bytes the staging pool holds (all devices)."""
+        with self._lock:
+            return sum(p.reserved_bytes for p in self._pools.values())
 
     # -- producer -------------------------------------------------------------------------
 
@@ -213,6 +251,16 @@ class CudaIpcTransport(KVTransport):
                 flat = torch.frombuffer(mapped, dtype=torch.uint8)
                 buffer = flat.view(torch_dtype(handle.dtype)).view(handle.shape)
             else:
+                pool = self._pool_for(device)
+                taken = pool.take(handle.nbytes) if pool is not None else None
+                if taken is not None:
+                    dtype = torch_dtype(handle.dtype)
+                    buffer = taken.view.view(dtype).view(handle.shape)
+                    staged = _Staged(SharedPages(kind, ticket, os.getpid(),
+                                                 segment=taken.segment), buffer,
+                                     pool=pool, range=taken)
+                    os.close(fd)
+                    return buffer, staged
                 buffer = torch.empty(handle.shape, dtype=torch_dtype(handle.dtype),
                                      device=device)
         except (OSError, RuntimeError) as exc:
@@ -223,9 +271,21 @@ class CudaIpcTransport(KVTransport):
         os.close(fd)
         return buffer, _Staged(SharedPages(kind, ticket, os.getpid()), buffer, mapped)
 
+    def _pool_for(self, device: torch.device) -> StagingPool | None:
+        if self.staging_pool_bytes == 0:
+            return None
+        with self._lock:
+            pool = self._pools.get(device)
+            if pool is None:
+                pool = self._pools[device] = StagingPool(device, self.staging_pool_bytes)
+            return pool
+
     def _publish(self, handle: TransferHandle, buffer: torch.Tensor,
                  staged: _Staged) -> TransferHandle:
         export = staged.export
+        if export.segment and buffer.device.type == "cuda":
+            # a reader that maps the segment already does not wait on the export's event
+            torch.cuda.current_stream(buffer.device).synchronize()
         if export.kind == "cuda":
             export = replace(export, rebuild_args=IPC.export(buffer),
                              gpu_uuid=gpu_uuid(buffer.device.index or 0))
@@ -307,6 +367,8 @@ class CudaIpcTransport(KVTransport):
             out = use(pages)
             if pages.device.type == "cuda":
                 torch.cuda.current_stream(pages.device).synchronize()
+            if export.segment and not local:
+                _keep_mapping(export, pages)
         finally:
             t_release = time.perf_counter()
             received = pages is not None and export.kind == "cuda" and not local
@@ -394,6 +456,30 @@ def _unlink(path: str) -> None:
         pass
 
 
+def _keep_mapping(export: SharedPages, pages: torch.Tensor) -> None:
+    """Keep a view of a pool segment mapped (its storage is the segment's), so the next
+    transfer staged in it is received without a new map; the least recently used beyond
+    MAX_MAPPED, and those of producers that exited, are let go."""
+    key = (export.pid, export.segment)
+    with _MAPPED_LOCK:
+        _MAPPED[key] = pages
+        _MAPPED.move_to_end(key)
+        for old in [k for k in _MAPPED if k[0] != export.pid and not _alive(k[0])]:
+            del _MAPPED[old]
+        while len(_MAPPED) > MAX_MAPPED:
+            _MAPPED.popitem(last=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _release(staged: _Staged) -> None:
     """Unpublish first (late readers fail), then let the memory go. Whoever removes the
     ticket's name owns the export's one receive: when no pull claimed it, P forgoes it here."""
@@ -412,7 +498,10 @@ def _release(staged: _Staged) -> None:
             staged.mapped.close()
         except BufferError:   # a view is still alive somewhere: the GC will unmap it
             pass
-    if export.kind == "cuda":
+    if staged.range is not None and staged.pool is not None:
+        staged.pool.give(staged.range)   # after the unlink: a pull of it now fails its check
+        staged.range = None
+    elif export.kind == "cuda":
         IPC.collect()
 
 

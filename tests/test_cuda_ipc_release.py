@@ -74,7 +74,9 @@ def ipc(monkeypatch) -> FakeIpc:
 
 @pytest.fixture()
 def producer(tmp_path) -> KVProducer:
-    p = KVProducer(CudaIpcTransport(directory=str(tmp_path)), lease_s=5.0, clock=Clock())
+    # a private buffer per transfer (tests/test_cuda_ipc_pool.py covers the staging pool)
+    p = KVProducer(CudaIpcTransport(directory=str(tmp_path), staging_pool_mib=0), lease_s=5.0,
+                   clock=Clock())
     yield p
     p.close()
 
@@ -202,8 +204,8 @@ def test_a_release_during_a_pull_leaves_the_receive_to_the_pull(ipc, producer, t
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_p_reserved_gpu_memory_stays_flat_across_expired_stagings(tmp_path):
     clock = Clock()
-    producer = KVProducer(CudaIpcTransport(device="cuda", directory=str(tmp_path)),
-                          lease_s=1.0, clock=clock)
+    producer = KVProducer(CudaIpcTransport(device="cuda", directory=str(tmp_path),
+                                           staging_pool_mib=0), lease_s=1.0, clock=clock)
     pages = torch.randn(4, 2, 64, 16, 8, 64, device="cuda").to(torch.bfloat16)  # 8 MiB
     reserved = []
     try:
