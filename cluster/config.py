@@ -64,7 +64,7 @@ class EngineSection:
     num_blocks: int | None = _opt(None, min=1)  # overrides kv_cache_gb
     kv_tier2_gb: float = _opt(0.0, min=0)      # host tier for evicted blocks per worker (0: off)
     kv_tier2_dir: str | None = None             # its mmap file's folder (CPU pools; temp dir)
-    max_num_batched_tokens: int = _opt(2048, min=1)
+    max_num_batched_tokens: int | None = _opt(None, min=1)   # None: 512 on CPU, 2048 on GPU
     max_step_ms: float | None = _opt(None, gt=0)   # mixed steps' prefill sized to stay under it
     max_num_seqs: int = _opt(64, min=1)
     enable_prefix_caching: bool = True

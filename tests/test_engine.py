@@ -42,6 +42,20 @@ def test_eight_mixed_length_requests_batched(tiny_loaded, tiny_reference):
     _drained(engine)
 
 
+def test_on_a_cpu_the_default_step_budget_gives_the_first_of_four_prompts_its_token_first(
+        tiny_loaded):
+    """engine.max_num_batched_tokens unset: 512 tokens a step on a CPU (protocol/step_rates),
+    so of four 512-token prompts that arrive together the first has its first token after
+    one step instead of waiting for all four to be prefilled; an explicit budget still wins."""
+    engine = make_engine(tiny_loaded, device="cpu", num_blocks=512)
+    assert engine.cfg.max_num_batched_tokens is None and engine.max_num_batched_tokens == 512
+    reqs = [engine.add_request(random_prompt(512, seed=40 + i), GREEDY) for i in range(4)]
+    engine.step()
+    assert [len(r.output_token_ids) for r in reqs] == [1, 0, 0, 0]
+    assert make_engine(tiny_loaded, device="cpu",
+                       max_num_batched_tokens=2048).max_num_batched_tokens == 2048
+
+
 def test_prefix_hit_skips_three_cached_blocks(tiny_loaded, tiny_reference):
     engine = make_engine(tiny_loaded)
     shared = random_prompt(48, seed=3)          # exactly 3 blocks of 16

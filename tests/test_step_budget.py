@@ -58,13 +58,14 @@ def _mixed_step_chunks(engine, long_prompt: list[int]) -> dict[str, int]:
 
 def test_mixed_step_prefill_is_capped_under_the_target(tiny_loaded):
     long_prompt = random_prompt(1500, seed=2)
-    capped = make_engine(tiny_loaded, num_blocks=256, max_step_ms=50.0)
+    capped = make_engine(tiny_loaded, num_blocks=256, max_step_ms=50.0,
+                         max_num_batched_tokens=2048)
     capped.step_budget.coef = list(COST)            # the cost above, fixed for the test
     capped.step_budget.observe = lambda *a: None
     sizes = _mixed_step_chunks(capped, long_prompt)
     assert sizes["short"] == 1
     assert sizes["long"] == pytest.approx(470, abs=1)   # 50 - 2 - 1 = 47 ms at 0.1 ms a token
-    off = make_engine(tiny_loaded, num_blocks=256)
+    off = make_engine(tiny_loaded, num_blocks=256, max_num_batched_tokens=2048)
     assert _mixed_step_chunks(off, long_prompt) == {"short": 1, "long": 1500}
 
 

@@ -19,6 +19,7 @@ from kvcache.manager import KVCacheManager, cdiv
 from protocol.errors import RequestError, UnknownLoRAError
 from protocol.lifecycle import EngineStats
 from protocol.messages import AdmittedRequest, MigratedRequest
+from protocol.step_rates import default_batched_tokens
 from workers.device import (
     DEVICES,
     DTYPES,
@@ -51,7 +52,8 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     kv_tier2_gb: float = 0.0            # host tier for evicted blocks (0: off; workers/kv_tier2.py)
     kv_tier2_dir: str | None = None     # its memory-mapped file's folder (CPU pools; temp dir)
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None   # tokens per step; None: by device
+                                                # (protocol/step_rates.DEFAULT_BATCHED_TOKENS)
     max_step_ms: float | None = None    # TPOT target: mixed steps' prefill sized under it (off)
     max_num_seqs: int = 64
     max_model_len: int | None = None    # default: the model's max_position_embeddings
@@ -78,7 +80,8 @@ class EngineConfig:
             raise ValueError(f"kv_tier2_gb must be >= 0, got {self.kv_tier2_gb}")
         if self.max_step_ms is not None and not self.max_step_ms > 0:
             raise ValueError(f"max_step_ms must be > 0 (or None: off), got {self.max_step_ms}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+        if (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1
+                or self.max_num_seqs < 1):
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, "
@@ -131,9 +134,11 @@ class LLMEngine:
                                  tier2_slots=tier2_slots)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=cfg.block_size,
                                  kv_bytes_per_token=self.kv_bytes_per_token)
-        self.step_budget = StepBudget(cfg.max_step_ms, cfg.max_num_batched_tokens,
+        self.max_num_batched_tokens = (cfg.max_num_batched_tokens
+                                       or default_batched_tokens(self.device.type))
+        self.step_budget = StepBudget(cfg.max_step_ms, self.max_num_batched_tokens,
                                       min_chunk=cfg.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
+        self.scheduler = Scheduler(SchedulerConfig(self.max_num_batched_tokens, cfg.max_num_seqs,
                                                    cfg.max_loras), self.kv, self.stats,
                                    self._busy_loras, self.step_budget)
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size,

@@ -287,7 +287,7 @@ class EngineHost:
         to_prefill = [(r.num_tokens, r.num_computed_tokens)
                       for r in (*waiting, *running_reqs) if prefilling(r)]
         if pfit is not None:   # the worker's own estimate of its prefill work, by its own fit
-            queued_s = pfit.backlog_s(to_prefill, e.cfg.max_num_batched_tokens)
+            queued_s = pfit.backlog_s(to_prefill, e.max_num_batched_tokens)
         decoding = [r for r in running_reqs if not prefilling(r)]
         step_s = dfit.step_s(len(decoding), sum(r.num_tokens for r in decoding)) \
             if dfit is not None and decoding else 0.0

@@ -22,7 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-tier2-gb", type=float, default=0.0,
                    help="host tier for evicted KV blocks (GiB; 0 = off): CPU memory for a GPU "
                    "pool, a memory-mapped file for a CPU pool; prefix hits reload from it")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step (prefill chunk); default 512 on a CPU, 2048 on "
+                   "a GPU")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch threads per engine")

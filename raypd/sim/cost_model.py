@@ -45,6 +45,8 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from protocol.step_rates import DEFAULT_BATCHED_TOKENS
+
 
 @dataclass(frozen=True)
 class PrefillCost:
@@ -331,7 +333,8 @@ CPU_DEFAULTS = {"prefill_tok_s": {"128": 900.0, "512": 1000.0, "2048": 700.0},
 
 
 def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m",
-                   kv_capacity_tokens: int = 65_536, chunk_tokens: int = 2048) -> CostModel:
+                   kv_capacity_tokens: int = 65_536,
+                   chunk_tokens: int = DEFAULT_BATCHED_TOKENS["cpu"]) -> CostModel:
     """This machine, from `raypd bench engine` JSON: prefill seconds fitted to its prefill
     tok/s at each prompt length (overhead + linear + attention terms; one sequence's cost
     from the measured table itself, `PrefillCost.solo_s`), decode step time fitted
