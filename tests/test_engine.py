@@ -257,12 +257,19 @@ def test_smollm2_chat_matches_generate_and_says_paris():
     # fixed answer would hang on a near-tie ("The" and "L" lie 0.08 apart here, under one bf16
     # step of the logits), not on our arithmetic.
     import torch
-    default = LLMEngine(EngineConfig(model="smollm2", num_blocks=64))
+
+    from workers.device import auto_dtype
+    if auto_dtype("bfloat16", engine.device) == "float32":   # the default is the float32
+        default, stock_model = engine, reference             # above: the same two models
+    else:
+        default = LLMEngine(EngineConfig(model="smollm2", num_blocks=64))
+        stock_model = load_model("smollm2", default.info.dtype)[0]
+    assert default.info.dtype == str(stock_model.dtype).removeprefix("torch.")
     ids = reqs[0].prompt_token_ids
     ours = _first_logits(default, ids)
     with torch.inference_mode():
         exact = reference(torch.tensor([ids])).logits[0, -1].float()
-        stock = load_model("smollm2", default.info.dtype)[0](torch.tensor([ids]))
+        stock = stock_model(torch.tensor([ids]))
     floor = (stock.logits[0, -1].float() - exact).abs().max().item()
     err = (ours - exact).abs().max().item()
     assert err <= max(floor, 1e-4), (err, floor, default.info.dtype)
