@@ -27,11 +27,11 @@ MIN_STEPS = 4
 
 # An engine step's token budget (engine.max_num_batched_tokens) when the config leaves it unset,
 # by device type; the live engine and the simulator's CPU cost model read it here. On a CPU a
-# prefill chunk of 512 tokens already runs the linear layers at the machine's matmul peak, so a
-# larger step (several prompts at once) adds no throughput and delays the first token of every
-# prompt in it until the whole step ends (SmolLM2, 2 cores, colocated, vLLM's client at
-# concurrency 8, 512-token prompts: median TTFT 2.1 s against 4.0 s with 2048, the same tok/s;
-# 128 lost a sixth of the throughput). On a GPU, 2048 (vLLM's default for online serving).
+# step of more than 512 tokens (several prompts at once) serves no more tokens a second, and it
+# delays the first token of every prompt in it until the whole step ends (SmolLM2 in float32, 2
+# cores with AVX512-BF16, colocated, vLLM's client: 512-token prompts at concurrency 8, median
+# TTFT 2.1 s against 4.0 s with 2048 and 57 tok/s both; 1024-token prompts at concurrency 16,
+# 3.4 s against 8.6 s, 53 tok/s both; 128 lost a sixth of the throughput). On a GPU, 2048.
 DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
