@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,48 @@ def make_engine(loaded, **overrides):
     cfg = dict(model="tiny", num_blocks=256, block_size=16)
     cfg.update(overrides)
     return LLMEngine(EngineConfig(**cfg), loaded=loaded)
+
+
+class FakeIpc:
+    """Stands in for torch's CUDA IPC: counts each export's receives (open or forgo)."""
+
+    def __init__(self) -> None:
+        self.receives: dict[int, int] = {}                 # export token -> receives
+        self._buffers: dict[int, weakref.ref] = {}
+        self.fail_open = False
+
+    def export(self, buffer: torch.Tensor) -> tuple:
+        token = len(self.receives)
+        self.receives[token] = 0
+        self._buffers[token] = weakref.ref(buffer)
+        return ("fake-ipc", token)
+
+    def open(self, rebuild_args: tuple, index: int) -> torch.Tensor:
+        if self.fail_open:
+            raise RuntimeError("cudaIpcOpenMemHandle failed")
+        token = rebuild_args[1]
+        self.receives[token] += 1
+        buffer = self._buffers[token]()
+        assert buffer is not None, "mapped a buffer the producer freed"
+        return buffer
+
+    def forgo(self, rebuild_args: tuple) -> None:
+        self.receives[rebuild_args[1]] += 1
+
+    def collect(self) -> None:
+        pass
+
+
+@pytest.fixture()
+def ipc(monkeypatch) -> FakeIpc:
+    """cuda_ipc's GPU path on CPU tensors: the 'cuda' export kind, a fake IPC, one fake GPU."""
+    from kvtransfer import cuda_ipc
+    from kvtransfer.cuda_ipc import CudaIpcTransport
+    fake = FakeIpc()
+    monkeypatch.setattr(cuda_ipc, "IPC", fake)
+    monkeypatch.setattr(CudaIpcTransport, "_kind_for", lambda self, device: "cuda")
+    monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda index: "GPU-fake")
+    monkeypatch.setattr(cuda_ipc, "local_gpu_index",
+                        lambda uuid: 0 if uuid == "GPU-fake" else None)
+    monkeypatch.setattr(cuda_ipc, "_MAPPED", type(cuda_ipc._MAPPED)())   # a reader's mappings
+    return fake

@@ -1,7 +1,7 @@
 """cuda_ipc's staging pool (kvtransfer/staging_pool.py): P stages transfers in ranges of
 long-lived segments, so D maps each segment once instead of a fresh CUDA IPC handle per pull.
 
-On CPU, torch's IPC is faked (as in test_cuda_ipc_release.py): every export still gets exactly
+On CPU, torch's IPC is faked (conftest's `ipc`): every export still gets exactly
 one receive, transfers reuse one segment, the reader keeps one mapping of it, a range goes back
 only after its release, and a pull that raced a release and a reuse of its range is refused.
 On a GPU, the last test pulls from another process and checks that the reader mapped the
@@ -20,7 +20,7 @@ from kvtransfer.base import TransferError
 from kvtransfer.cuda_ipc import CudaIpcTransport
 from kvtransfer.endpoint import KVProducer
 from kvtransfer.staging_pool import ALIGN, StagingPool
-from tests.test_cuda_ipc_release import SHAPE, Clock, FakeIpc, _foreign, _pages
+from tests.test_cuda_ipc_release import SHAPE, Clock, _foreign, _pages
 
 
 def test_pool_ranges_tile_their_segments_through_random_takes_and_gives():
@@ -56,18 +56,6 @@ def test_pool_grows_up_to_its_cap_then_refuses():
     again = pool.take(1000)
     assert again is not None and again.segment == small.segment
     pool.check()
-
-
-@pytest.fixture()
-def ipc(monkeypatch) -> FakeIpc:
-    fake = FakeIpc()
-    monkeypatch.setattr(cuda_ipc, "IPC", fake)
-    monkeypatch.setattr(CudaIpcTransport, "_kind_for", lambda self, device: "cuda")
-    monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda index: "GPU-fake")
-    monkeypatch.setattr(cuda_ipc, "local_gpu_index",
-                        lambda uuid: 0 if uuid == "GPU-fake" else None)
-    monkeypatch.setattr(cuda_ipc, "_MAPPED", type(cuda_ipc._MAPPED)())
-    return fake
 
 
 @pytest.fixture()

@@ -2,7 +2,7 @@
 every outcome (never pulled: expiry, abort, close, a lease that could not start; pulled once;
 released mid-pull; a pull that could not map), the producer keeps no reference to the buffer
 once its lease ended, and a second pull of one handle is refused. torch's IPC calls are faked
-(kvtransfer.cuda_ipc.IPC) so the bookkeeping runs on CPU; the last test measures the real
+(kvtransfer.cuda_ipc.IPC, conftest's `ipc`) so the bookkeeping runs on CPU; the last test measures the real
 thing on a GPU: P's reserved memory stays flat across staged-then-expired transfers."""
 
 from __future__ import annotations
@@ -23,53 +23,11 @@ from kvtransfer.endpoint import KVProducer
 SHAPE = (2, 2, 3, 4, 2, 8)
 
 
-class FakeIpc:
-    """Stands in for torch's CUDA IPC: counts each export's receives (open or forgo)."""
-
-    def __init__(self) -> None:
-        self.receives: dict[int, int] = {}                 # export token -> receives
-        self._buffers: dict[int, weakref.ref] = {}
-        self.fail_open = False
-
-    def export(self, buffer: torch.Tensor) -> tuple:
-        token = len(self.receives)
-        self.receives[token] = 0
-        self._buffers[token] = weakref.ref(buffer)
-        return ("fake-ipc", token)
-
-    def open(self, rebuild_args: tuple, index: int) -> torch.Tensor:
-        if self.fail_open:
-            raise RuntimeError("cudaIpcOpenMemHandle failed")
-        token = rebuild_args[1]
-        self.receives[token] += 1
-        buffer = self._buffers[token]()
-        assert buffer is not None, "mapped a buffer the producer freed"
-        return buffer
-
-    def forgo(self, rebuild_args: tuple) -> None:
-        self.receives[rebuild_args[1]] += 1
-
-    def collect(self) -> None:
-        pass
-
-
 class Clock:
     now = 0.0
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture()
-def ipc(monkeypatch) -> FakeIpc:
-    """cuda_ipc's GPU path on CPU tensors: the 'cuda' export kind, a fake IPC, one fake GPU."""
-    fake = FakeIpc()
-    monkeypatch.setattr(cuda_ipc, "IPC", fake)
-    monkeypatch.setattr(CudaIpcTransport, "_kind_for", lambda self, device: "cuda")
-    monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda index: "GPU-fake")
-    monkeypatch.setattr(cuda_ipc, "local_gpu_index",
-                        lambda uuid: 0 if uuid == "GPU-fake" else None)
-    return fake
 
 
 @pytest.fixture()
