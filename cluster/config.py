@@ -321,7 +321,7 @@ class _Validator:
 
     def cross_checks(self, cfg: RaypdConfig) -> None:
         """Checks that need another module's names or more than one key."""
-        from kvtransfer.base import TRANSPORT_NAMES
+        from kvtransfer.base import TRANSPORT_NAMES, transport_options
         from router.policies import POLICIES, make_policy
         w, r = cfg.workers, cfg.router
         if w.decode.count < 1:
@@ -330,6 +330,13 @@ class _Validator:
         if cfg.transfer.transport not in TRANSPORT_NAMES:
             self.fail("transfer.transport", f"must be one of {', '.join(TRANSPORT_NAMES)}, "
                       f"got {cfg.transfer.transport!r}")
+        else:
+            takes = transport_options(cfg.transfer.transport)
+            unknown = sorted(set(cfg.transfer.options) - takes)
+            if unknown:
+                self.fail("transfer.options", f"{', '.join(map(repr, unknown))} not taken by "
+                          f"transport {cfg.transfer.transport!r}; it takes: "
+                          f"{', '.join(sorted(takes))}")
         if r.policy not in POLICIES:
             self.fail("router.policy", f"must be one of {', '.join(sorted(POLICIES))}, "
                       f"got {r.policy!r}")

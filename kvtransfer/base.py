@@ -9,6 +9,7 @@ until ``release(transfer_id)``; the handle is plain data that the orchestrator p
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import os
 import socket
@@ -331,6 +332,23 @@ _TRANSPORTS = {
     "shm": ("kvtransfer.shm", "ShmTransport"),
 }
 TRANSPORT_NAMES = tuple(sorted(_TRANSPORTS))
+
+
+SET_BY_WORKER = frozenset({"worker_id", "node_id"})   # a worker fills these in itself
+
+
+def transport_options(name: str) -> frozenset[str]:
+    """The options (`transfer.options` keys) transport `name` takes: its constructor's keyword
+    arguments and KVTransport's, less the ones a worker sets itself."""
+    module, cls = _TRANSPORTS[name]
+    names: set[str] = set()
+    for klass in getattr(importlib.import_module(module), cls).__mro__:
+        init = klass.__dict__.get("__init__")
+        if klass is object or init is None:
+            continue
+        names |= {p.name for p in inspect.signature(init).parameters.values()
+                  if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
+    return frozenset(names - SET_BY_WORKER)
 
 
 def make_transport(name: str, **cfg: Any) -> KVTransport:

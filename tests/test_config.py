@@ -163,3 +163,19 @@ def test_lora_adapters_are_validated_at_start_naming_key_and_file(tmp_path):
     with pytest.raises(ConfigError, match=r"model.lora_adapters.b: .*missing.*not a directory"):
         load_config(None, {"model.name": "tiny",
                            "model.lora_adapters": {"b": str(tmp_path / "missing")}})
+
+
+def test_a_transport_option_the_transport_does_not_take_is_refused_at_load_naming_it(tmp_path):
+    """transfer.options go to the transport's constructor in every worker actor: a key it does
+    not take is a config error naming the key and the options it does take (not a TypeError
+    in each worker); the keys it takes pass."""
+    cfg = load_config(None, {"transfer.transport": "cuda_ipc",
+                             "transfer.options": {"staging_pool_mib": 0, "checksum": True}})
+    assert cfg.to_pd_config().transport_cfg == {"staging_pool_mib": 0, "checksum": True}
+    path = tmp_path / "c.yaml"
+    path.write_text("transfer:\n  transport: shm\n  options: {staging_pool_mib: 64}\n")
+    with pytest.raises(ConfigError, match=r"c.yaml.*transfer.options: 'staging_pool_mib' not "
+                       r"taken by transport 'shm'; it takes: checksum, .*pool_bytes"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="'worker_id' not taken"):   # the worker sets it
+        load_config(None, {"transfer.options": {"worker_id": "x"}})
