@@ -190,6 +190,7 @@ def test_on_a_gpu_another_process_maps_a_pool_segment_once(tmp_path, pool_mib):
         ours, theirs = ctx.Pipe()
         child = ctx.Process(target=_pull_in_child, args=(handles, theirs))
         child.start()
+        assert ours.poll(120), f"the reader process sent nothing (exit code {child.exitcode})"
         sums, opened, _ = ours.recv()
         child.join(60)
         assert sums == [float(p.float().sum()) for p in pages]
