@@ -196,11 +196,6 @@ class CudaIpcTransport(KVTransport):
         for pool in pools:
             pool.close()
 
-    def pool_bytes(self) -> int:
-        """GPU bytes the staging pool holds (all devices)."""
-        with self._lock:
-            return sum(p.reserved_bytes for p in self._pools.values())
-
     # -- producer -------------------------------------------------------------------------
 
     def _to_host(self, pages: torch.Tensor) -> torch.Tensor:
@@ -236,40 +231,39 @@ class CudaIpcTransport(KVTransport):
 
     def _allocate(self, handle: TransferHandle, device: torch.device
                   ) -> tuple[torch.Tensor, _Staged]:
-        """The private staging buffer and its ticket (the cpu stand-in: one file, both)."""
+        """The staging buffer (a pool range, else a private buffer) and its ticket (the cpu
+        stand-in: one file, both)."""
         kind = self._kind_for(device)
         ticket = os.path.join(self.directory, f"{PREFIX}-{os.getpid()}-{handle.transfer_id}")
         try:
             fd = os.open(ticket, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as exc:
             raise TransferError(f"cannot create the transfer ticket {ticket}: {exc}") from exc
-        mapped = None
+        dtype = torch_dtype(handle.dtype)
+        mapped = pool = taken = None
         try:
             if kind == "cpu":
                 os.ftruncate(fd, handle.nbytes)
                 mapped = mmap.mmap(fd, handle.nbytes, flags=mmap.MAP_SHARED)
                 flat = torch.frombuffer(mapped, dtype=torch.uint8)
-                buffer = flat.view(torch_dtype(handle.dtype)).view(handle.shape)
+                buffer = flat.view(dtype).view(handle.shape)
             else:
                 pool = self._pool_for(device)
                 taken = pool.take(handle.nbytes) if pool is not None else None
-                if taken is not None:
-                    dtype = torch_dtype(handle.dtype)
-                    buffer = taken.view.view(dtype).view(handle.shape)
-                    staged = _Staged(SharedPages(kind, ticket, os.getpid(),
-                                                 segment=taken.segment), buffer,
-                                     pool=pool, range=taken)
-                    os.close(fd)
-                    return buffer, staged
-                buffer = torch.empty(handle.shape, dtype=torch_dtype(handle.dtype),
-                                     device=device)
+                buffer = (taken.view.view(dtype).view(handle.shape) if taken is not None
+                          else torch.empty(handle.shape, dtype=dtype, device=device))
         except (OSError, RuntimeError) as exc:
+            if taken is not None:
+                pool.give(taken)
             os.close(fd)
             _unlink(ticket)
             raise TransferError(f"cannot allocate {handle.nbytes} bytes to stage "
                                 f"{handle.transfer_id} on {device}: {exc}") from exc
         os.close(fd)
-        return buffer, _Staged(SharedPages(kind, ticket, os.getpid()), buffer, mapped)
+        export = SharedPages(kind, ticket, os.getpid(),
+                             segment=taken.segment if taken is not None else "")
+        return buffer, _Staged(export, buffer, mapped, pool if taken is not None else None,
+                               taken)
 
     def _pool_for(self, device: torch.device) -> StagingPool | None:
         if self.staging_pool_bytes == 0:
@@ -462,8 +456,11 @@ def _keep_mapping(export: SharedPages, pages: torch.Tensor) -> None:
     MAX_MAPPED, and those of producers that exited, are let go."""
     key = (export.pid, export.segment)
     with _MAPPED_LOCK:
+        known = key in _MAPPED
         _MAPPED[key] = pages
         _MAPPED.move_to_end(key)
+        if known:          # a pull of a segment mapped already: nothing else changed
+            return
         for old in [k for k in _MAPPED if k[0] != export.pid and not _alive(k[0])]:
             del _MAPPED[old]
         while len(_MAPPED) > MAX_MAPPED:
