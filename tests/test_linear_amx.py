@@ -87,5 +87,5 @@ def test_isa_switch_turns_the_amx_linear_off(monkeypatch, isa):
     monkeypatch.setenv("RAYPD_KERNEL_ISA", isa)
     lin = Linear(torch.randn(64, 64).to(BF16))
     assert lin.amx_m == 0 and lin.vnni is None
-    assert lin.small_m == kernels.linear_small_m_rows(torch.empty(1, 1, dtype=BF16))
+    assert lin.small_m == kernels.linear_small_m_rows(torch.empty(1, 2, dtype=BF16))
     assert (lin.small_m == 0) == (isa == "portable")

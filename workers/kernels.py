@@ -159,11 +159,13 @@ def _module():
     fn.linear_w16.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int]
     lib.raypd_linear_w16_max.restype = ctypes.c_int64
     fn.w16_max = int(lib.raypd_linear_w16_max())           # 0: no AVX2 + FMA
+    layers_args = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_double, ctypes.c_double,
+                   _ptr, _ptr, _ptr, ctypes.c_int, ctypes.c_int]
     fn.decode_layers_f32 = lib.raypd_decode_layers_f32
-    fn.decode_layers_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_double,
-                                     ctypes.c_double, _ptr, _ptr, _ptr, ctypes.c_int,
-                                     ctypes.c_int]
-    fn.decode_layers_f32.restype = ctypes.c_int
+    fn.decode_layers_f32.argtypes, fn.decode_layers_f32.restype = layers_args, ctypes.c_int
+    fn.decode_layers_bf16 = lib.raypd_decode_layers_bf16     # (+ amx: which bf16 linear)
+    fn.decode_layers_bf16.argtypes = [*layers_args, ctypes.c_int]
+    fn.decode_layers_bf16.restype = ctypes.c_int
     fn.prefill_attention_amx = lib.raypd_prefill_attention_amx
     fn.prefill_attention_amx.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, ctypes.c_int]
     fn.prefill_attention_f32 = lib.raypd_prefill_attention_f32
@@ -292,11 +294,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# ---- linears of few rows (decode steps), bf16 on CPUs with AVX512-BF16 (linear_small_m.cpp) ----
+# ---- linears of few rows (decode steps) on VNNI-packed weights, bf16 on CPUs with AVX512-BF16
+# (linear_small_m.cpp) ----
 def linear_small_m_rows(weight: torch.Tensor) -> int:
-    """The most rows of x the small-M linear takes for this weight (0: it does not apply)."""
+    """The most rows of x the small-M linear takes for this weight (0: it does not apply: not a
+    bf16 CPU weight, K odd, no AVX512-BF16, or the portable switch)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 \
-            or isa_cap() < 2:
+            or weight.shape[1] % 2 or isa_cap() < 2:
         return 0
     return _small_m_max()
 
@@ -306,22 +310,29 @@ def _small_m_max() -> int:
     return 0 if fn is None else fn.small_m_max
 
 
-def linear_small_m(x: torch.Tensor, weight: torch.Tensor,
+def linear_small_m(x: torch.Tensor, packed: torch.Tensor, n: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) for at most linear_small_m_rows(weight) rows of
-    x, bf16, float32 sums rounded once."""
-    n, k = weight.shape
+    """x [..., K] @ W [n, K]^T (+ bias [n]) for at most linear_small_m_rows(W) rows of x, bf16,
+    from W's pack_vnni copy; float32 sums rounded once."""
+    return _linear_vnni(_module().linear_small_m, _small_m_max(), x, packed, n, bias)
+
+
+def _linear_vnni(kernel, max_rows: int, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ W [n, K]^T (+ bias) by `kernel` (linear_small_m or linear_amx's C call) on
+    W's pack_vnni copy, for 1 <= rows <= max_rows."""
+    k = packed.shape[1] * 2
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    assert x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous() and x.shape[-1] == k
-    assert 1 <= m <= _small_m_max(), m     # (weight's dtype and device: linear_small_m_rows)
+    assert x.dtype == packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    assert packed.shape == (-(-n // 16), k // 2, 16, 2) and x.shape[-1] == k, packed.shape
+    assert 1 <= m <= max_rows, m     # (the weight's dtype, device, K: the caller's *_rows)
     if bias is not None:
-        assert bias.shape == (n,) and bias.dtype == weight.dtype and bias.is_contiguous()
+        assert bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous()
     out = torch.empty(m, n, dtype=x.dtype)
-    _module().linear_small_m(out.data_ptr(), x2.data_ptr(), weight.data_ptr(),
-                             0 if bias is None else bias.data_ptr(), m, n, k,
-                             torch.get_num_threads())
+    kernel(out.data_ptr(), x2.data_ptr(), packed.data_ptr(),
+           0 if bias is None else bias.data_ptr(), m, n, k, torch.get_num_threads())
     return out.view(*lead, n)
 
 
@@ -420,7 +431,7 @@ def linear_amx_rows(weight: torch.Tensor) -> int:
 
 
 def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] in the layout linear_amx reads: [ceil(N / 16), K / 2, 16, 2], wp[nb, kp, n,
+    """weight [N, K] in the layout linear_amx and linear_small_m read: [ceil(N / 16), K / 2, 16, 2], wp[nb, kp, n,
     i] = weight[16 nb + n, 2 kp + i], rows past N zero."""
     n, k = weight.shape
     assert k % 2 == 0, k
@@ -433,20 +444,7 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, n: int,
                bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W [n, K]^T (+ bias [n]) for at most linear_amx_rows(W) rows of x, bf16, from
     W's pack_vnni copy; float32 sums rounded once."""
-    k = packed.shape[1] * 2
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
-    m = x2.shape[0]
-    assert x.dtype == packed.dtype == torch.bfloat16 and packed.is_contiguous()
-    assert packed.shape == (-(-n // 16), k // 2, 16, 2) and x.shape[-1] == k, packed.shape
-    assert 1 <= m <= _module().amx_max, m   # (the weight's dtype, device, K: linear_amx_rows)
-    if bias is not None:
-        assert bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous()
-    out = torch.empty(m, n, dtype=x.dtype)
-    _module().linear_amx(out.data_ptr(), x2.data_ptr(), packed.data_ptr(),
-                         0 if bias is None else bias.data_ptr(), m, n, k,
-                         torch.get_num_threads())
-    return out.view(*lead, n)
+    return _linear_vnni(_module().linear_amx, _module().amx_max, x, packed, n, bias)
 
 
 # ---- prefill attention, bf16 on CPUs with AMX-BF16 (attention_amx.cpp) -------------------------
@@ -503,18 +501,22 @@ LAYER_WORDS = 11   # per layer: qkv, qkv bias, o, o bias, gate_up, down, ln1, ln
 GROUP_WORDS = 5    # per decode group: start, count, block tables, context lens, width
 
 
-def decode_layers_f32(layer_words: torch.Tensor, groups: list[tuple[int, torch.Tensor,
-                                                                     torch.Tensor]],
-                      h: torch.Tensor, dims: tuple[int, ...], eps: float, scale: float,
-                      cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Every layer of a pure decode step (float32, bf16-held linears, a float32 pool), as
-    llama._Layer.forward_fused computes them one call at a time: `layer_words` [L, LAYER_WORDS]
-    int64 (the layers' operands, CompactLlama.decode_words); `groups` (start row, block tables
-    [count, width], context lens [count]); h [T, hidden] the residual stream (updated in place);
-    dims (T, hidden, H, Hkv, D, I, block_size, num_blocks); cos, sin [T, D]; slots [T].
+def decode_layers(layer_words: torch.Tensor, groups: list[tuple[int, torch.Tensor,
+                                                                 torch.Tensor]],
+                  h: torch.Tensor, dims: tuple[int, ...], eps: float, scale: float,
+                  cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  amx: bool = False) -> torch.Tensor:
+    """Every layer of a pure decode step, as llama._Layer.forward_fused computes them one call
+    at a time: float32 activations and pool with bf16-held linears (linear_w16), or bf16
+    activations and pool with VNNI-packed linears (linear_amx where `amx`, else
+    linear_small_m). `layer_words` [L, LAYER_WORDS] int64 (the layers' operands,
+    CompactLlama.decode_words); `groups` (start row, block tables [count, width], context lens
+    [count]); h [T, hidden] the residual stream (updated in place); dims (T, hidden, H, Hkv, D,
+    I, block_size, num_blocks); cos, sin [T, D] of h's dtype; slots [T].
     Returns the last layer's output, still to be added to h."""
     t, hidden = h.shape
-    assert dims[0] == t and dims[1] == hidden and h.dtype == torch.float32 and h.is_contiguous()
+    assert dims[0] == t and dims[1] == hidden and h.dtype in FUSED_DTYPES and h.is_contiguous()
+    assert cos.dtype == sin.dtype == h.dtype and (not amx or h.dtype == torch.bfloat16)
     assert layer_words.dtype == torch.int64 and layer_words.is_contiguous() \
         and layer_words.shape[1] == LAYER_WORDS
     assert cos.shape == sin.shape == (t, dims[4]) and cos.is_contiguous() and sin.is_contiguous()
@@ -532,10 +534,11 @@ def decode_layers_f32(layer_words: torch.Tensor, groups: list[tuple[int, torch.T
     group_words = torch.tensor(words, dtype=torch.int64)
     dims_t = torch.tensor(dims, dtype=torch.int64)
     delta = torch.empty_like(h)
-    if _module().decode_layers_f32(layer_words.data_ptr(), layer_words.shape[0],
-                                   group_words.data_ptr(), len(groups), h.data_ptr(),
-                                   delta.data_ptr(), dims_t.data_ptr(), float(eps), float(scale),
-                                   cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                                   torch.get_num_threads(), isa_cap()):
+    args = (layer_words.data_ptr(), layer_words.shape[0], group_words.data_ptr(), len(groups),
+            h.data_ptr(), delta.data_ptr(), dims_t.data_ptr(), float(eps), float(scale),
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), torch.get_num_threads(), isa_cap())
+    fn = _module()
+    if fn.decode_layers_f32(*args) if h.dtype == torch.float32 \
+            else fn.decode_layers_bf16(*args, int(amx)):
         raise ValueError("decode_layers: a slot or a block outside the pool")
     return delta

@@ -27,8 +27,8 @@ class Linear(nn.Module):
     from a second copy near the memory's rate, where oneDNN reaches about 60% of it:
     - on a CPU with AMX-BF16 (and K a multiple of 32), up to `amx_m` (16) rows run
       workers/linear_amx.cpp on a VNNI-packed copy (`vnni`);
-    - else on a CPU with AVX512-BF16, up to `small_m` (4) rows run workers/linear_small_m.cpp on
-      the plain weight (kept beside the packed copy).
+    - else on a CPU with AVX512-BF16 (and K even), up to `small_m` (64) rows run
+      workers/linear_small_m.cpp on the same VNNI-packed copy.
     A float32 step of few rows whose weights are all bf16 values (a float32 model of a bf16
     checkpoint, as on a CPU without native bf16) streams them as bf16 through
     workers/linear_w16.cpp (AVX2 + FMA): exact, half the bytes, up to `w16_m` (16) rows.
@@ -42,17 +42,16 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight.detach().contiguous()
         self.amx_m = kernels.linear_amx_rows(self.weight) if prepack else 0
-        self.vnni = kernels.pack_vnni(self.weight) if self.amx_m else None
         self.small_m = kernels.linear_small_m_rows(self.weight) \
             if prepack and not self.amx_m else 0
+        self.vnni = kernels.pack_vnni(self.weight) if self.amx_m or self.small_m else None
         self.w16_m = kernels.linear_w16_rows(self.weight) if prepack else 0
         # (bias: float32 too)
         self.w16 = kernels.W16Weight(self.weight, self.bias) if self.w16_m else None
         if prepack and _can_prepack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
-                if not self.small_m:
-                    self.weight = None   # the packed copy replaces it
+                self.weight = None   # the packed copies replace it
             except RuntimeError:
                 self.packed = None
 
@@ -70,7 +69,7 @@ class Linear(nn.Module):
             if self.amx_m and x.numel() <= self.amx_m * self.in_features:
                 return kernels.linear_amx(x, self.vnni, self.out_features, self.bias)
             if self.small_m and x.numel() <= self.small_m * self.in_features:
-                return kernels.linear_small_m(x, self.weight, self.bias)
+                return kernels.linear_small_m(x, self.vnni, self.out_features, self.bias)
         elif self.w16_m and x.dtype == torch.float32 \
                 and 0 < x.numel() <= self.w16_m * self.in_features:
             if x.dim() == 2 and x.is_contiguous():    # the compact model's activations

@@ -1,12 +1,31 @@
-// A linear layer for few rows (decode steps: a handful of tokens), bf16 on CPUs with
-// AVX512-BF16: out [M, N] = x [M, K] @ W [N, K]^T (+ bias [N]), float32 sums, rounded once to
-// bf16 (as oneDNN's bf16 GEMM does; only the summation order differs).
+// A linear layer for decode steps (1-64 rows), bf16 on CPUs with AVX512-BF16: out [M, N] =
+// x [M, K] @ W [N, K]^T (+ bias [N]), float32 sums rounded once to bf16 (round to nearest even,
+// as oneDNN's bf16 GEMM; only the summation order differs).
 //
-// At a few rows a linear only streams its weights (2 N K bytes, a few flops a byte), so it runs
-// at the memory's rate or not at all: each thread walks a contiguous range of W's rows (one
-// stream the hardware prefetcher follows), four rows at a time against every x row (x stays in
-// L1), one vdpbf16ps per 32 bf16 of a row, prefetching a few tiles ahead. oneDNN's prepacked
-// GEMM streams cold weights at about half the memory rate on these shapes.
+// W is read in the VNNI layout linear_amx.cpp reads (pack_vnni in kernels.py): blocks of 16
+// output columns, each K/2 k-pairs x 16 columns x 2 bf16 (64 bytes, one cache line and one
+// zmm), N padded to a multiple of 16 with zero rows. A register tile is MC x NB accumulators
+// (MC x rows, NB blocks of 16 columns, float32): per k-pair it loads NB lines of W and, for
+// each x row, broadcasts the row's k-pair and runs NB vdpbf16ps. No horizontal sums (each
+// accumulator lane is one output), and each W line serves MC rows.
+//
+// At a few rows a linear only streams its weights (2 N K bytes); at 16 rows it computes about
+// as long as it streams (32 flops a weight: ~10 ms for SmolLM2's 135M weights at ~440 GFLOP/s,
+// the bf16 matmul peak `raypd bench engine` measures on this 2-core VM, against ~8 ms to read
+// them at ~33 GB/s). So the two must overlap:
+// past MC rows the tile walks K in chunks of K_CHUNK pairs (NB x 2 KB of W, in L1) and runs
+// every MC-row slice of x over a chunk before the next one, carrying its sums in a buffer, and
+// every slice prefetches the next chunk; without the chunks the first slice streamed W while
+// the others computed from L2, one after the other.
+//
+// Measured on the 2-core AVX512-BF16 VM (SmolLM2's 4 shapes x 30 layers + the LM head, every
+// layer's weights cold, ms a step; /proc/cpuinfo: AMD EPYC, no AMX):
+//   rows:                      1     4     8    16    32    48
+//   this kernel               8.7   8.9   8.5  13.6  23.7  34.8
+//   oneDNN packed GEMM       15.4  13.6  14.9  18.9  29.2  40.2
+//   the kernel this replaced  9.8  11.0     -     -     -     -   (dot products along K
+//     of plain W rows: one horizontal sum per output; bound by them past 4 rows)
+// MC = 8, NB = 3 (24 accumulators of the 32 zmm) beat 6 x 4 and 12 x 2 by 5-15% at 8-24 rows.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -17,73 +36,84 @@
 
 namespace {
 
-constexpr int ROWS = 4;        // W rows a tile reads together
-// x rows a call takes (the caller checks): measured against oneDNN's packed GEMM with every
-// layer's weights cold (SmolLM2's shapes, 2 threads), this wins up to 6 rows and loses at 8
-constexpr int64_t MAX_M = 4;
-// how far ahead (in tiles of ROWS rows) each thread prefetches its weights into L2: the
-// hardware prefetcher alone ramps up too slowly on each call's short streams (~16 GB/s cold
-// against ~27 with 4 tiles ahead; 1-2 tiles or L1 hints gained less)
-constexpr int PREFETCH_TILES = 4;
+constexpr int64_t MAX_M = 64;     // rows a call takes (the caller checks)
+constexpr int MC = 8;             // x rows per register tile
+constexpr int NB = 3;             // column blocks (of 16) per register tile
+constexpr int64_t K_CHUNK = 32;   // k-pairs of a chunk: NB x 2 KB of W
+// how far ahead each W stream is prefetched into L2: one chunk (the hardware prefetcher alone
+// ramps up too slowly on a call's short streams; 1-8 KB measured, 2 KB best by 5-10%)
+constexpr int PREFETCH_BYTES = K_CHUNK * 64;
 
-// the R x MC dot products of W rows [R, K] with x rows [MC, K] (row strides K), into
-// sums[m * R + r]; the tail of K below 32 read with a mask
-template <int R, int MC>
-AVX512_BF16 inline void tile(const uint16_t* x, const uint16_t* w, int64_t K, float* sums) {
-  __m512 acc[MC][R];
-  for (int m = 0; m < MC; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512bh wv[R];
-    for (int r = 0; r < R; ++r)   // rows PREFETCH_TILES tiles on, into L2 (past W's end: no-op)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_TILES * ROWS) * K + k),
-                   _MM_HINT_T1);
-    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
-    for (int m = 0; m < MC; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+// x rows [m0, m0 + R) against blocks [nb0, nb0 + B) over k-pairs [kp0, kp1); float sums
+// carried in acc_buf [R][B][16] (zeroed when first)
+template <int R, int B>
+AVX512_BF16 inline void tile(const uint16_t* x, const uint16_t* wp, int64_t nb0, int64_t m0,
+                             int64_t K, int64_t kp0, int64_t kp1, float* acc_buf, bool first) {
+  __m512 acc[R][B];
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < B; ++j)
+      acc[m][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc_buf + (m * B + j) * 16);
+  const int64_t KP = K / 2;
+  const uint16_t* w = wp + nb0 * KP * 32;
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x + m0 * K);   // k-pairs of x's rows
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
+    __m512bh wv[B];
+    for (int j = 0; j < B; ++j) {
+      const uint16_t* p = w + (j * KP + kp) * 32;
+      // past W's end: a prefetch is a no-op
+      _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T1);
+      wv[j] = (__m512bh)_mm512_loadu_si512(p);
+    }
+    for (int m = 0; m < R; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[m * KP + kp]);
+      for (int j = 0; j < B; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
     }
   }
-  if (k < K) {   // masked-off lanes load as zero and add nothing
-    const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
-    __m512bh wv[R];
-    for (int r = 0; r < R; ++r)
-      wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
-    for (int m = 0; m < MC; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
-    }
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < B; ++j) _mm512_store_ps(acc_buf + (m * B + j) * 16, acc[m][j]);
+}
+
+template <int B>
+AVX512_BF16 void tile_rows(int64_t rows, const uint16_t* x, const uint16_t* wp, int64_t nb0,
+                           int64_t m0, int64_t K, int64_t kp0, int64_t kp1, float* buf,
+                           bool first) {
+  static_assert(MC == 8);
+  switch (rows) {
+    case 1: tile<1, B>(x, wp, nb0, m0, K, kp0, kp1, buf, first); break;
+    case 2: tile<2, B>(x, wp, nb0, m0, K, kp0, kp1, buf, first); break;
+    case 3: tile<3, B>(x, wp, nb0, m0, K, kp0, kp1, buf, first); break;
+    case 4: tile<4, B>(x, wp, nb0, m0, K, kp0, kp1, buf, first); break;
+    case 5: tile<5, B>(x, wp, nb0, m0, K, kp0, kp1, buf, first); break;
+    case 6: tile<6, B>(x, wp, nb0, m0, K, kp0, kp1, buf, first); break;
+    case 7: tile<7, B>(x, wp, nb0, m0, K, kp0, kp1, buf, first); break;
+    default: tile<8, B>(x, wp, nb0, m0, K, kp0, kp1, buf, first); break;
   }
-  for (int m = 0; m < MC; ++m)
-    for (int r = 0; r < R; ++r) sums[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
-// rows [n0, n0 + R) of W against x rows [m0, m0 + MC), written (with bias) to out
-template <int R, int MC>
-AVX512_BF16 inline void rows(uint16_t* out, const uint16_t* x, const uint16_t* w,
-                             const uint16_t* bias, int64_t n0, int64_t m0, int64_t N,
-                             int64_t K) {
-  float sums[MC * R];
-  tile<R, MC>(x + m0 * K, w + n0 * K, K, sums);
-  for (int m = 0; m < MC; ++m)
-    for (int r = 0; r < R; ++r) {
-      const float b = bias != nullptr ? raypd_bf16::bf16_to_f(bias[n0 + r]) : 0.f;
-      out[(m0 + m) * N + n0 + r] = raypd_bf16::f_to_bf16(sums[m * R + r] + b);
-    }
-}
-
-// every x row (in chunks of up to 4) against W rows [n0, n0 + R)
-template <int R>
-AVX512_BF16 void row_block(uint16_t* out, const uint16_t* x, const uint16_t* w,
-                           const uint16_t* bias, int64_t n0, int64_t M, int64_t N, int64_t K) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) rows<R, 4>(out, x, w, bias, n0, m, N, K);
-  switch (M - m) {
-    case 3: rows<R, 3>(out, x, w, bias, n0, m, N, K); break;
-    case 2: rows<R, 2>(out, x, w, bias, n0, m, N, K); break;
-    case 1: rows<R, 1>(out, x, w, bias, n0, m, N, K); break;
-    default: break;
+// every x row against column blocks [nb0, nb0 + B), written (with bias) to out
+template <int B>
+AVX512_BF16 void blocks(uint16_t* out, const uint16_t* x, const uint16_t* wp,
+                        const uint16_t* bias, int64_t nb0, int64_t M, int64_t N, int64_t K) {
+  const int64_t slices = (M + MC - 1) / MC;
+  const int64_t mc = (M + slices - 1) / slices;   // even slices: 9 rows are 5 + 4, not 8 + 1
+  alignas(64) float buf[MAX_M * B * 16];
+  const int64_t KP = K / 2;
+  for (int64_t kp0 = 0; kp0 < KP; kp0 += K_CHUNK)
+    for (int64_t m0 = 0; m0 < M; m0 += mc)
+      tile_rows<B>(std::min(mc, M - m0), x, wp, nb0, m0, K, kp0, std::min(KP, kp0 + K_CHUNK),
+                   buf + m0 * B * 16, kp0 == 0);
+  for (int j = 0; j < B; ++j) {
+    const int64_t n0 = (nb0 + j) * 16;
+    const __mmask16 mask = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias != nullptr)
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+    for (int64_t m0 = 0; m0 < M; m0 += mc)
+      for (int64_t r = 0; r < std::min(mc, M - m0); ++r) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(buf + m0 * B * 16 + (r * B + j) * 16), b);
+        _mm256_mask_storeu_epi16(out + (m0 + r) * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      }
   }
 }
 
@@ -93,16 +123,22 @@ extern "C" int64_t raypd_linear_small_m_max() {
   return raypd_bf16::cpu_has_avx512_bf16() ? MAX_M : 0;
 }
 
-// out [M, N], x [M, K], w [N, K], bias [N] or null: bf16, contiguous; 1 <= M <= MAX_M on a CPU
-// with AVX512-BF16 (raypd_linear_small_m_max() > 0), both checked by the caller.
-extern "C" void raypd_linear_small_m(uint16_t* out, const uint16_t* x, const uint16_t* w,
+// out [M, N], x [M, K] (contiguous), wp: W packed as above, bias [N] or null; bf16; K even and
+// 1 <= M <= raypd_linear_small_m_max() (> 0: the CPU has AVX512-BF16), checked by the caller.
+extern "C" void raypd_linear_small_m(uint16_t* out, const uint16_t* x, const uint16_t* wp,
                                      const uint16_t* bias, int64_t M, int64_t N, int64_t K,
                                      int nthreads) {
-  const int64_t tiles = N / ROWS;
-  // a few contiguous ranges of rows per thread (not one row tile at a time): each thread's
-  // weights are one stream
-#pragma omp parallel for num_threads(std::max(1, nthreads)) schedule(static) \
-    if (nthreads > 1 && N * K >= (1 << 16))
-  for (int64_t t = 0; t < tiles; ++t) row_block<ROWS>(out, x, w, bias, t * ROWS, M, N, K);
-  for (int64_t n = tiles * ROWS; n < N; ++n) row_block<1>(out, x, w, bias, n, M, N, K);
+  const int64_t nblocks = (N + 15) / 16;
+  const int threads = std::max(1, nthreads);
+  // each thread one contiguous range of blocks (its W is NB streams), balanced to one block
+#pragma omp parallel num_threads(threads) if (threads > 1 && N * K >= (1 << 16))
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    const int64_t b1 = nblocks * (t + 1) / T;
+    int64_t b = nblocks * t / T;
+    for (; b + NB <= b1; b += NB) blocks<NB>(out, x, wp, bias, b, M, N, K);
+    static_assert(NB == 3);
+    if (b1 - b == 2) blocks<2>(out, x, wp, bias, b, M, N, K);
+    if (b1 - b == 1) blocks<1>(out, x, wp, bias, b, M, N, K);
+  }
 }

@@ -146,35 +146,44 @@ class CompactLlama(nn.Module):
         # what the engine reports as `fused_ops`
         self.fused_ops = ("triton-cuda" if device.type == "cuda" else "native-cpu") \
             if self.fused else "off"
-        # a pure decode step of float32 activations on bf16-held linears runs every layer in
-        # one native call (workers/decode_layers.cpp: the same kernels, bit for bit, without the
-        # Python between them); up to `one_call_rows` rows; False: one call per operation
-        self.one_call_rows = self._one_call_rows() \
-            if self.fused and w.dtype == torch.float32 and device.type == "cpu" else 0
+        # a pure decode step runs every layer in one native call (workers/decode_layers.cpp:
+        # the same kernels, bit for bit, without the Python between them) where the native
+        # kernels run all of them: float32 activations on bf16-held linears, or bf16 on
+        # VNNI-packed ones; up to `one_call_rows` rows; False: one call per operation
+        self.one_call_rows, self.one_call_amx = self._one_call_rows() \
+            if self.fused and device.type == "cpu" else (0, False)
         self.one_call_decode = self.one_call_rows > 0
         self._words: tuple[torch.Tensor, torch.Tensor] | None = None   # (pool, its words)
 
-    def _one_call_rows(self) -> int:
-        """The most rows decode_layers takes for this model (0: it does not apply: a linear
-        not held as bf16, layers of different scales or norm eps, a norm weight not float32,
-        heads beyond the decode kernel's limits)."""
-        first = self.layers[0]
+    def _one_call_rows(self) -> tuple[int, bool]:
+        """The most rows decode_layers takes for this model (0: it does not apply: a float32
+        model with a linear not held as bf16, a bf16 model with a linear not VNNI-packed or
+        not all on the same kernel (AMX or AVX512-BF16), another dtype, layers of different
+        scales or norm eps, a norm weight not of the model's dtype, heads beyond the decode
+        kernel's limits), and whether its linears run on AMX."""
+        first, dtype = self.layers[0], self.embed.dtype
         # the decode kernel's limits (kernels.paged_decode checks them per call; here, once)
-        if not kernels.paged_decode_heads_fit(first.num_heads, first.num_kv_heads,
-                                              first.head_dim):
-            return 0
+        if dtype not in kernels.FUSED_DTYPES or not kernels.paged_decode_heads_fit(
+                first.num_heads, first.num_kv_heads, first.head_dim):
+            return 0, False
+        amx = bool(first.qkv.amx_m)
         rows = []
         for layer in self.layers:
             lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if any(lin.w16 is None for lin in lins) or layer.gate_up.bias is not None \
-                    or layer.down.bias is not None or layer.scale != first.scale \
-                    or layer.eps != first.eps:
-                return 0
-            if any(n.dtype != torch.float32 or not n.is_contiguous()
-                   for n in (layer.ln1, layer.ln2)):
-                return 0
-            rows += [lin.w16.max_rows for lin in lins]
-        return min(rows)
+            if layer.gate_up.bias is not None or layer.down.bias is not None \
+                    or layer.scale != first.scale or layer.eps != first.eps:
+                return 0, False
+            if any(n.dtype != dtype or not n.is_contiguous() for n in (layer.ln1, layer.ln2)):
+                return 0, False
+            if dtype == torch.float32:
+                if any(lin.w16 is None for lin in lins):
+                    return 0, False
+                rows += [lin.w16.max_rows for lin in lins]
+            else:
+                if any(lin.vnni is None or bool(lin.amx_m) != amx for lin in lins):
+                    return 0, False
+                rows += [lin.amx_m if amx else lin.small_m for lin in lins]
+        return min(rows), amx
 
     def decode_words(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The layers' operands for decode_layers ([L, kernels.LAYER_WORDS] int64: packed
@@ -184,12 +193,13 @@ class CompactLlama(nn.Module):
             return self._words[1]
         def ptr(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.data_ptr()
+        def packed(lin: Linear) -> int:   # what the step's linear kernel reads
+            return (lin.w16.packed if lin.w16 is not None else lin.vnni).data_ptr()
         rows = []
         for layer in self.layers:
             k, v = kv_cache[layer.layer_idx]
-            rows.append([layer.qkv.w16.packed.data_ptr(), ptr(layer.qkv.bias),
-                         layer.o.w16.packed.data_ptr(), ptr(layer.o.bias),
-                         layer.gate_up.w16.packed.data_ptr(), layer.down.w16.packed.data_ptr(),
+            rows.append([packed(layer.qkv), ptr(layer.qkv.bias), packed(layer.o),
+                         ptr(layer.o.bias), packed(layer.gate_up), packed(layer.down),
                          layer.ln1.data_ptr(), layer.ln2.data_ptr(), k.data_ptr(), v.data_ptr(),
                          layer.window or 0])
         words = torch.tensor(rows, dtype=torch.int64)
@@ -203,7 +213,7 @@ class CompactLlama(nn.Module):
         first = self.layers[0]
         return self.one_call_decode and lora is None and not meta.prefills \
             and meta.kv_scales is None and 0 < h.shape[0] == meta.num_decodes \
-            and h.shape[0] <= self.one_call_rows and kv.dtype == torch.float32 \
+            and h.shape[0] <= self.one_call_rows and kv.dtype == h.dtype \
             and kv.device.type == "cpu" and kv.is_contiguous() \
             and kv.shape[4:] == (first.num_kv_heads, first.head_dim)
 
@@ -215,9 +225,10 @@ class CompactLlama(nn.Module):
         groups = [(g.start, g.block_tables, g.context_lens) for g in meta.decode_groups]
         dims = (t, h.shape[1], first.num_heads, first.num_kv_heads, first.head_dim,
                 first.gate_up.out_features // 2, kv.shape[3], kv.shape[2])
-        delta = kernels.decode_layers_f32(self.decode_words(kv), groups, h, dims, first.eps,
-                                          first.scale, cos, sin,
-                                          meta.slot_mapping.to(torch.int64).contiguous())
+        delta = kernels.decode_layers(self.decode_words(kv), groups, h, dims, first.eps,
+                                      first.scale, cos, sin,
+                                      meta.slot_mapping.to(torch.int64).contiguous(),
+                                      self.one_call_amx)
         return kernels.add_rms_norm(h, delta, self.norm, self.eps)
 
     @staticmethod

@@ -97,10 +97,10 @@ class _TimedKernels:
     """workers/kernels.py's native library with every call timed (the bench swaps it in for
     `kernels._module` while it counts; attributes that are not calls pass through)."""
 
-    # decode_layers_f32: every layer's kernels in one call (workers/decode_layers.cpp; what runs
+    # decode_layers_*: every layer's kernels in one call (workers/decode_layers.cpp; what runs
     # between them there is a copy of the query rows)
     CALLS = ("add_rms_norm", "rope_and_cache", "silu_mul", "linear_small_m", "linear_amx",
-             "linear_w16", "decode_layers_f32")
+             "linear_w16", "decode_layers_f32", "decode_layers_bf16")
 
     def __init__(self, lib) -> None:
         self._lib, self.seconds = lib, 0.0
