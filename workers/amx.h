@@ -1,4 +1,4 @@
-// AMX for the native kernels (linear_amx.cpp, attention_amx.cpp): the target attribute of a
+// AMX for the native kernels (linear_amx.cpp, attention_bf16.cpp): the target attribute of a
 // function that uses AMX-BF16 tiles, and the tile configuration _tile_loadconfig reads.
 // Callers check raypd_linear_amx_max() > 0 first (the CPU has AMX-BF16 and Linux granted this
 // process its tile state).

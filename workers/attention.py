@@ -6,8 +6,9 @@ similar context length (on the CPU a native kernel reading the pool in place, on
 kernel reading it in place where Triton imports (workers/triton_decode.py), elsewhere a gather
 and two matmuls; softmax in float32 everywhere), then prefill
 chunks, one attention call each (a chunk with no cached prefix attends to its own K/V without
-touching the pool): bf16 on a CPU with AMX, workers/attention_amx.cpp, float32 on a CPU with
-AVX2 + FMA, workers/attention_f32.cpp (flash-style blocks, no mask tensor); elsewhere SDPA. Sliding-window layers mask keys older than the window. A quantized pool (int8 / fp8,
+touching the pool): bf16 on a CPU with AMX or AVX512-BF16, workers/attention_bf16.cpp, float32
+on a CPU with AVX2 + FMA, workers/attention_f32.cpp (flash-style blocks, no mask tensor);
+elsewhere SDPA. Sliding-window layers mask keys older than the window. A quantized pool (int8 / fp8,
 workers/kv_quant.py) is written through `write_quantized` and read dequantized by the PyTorch
 path (the native kernel reads float pools only), and every prefill chunk reads its K/V back from
 the pool, so a token's attention sees the same stored K/V whichever chunk or worker wrote it. The compact model calls
@@ -140,10 +141,11 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: La
     if seg.block_table is not None:   # else the chunk is the whole context: its own K/V
         k = kv.gather("k", seg.block_table, seg.context_len, q.dtype)   # [S, Hkv, D]
         v = kv.gather("v", seg.block_table, seg.context_len, q.dtype)
-    if window is None:   # bf16 on a CPU with AMX: flash-style blocks, no mask (None elsewhere)
-        o = native.prefill_attention_amx(q, k, v, scale)
-        if o is not None:
-            return o
+    # bf16 on a CPU with AMX (no window) or AVX512-BF16: flash-style blocks, no mask (None
+    # elsewhere)
+    o = native.prefill_attention_bf16(q, k, v, scale, window)
+    if o is not None:
+        return o
     # float32 on a CPU with AVX2 + FMA: flash-style blocks, sliding windows too (None elsewhere)
     o = native.prefill_attention_f32(q, k, v, scale, window)
     if o is not None:
@@ -171,7 +173,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: La
     return o[0].transpose(0, 1)
 
 
-# CPU prefill of a sliding-window layer where attention_f32.cpp does not apply (bf16, or no AVX2):
+# CPU prefill of a sliding-window layer where the native kernels do not apply (bf16 without
+# AVX512-BF16, or float32 without AVX2):
 # from this many queries on, attention runs as query blocks of BLOCK_QUERIES rows, each two GEMMs
 # over only the keys it can see (no [q, context] mask). Full-attention layers use the native
 # kernels or torch's flash kernel (SDPA), the latter 3-5x faster than these blocks

@@ -1,5 +1,5 @@
 // e^x on AVX512 registers, for the native kernels' softmaxes (paged_decode.cpp,
-// attention_amx.cpp).
+// attention_bf16.cpp).
 #pragma once
 
 #include <immintrin.h>

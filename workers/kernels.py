@@ -35,7 +35,7 @@ SOURCES = (SOURCE, Path(__file__).with_name("fused_ops.cpp"),
            Path(__file__).with_name("linear_small_m.cpp"),
            Path(__file__).with_name("linear_amx.cpp"),
            Path(__file__).with_name("linear_w16.cpp"),
-           Path(__file__).with_name("attention_amx.cpp"),
+           Path(__file__).with_name("attention_bf16.cpp"),
            Path(__file__).with_name("attention_f32.cpp"),
            Path(__file__).with_name("decode_layers.cpp"))          # one library
 HEADERS = (Path(__file__).with_name("bf16.h"),                    # part of its build key
@@ -166,14 +166,15 @@ def _module():
     fn.decode_layers_bf16 = lib.raypd_decode_layers_bf16     # (+ amx: which bf16 linear)
     fn.decode_layers_bf16.argtypes = [*layers_args, ctypes.c_int]
     fn.decode_layers_bf16.restype = ctypes.c_int
-    fn.prefill_attention_amx = lib.raypd_prefill_attention_amx
-    fn.prefill_attention_amx.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, ctypes.c_int]
+    fn.prefill_attention_bf16 = lib.raypd_prefill_attention_bf16
+    fn.prefill_attention_bf16.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, _i64,
+                                                                    ctypes.c_int, ctypes.c_int]
     fn.prefill_attention_f32 = lib.raypd_prefill_attention_f32
     fn.prefill_attention_f32.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, _i64,
                                                                    ctypes.c_int]
     fn.prefill_attention_f32_ok = lib.raypd_prefill_attention_f32_ok
     fn.prefill_attention_f32_ok.argtypes, fn.prefill_attention_f32_ok.restype = [_i64], ctypes.c_int
-    for f in (fn.linear_small_m, fn.linear_amx, fn.linear_w16, fn.prefill_attention_amx,
+    for f in (fn.linear_small_m, fn.linear_amx, fn.linear_w16, fn.prefill_attention_bf16,
               fn.prefill_attention_f32):
         f.restype = None
     return fn
@@ -447,27 +448,32 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, n: int,
     return _linear_vnni(_module().linear_amx, _module().amx_max, x, packed, n, bias)
 
 
-# ---- prefill attention, bf16 on CPUs with AMX-BF16 (attention_amx.cpp) -------------------------
-def prefill_attention_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          scale: float) -> torch.Tensor | None:
+# ---- prefill attention, bf16 on CPUs with AMX-BF16 or AVX512-BF16 (attention_bf16.cpp) ---------
+def prefill_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           window: int | None = None) -> torch.Tensor | None:
     """Causal attention of q [Tq, H, D] (the last Tq positions) over k, v [S, Hkv, D] (every
-    position, the chunk's own last) -> [Tq, H, D]; None where the kernel does not apply (not
-    bf16 on the CPU, no AMX-BF16, D not a multiple of 32 up to 128, the portable switch)."""
+    position, the chunk's own last), each query seeing only the `window` newest keys of a
+    sliding-window layer -> [Tq, H, D]; None where the kernel does not apply (not bf16 on the
+    CPU, D not a multiple of 32 up to 128, neither AMX-BF16 (no window) nor AVX512-BF16, the
+    portable switch). AMX where the CPU has it, unless RAYPD_KERNEL_ISA=avx512bf16."""
     tq, h, d = q.shape
     s, h_kv = k.shape[:2]
     if q.device.type != "cpu" or not q.dtype == k.dtype == v.dtype == torch.bfloat16 \
             or d % 32 or d > 128 or h % h_kv or k.shape != v.shape or k.shape[2] != d \
-            or not 1 <= tq <= s or force_no_amx():
+            or not 1 <= tq <= s or isa_cap() < 2 or (window is not None and window < 1):
         return None
     fn = _module()
-    if fn is None or not fn.amx_max:
+    if fn is None:
+        return None
+    amx = fn.amx_max > 0 and not force_no_amx() and window is None
+    if not amx and not fn.small_m_max:      # (no AVX512-BF16)
         return None
     # each token's heads x D contiguous (slices of a fused QKV projection are): read in place
     q, k, v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (q, k, v))
     out = torch.empty(tq, h, d, dtype=q.dtype)
-    fn.prefill_attention_amx(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), tq, s, h,
-                             h_kv, d, q.stride(0), k.stride(0), v.stride(0), scale,
-                             torch.get_num_threads())
+    fn.prefill_attention_bf16(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), tq, s,
+                              h, h_kv, d, q.stride(0), k.stride(0), v.stride(0), scale,
+                              int(window or 0), torch.get_num_threads(), int(amx))
     return out
 
 

@@ -100,7 +100,8 @@ class _TimedKernels:
     # decode_layers_*: every layer's kernels in one call (workers/decode_layers.cpp; what runs
     # between them there is a copy of the query rows)
     CALLS = ("add_rms_norm", "rope_and_cache", "silu_mul", "linear_small_m", "linear_amx",
-             "linear_w16", "decode_layers_f32", "decode_layers_bf16")
+             "linear_w16", "decode_layers_f32", "decode_layers_bf16", "prefill_attention_bf16",
+             "prefill_attention_f32")
 
     def __init__(self, lib) -> None:
         self._lib, self.seconds = lib, 0.0

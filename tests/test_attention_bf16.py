@@ -1,0 +1,132 @@
+"""The bf16 prefill attention (workers/attention_bf16.cpp: causal from the bottom right over a
+cached prefix and the chunk itself, grouped-query heads, sliding windows on AVX512-BF16) on each
+path this CPU has (AMX-BF16; AVX512-BF16, forced by RAYPD_KERNEL_ISA=avx512bf16 where AMX is
+there too) against a float32 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workers import kernels
+
+BF16 = torch.bfloat16
+HAS_AMX = kernels.linear_amx_rows(torch.empty(1, 32, dtype=BF16)) > 0
+HAS_AVX512_BF16 = kernels.linear_small_m_rows(torch.empty(1, 32, dtype=BF16)) > 0
+pytestmark = pytest.mark.skipif(not (HAS_AMX or HAS_AVX512_BF16),
+                                reason="needs the native kernels and AVX512-BF16")
+PATHS = [pytest.param("amx", marks=pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16")),
+         pytest.param("avx512bf16", marks=pytest.mark.skipif(
+             not HAS_AVX512_BF16, reason="needs AVX512-BF16"))]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    if request.param == "avx512bf16":
+        monkeypatch.setenv("RAYPD_KERNEL_ISA", "avx512bf16")   # (no AMX even where it is)
+    return request.param
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              window: int | None = None) -> torch.Tensor:
+    """float32 softmax(q k^T) v, query i at position S - Tq + i seeing keys 0..S - Tq + i (the
+    `window` newest of them)."""
+    tq, h, _ = q.shape
+    s, h_kv, _ = k.shape
+    kk = k.float().repeat_interleave(h // h_kv, 1)
+    vv = v.float().repeat_interleave(h // h_kv, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    keys, pos = torch.arange(s).view(1, -1), torch.arange(tq).view(-1, 1) + (s - tq)
+    visible = keys <= pos
+    if window is not None:
+        visible &= keys > pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+
+
+def _close(got: torch.Tensor | None, want: torch.Tensor, q: torch.Tensor) -> None:
+    """bf16 inputs, float32 sums, P rounded to bf16: within 2^-7 of the output's scale plus
+    1e-2 (bf16 output rounding and P's)."""
+    assert got is not None and got.dtype == BF16 and got.shape == q.shape
+    assert ((got.float() - want).abs() <= 2 ** -7 * want.abs() + 1e-2).all()
+
+
+def _inputs(tq: int, prefix: int, heads: int, h_kv: int, d: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    s = prefix + tq
+    return (torch.randn(tq, heads, d, generator=g).to(BF16),
+            torch.randn(s, h_kv, d, generator=g).to(BF16),
+            torch.randn(s, h_kv, d, generator=g).to(BF16))
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("d", [32, 64, 96, 128])
+@pytest.mark.parametrize("tq,prefix", [(1, 0), (1, 70), (15, 0), (16, 0), (17, 47), (63, 1),
+                                       (64, 0), (65, 64), (130, 200), (300, 0)])
+def test_prefill_attention_matches_float32(path, group, d, tq, prefix):
+    """Query blocks of 16 and key steps of 32 and 64 below, at and past their sizes, prefixes
+    that do and do not align with them."""
+    h_kv = 2 if group < 8 else 1
+    q, k, v = _inputs(tq, prefix, group * h_kv, h_kv, d, tq * 1000 + prefix * 10 + d + group)
+    got = kernels.prefill_attention_bf16(q, k, v, 1 / math.sqrt(d))
+    _close(got, reference(q, k, v, 1 / math.sqrt(d)), q)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 31, 32, 33, 100, 1000])
+@pytest.mark.parametrize("tq,prefix", [(1, 70), (17, 47), (130, 200), (300, 0)])
+def test_a_sliding_window_matches_float32_on_avx512_bf16(monkeypatch, window, tq, prefix):
+    """Windows shorter and longer than a key step, starting inside one and across steps that
+    no row of a query block sees (skipped)."""
+    if not HAS_AVX512_BF16:
+        pytest.skip("needs AVX512-BF16")
+    monkeypatch.setenv("RAYPD_KERNEL_ISA", "avx512bf16")
+    q, k, v = _inputs(tq, prefix, 6, 2, 64, window * 7 + tq)
+    got = kernels.prefill_attention_bf16(q, k, v, 0.125, window)
+    _close(got, reference(q, k, v, 0.125, window), q)
+
+
+def test_large_scores_stay_finite_and_one_hot(path):
+    """A row whose scores differ by hundreds: the max key takes all of the weight."""
+    q = torch.zeros(4, 2, 64)
+    q[:, :, 0] = 30.0
+    k = torch.zeros(4, 1, 64)
+    k[:, 0, 0] = torch.tensor([1.0, 5.0, 2.0, 3.0])       # key 1 wins wherever it is visible
+    v = torch.arange(4.0).view(4, 1, 1).expand(4, 1, 64).contiguous()
+    got = kernels.prefill_attention_bf16(q.to(BF16), k.to(BF16), v.to(BF16), 1.0)
+    assert got is not None and torch.isfinite(got.float()).all()
+    assert got[0, :, 0].float().tolist() == [0.0, 0.0]     # row 0 sees key 0 only
+    assert (got[1:, :, 0].float() == 1.0).all()
+
+
+def test_not_applied_where_it_does_not_fit(monkeypatch):
+    q, k = torch.randn(4, 2, 64), torch.randn(4, 1, 64)
+    assert kernels.prefill_attention_bf16(q, k, k, 1.0) is None                  # float32
+    qb, kb = q.to(BF16), k.to(BF16)
+    assert kernels.prefill_attention_bf16(qb[..., :48], kb[..., :48], kb[..., :48], 1.0) is None
+    assert kernels.prefill_attention_bf16(torch.randn(5, 2, 64).to(BF16), kb, kb, 1.0) is None
+    assert kernels.prefill_attention_bf16(qb, kb, kb, 1.0, window=0) is None
+    monkeypatch.setenv("RAYPD_KERNEL_ISA", "avx2")
+    assert kernels.prefill_attention_bf16(qb, kb, kb, 1.0) is None
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16")
+def test_amx_leaves_a_sliding_window_to_avx512_bf16():
+    """The AMX path has no window; the AVX512-BF16 one takes it (same CPU)."""
+    q, k, v = _inputs(40, 10, 6, 2, 64, 9)
+    _close(kernels.prefill_attention_bf16(q, k, v, 0.125, 8), reference(q, k, v, 0.125, 8), q)
+
+
+def test_strided_token_rows_are_read_in_place(path):
+    """q, k, v as slices of one fused QKV row (what the model hands over): same result as
+    contiguous copies."""
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(40, (6 + 2 + 2) * 64, generator=g).to(BF16)
+    q = qkv[:, :384].view(40, 6, 64)
+    k = qkv[:, 384:512].view(40, 2, 64)
+    v = qkv[:, 512:].view(40, 2, 64)
+    assert not q.is_contiguous()
+    got = kernels.prefill_attention_bf16(q, k, v, 0.125)
+    want = kernels.prefill_attention_bf16(q.contiguous(), k.contiguous(), v.contiguous(), 0.125)
+    assert got is not None and torch.equal(got, want)
