@@ -43,7 +43,7 @@ from protocol.messages import (
 )
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import StepOutput
-from workers.host import EngineHost
+from workers.host import EngineHost, actor_options
 from workers.kv_handoff import (
     DecodeHandoff,
     PulledPages,
@@ -358,4 +358,4 @@ class DecodeHost(EngineHost):
 
 def decode_actor_class(host: type = DecodeHost, **options):
     """The Ray actor class of a decode worker (`host`: DecodeHost, or a subclass of it)."""
-    return ray.remote(enable_tensor_transport=True, **options)(host)
+    return ray.remote(enable_tensor_transport=True, **actor_options(options))(host)

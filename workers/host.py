@@ -37,6 +37,16 @@ from workers.metrics import WorkerMetrics
 DONE = object()   # the last item of a request's output queue
 
 
+def actor_options(options: dict) -> dict:
+    """A worker actor's Ray options with the engine's environment (workers.HUGE_PAGES_ENV) added
+    to its runtime environment (the caller's own env_vars win): set in the actor's process
+    before it allocates a tensor, on whichever node it lands."""
+    from workers import HUGE_PAGES_ENV
+    env = dict(options.get("runtime_env") or {})
+    env["env_vars"] = {**HUGE_PAGES_ENV, **env.get("env_vars", {})}
+    return {**options, "runtime_env": env}
+
+
 class EngineLock:
     """The engine lock (reentrant). A thread other than the engine loop that takes it runs its
     torch work on one OpenMP thread (workers/device.py serial_openmp_here): only the loop's

@@ -19,7 +19,7 @@ from protocol.ledger import ACKED
 from protocol.messages import AdmittedRequest, PrefillResult, TransferPlan
 from protocol.request_trace import PrefillTiming  # trace hook
 from workers.engine import StepOutput
-from workers.host import DONE, EngineHost
+from workers.host import DONE, EngineHost, actor_options
 from workers.kv_handoff import stage_plan
 
 
@@ -144,4 +144,4 @@ class PrefillHost(EngineHost):
 
 def prefill_actor_class(host: type = PrefillHost, **options):
     """The Ray actor class of a prefill worker (`host`: PrefillHost, or a subclass of it)."""
-    return ray.remote(enable_tensor_transport=True, **options)(host)
+    return ray.remote(enable_tensor_transport=True, **actor_options(options))(host)

@@ -451,8 +451,15 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     # ---- decode at batch 1 and 16 ----------------------------------------------------------
     weight_bytes = _decode_weight_bytes(engine)
     out["decode_weight_bytes"] = weight_bytes
-    read_gbps = _memory_read_gbps(dev)
-    out["memory_read_gbps"] = read_gbps
+    # the read bandwidth is sampled right before and after each figure set against it, and
+    # that figure's bound uses those two samples' mean: on a shared VM it moved 2x within
+    # minutes (a sum of 256 MiB read 27 GB/s, then 59 GB/s), so one sample at the start judged
+    # later figures against another machine's state
+    reads: list[float] = []
+
+    def read_now() -> float:
+        reads.append(_memory_read_gbps(dev))
+        return reads[-1]
     for b in (1, 16):
         batch = [prompt(plen) for _ in range(b)]
         t_full = _median(lambda batch=batch: _hf_generate(hf_model, batch, [new] * len(batch),
@@ -460,14 +467,20 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
         t_pre = _median(lambda batch=batch: _hf_generate(hf_model, batch, [1] * len(batch), pad),
                         repeats)
         out[f"hf_decode_tok_s_b{b}"] = b * (new - 1) / max(t_full - t_pre, 1e-9)
+        before = read_now()
         runs = [_engine_run(engine, batch, [new] * b) for _ in range(repeats)]
+        read_gbps = out[f"memory_read_gbps_b{b}"] = (before + read_now()) / 2
         out[f"engine_decode_tok_s_b{b}"] = statistics.median(
             n / max(t, 1e-9) for _, t, n, _ in runs)
         out[f"decode_step_ms_b{b}"] = 1e3 * statistics.median(
             s for *_, steps in runs for s in steps)
         kv_bytes = b * (plen + new / 2) * engine.kv_bytes_per_token
         out[f"decode_bound_ms_b{b}"] = 1e3 * (weight_bytes + kv_bytes) / (read_gbps * 1e9)
+    before = read_now()
     out.update(_attn_decode_gbps(engine, 16, plen + new // 2))
+    out["memory_read_gbps_attn"] = (before + read_now()) / 2
+    out["memory_read_gbps"] = statistics.median(reads)
+    out["memory_read_gbps_samples"] = reads
     for b in (1, 16):   # step time minus the time inside kernels
         split = _python_overhead_ms(engine, [prompt(plen) for _ in range(b)])
         out[f"python_overhead_ms_b{b}"] = split["python_overhead_ms"]
