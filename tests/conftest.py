@@ -119,6 +119,36 @@ def save_random_checkpoint(path, config_cls, tokenizer, seed: int, dtype, shape:
     return path
 
 
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        window: int | None = None) -> torch.Tensor:
+    """float64 softmax(q k^T) v for the native prefill attention kernels' tests: q [Tq, H, D] at
+    positions S - Tq.., k, v [S, Hkv, D]; query i sees keys 0..S - Tq + i (the `window` newest
+    of them)."""
+    tq, h, _ = q.shape
+    s, h_kv, _ = k.shape
+    kk = k.double().repeat_interleave(h // h_kv, 1)
+    vv = v.double().repeat_interleave(h // h_kv, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    rows = torch.arange(tq).view(-1, 1) + (s - tq)
+    cols = torch.arange(s).view(1, -1)
+    visible = cols <= rows
+    if window is not None:
+        visible &= cols > rows - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+
+
+def fused_qkv_slices(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [40, 6, 64], k, v [40, 2, 64] as slices of one fused QKV row per token (what the model
+    hands the attention kernels): not contiguous, each token's heads x D contiguous."""
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(40, (6 + 2 + 2) * 64, generator=g).to(dtype)
+    q, k, v = qkv[:, :384].view(40, 6, 64), qkv[:, 384:512].view(40, 2, 64), \
+        qkv[:, 512:].view(40, 2, 64)
+    assert not q.is_contiguous()
+    return q, k, v
+
+
 def wait_until(cond, timeout=60.0) -> None:
     """Poll `cond` every 50 ms until it holds; fail the test after `timeout` seconds."""
     deadline = time.time() + timeout

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import attention_reference, fused_qkv_slices
 
 from workers import kernels
 
@@ -27,23 +28,6 @@ def path(request, monkeypatch):
     if request.param == "avx512bf16":
         monkeypatch.setenv("RAYPD_KERNEL_ISA", "avx512bf16")   # (no AMX even where it is)
     return request.param
-
-
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-              window: int | None = None) -> torch.Tensor:
-    """float32 softmax(q k^T) v, query i at position S - Tq + i seeing keys 0..S - Tq + i (the
-    `window` newest of them)."""
-    tq, h, _ = q.shape
-    s, h_kv, _ = k.shape
-    kk = k.float().repeat_interleave(h // h_kv, 1)
-    vv = v.float().repeat_interleave(h // h_kv, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
-    keys, pos = torch.arange(s).view(1, -1), torch.arange(tq).view(-1, 1) + (s - tq)
-    visible = keys <= pos
-    if window is not None:
-        visible &= keys > pos - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
 
 
 def _close(got: torch.Tensor | None, want: torch.Tensor, q: torch.Tensor) -> None:
@@ -71,7 +55,7 @@ def test_prefill_attention_matches_float32(path, group, d, tq, prefix):
     h_kv = 2 if group < 8 else 1
     q, k, v = _inputs(tq, prefix, group * h_kv, h_kv, d, tq * 1000 + prefix * 10 + d + group)
     got = kernels.prefill_attention_bf16(q, k, v, 1 / math.sqrt(d))
-    _close(got, reference(q, k, v, 1 / math.sqrt(d)), q)
+    _close(got, attention_reference(q, k, v, 1 / math.sqrt(d)), q)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 31, 32, 33, 100, 1000])
@@ -84,7 +68,7 @@ def test_a_sliding_window_matches_float32_on_avx512_bf16(monkeypatch, window, tq
     monkeypatch.setenv("RAYPD_KERNEL_ISA", "avx512bf16")
     q, k, v = _inputs(tq, prefix, 6, 2, 64, window * 7 + tq)
     got = kernels.prefill_attention_bf16(q, k, v, 0.125, window)
-    _close(got, reference(q, k, v, 0.125, window), q)
+    _close(got, attention_reference(q, k, v, 0.125, window), q)
 
 
 def test_large_scores_stay_finite_and_one_hot(path):
@@ -115,18 +99,14 @@ def test_not_applied_where_it_does_not_fit(monkeypatch):
 def test_amx_leaves_a_sliding_window_to_avx512_bf16():
     """The AMX path has no window; the AVX512-BF16 one takes it (same CPU)."""
     q, k, v = _inputs(40, 10, 6, 2, 64, 9)
-    _close(kernels.prefill_attention_bf16(q, k, v, 0.125, 8), reference(q, k, v, 0.125, 8), q)
+    want = attention_reference(q, k, v, 0.125, 8)
+    _close(kernels.prefill_attention_bf16(q, k, v, 0.125, 8), want, q)
 
 
 def test_strided_token_rows_are_read_in_place(path):
     """q, k, v as slices of one fused QKV row (what the model hands over): same result as
     contiguous copies."""
-    g = torch.Generator().manual_seed(5)
-    qkv = torch.randn(40, (6 + 2 + 2) * 64, generator=g).to(BF16)
-    q = qkv[:, :384].view(40, 6, 64)
-    k = qkv[:, 384:512].view(40, 2, 64)
-    v = qkv[:, 512:].view(40, 2, 64)
-    assert not q.is_contiguous()
+    q, k, v = fused_qkv_slices(BF16)
     got = kernels.prefill_attention_bf16(q, k, v, 0.125)
     want = kernels.prefill_attention_bf16(q.contiguous(), k.contiguous(), v.contiguous(), 0.125)
     assert got is not None and torch.equal(got, want)

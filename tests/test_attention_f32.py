@@ -8,30 +8,13 @@ import math
 
 import pytest
 import torch
+from conftest import attention_reference, fused_qkv_slices
 
 from workers import attention, kernels
 
 HAS_AVX2 = kernels.prefill_attention_f32(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16),
                                          torch.zeros(1, 1, 16), 1.0) is not None
 pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="needs the native kernels and AVX2 + FMA")
-
-
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-              window: int | None = None) -> torch.Tensor:
-    """float64 softmax(q k^T) v, query i at position S - Tq + i seeing keys 0..S - Tq + i (the
-    `window` newest of them)."""
-    tq, h, _ = q.shape
-    s, h_kv, _ = k.shape
-    kk = k.double().repeat_interleave(h // h_kv, 1)
-    vv = v.double().repeat_interleave(h // h_kv, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
-    rows = torch.arange(tq).view(-1, 1) + (s - tq)
-    cols = torch.arange(s).view(1, -1)
-    visible = cols <= rows
-    if window is not None:
-        visible &= cols > rows - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
 
 
 def check(tq: int, prefix: int, group: int, h_kv: int, d: int, window: int | None = None,
@@ -42,7 +25,7 @@ def check(tq: int, prefix: int, group: int, h_kv: int, d: int, window: int | Non
     k = torch.randn(s, h_kv, d, generator=g)
     v = torch.randn(s, h_kv, d, generator=g)
     got = kernels.prefill_attention_f32(q, k, v, 1 / math.sqrt(d), window)
-    want = reference(q, k, v, 1 / math.sqrt(d), window)
+    want = attention_reference(q, k, v, 1 / math.sqrt(d), window)
     assert got is not None and got.dtype == torch.float32 and got.shape == q.shape
     err = (got.double() - want).abs().max() / want.abs().max()
     assert err < 1e-5, err
@@ -101,12 +84,7 @@ def test_not_applied_where_it_does_not_fit(monkeypatch):
 def test_strided_token_rows_are_read_in_place():
     """q, k, v as slices of one fused QKV row (what the model hands over): the same result as
     contiguous copies."""
-    g = torch.Generator().manual_seed(5)
-    qkv = torch.randn(40, (6 + 2 + 2) * 64, generator=g)
-    q = qkv[:, :384].view(40, 6, 64)
-    k = qkv[:, 384:512].view(40, 2, 64)
-    v = qkv[:, 512:].view(40, 2, 64)
-    assert not q.is_contiguous()
+    q, k, v = fused_qkv_slices(torch.float32)
     got = kernels.prefill_attention_f32(q, k, v, 0.125)
     want = kernels.prefill_attention_f32(q.contiguous(), k.contiguous(), v.contiguous(), 0.125)
     assert got is not None and torch.equal(got, want)
@@ -134,5 +112,5 @@ def test_a_float32_prefill_chunk_over_a_cached_prefix_runs_it(window, monkeypatc
     seg = attention.PrefillSegment(0, tq, prefix + tq, table)
     q = torch.randn(tq, h, d, generator=g)
     got = attention._prefill_attention(q, k_all[prefix:], v_all[prefix:], kv, seg, 0.125, window)
-    want = reference(q, k_all, v_all, 0.125, window)
+    want = attention_reference(q, k_all, v_all, 0.125, window)
     assert calls and (got.double() - want).abs().max() / want.abs().max() < 1e-5
