@@ -89,6 +89,31 @@ AVX512_BF16 inline __m512i interleave_bf16(__m512 a, __m512 b) {
   return _mm512_permutexvar_epi16(idx, ab);
 }
 
+// the positions of query rows first..first + 15, one a lane
+AVX512_BF16 inline __m512i positions(int64_t first) {
+  return _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
+                          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+}
+
+// the rows (lanes) that see key `key` of S: low < key <= pos (low = pos - window, or -1)
+AVX512_BF16 inline __mmask16 visible(int64_t key, int64_t S, __m512i pos, __m512i low) {
+  if (key >= S) return 0;
+  const __m512i kv = _mm512_set1_epi32(static_cast<int>(key));
+  return _mm512_cmple_epi32_mask(kv, pos) & _mm512_cmpgt_epi32_mask(kv, low);
+}
+
+// O^T [D][16 rows] / l -> bf16 rows [16 qb, 16 qb + rows) of query head hq in out [Tq, H, D]
+AVX512_BF16 inline void finish(uint16_t* out, const float* ot, __m512 l, const Shape& s,
+                               int64_t hq, int64_t qb, int64_t rows) {
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);   // l >= 1 for every row
+  alignas(64) float res[16];
+  for (int64_t d = 0; d < s.D; ++d) {
+    _mm512_store_ps(res, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), inv));
+    for (int64_t r = 0; r < rows; ++r)
+      out[((16 * qb + r) * s.H + hq) * s.D + d] = raypd_bf16::f_to_bf16(res[r]);
+  }
+}
+
 // Q^T of query head hq, rows [16 qb, 16 qb + rows), as [D / 2 pairs][16 rows][2] (zero rows
 // past Tq): one zmm a d-pair
 inline void pack_q(uint16_t* qp, const uint16_t* q, const Shape& s, int64_t hq, int64_t qb,
@@ -115,9 +140,7 @@ AMX_BF16 void item_amx(uint16_t* out, const uint16_t* q, const uint16_t* kp, con
   __m512 m = _mm512_set1_ps(-FLT_MAX), l = _mm512_setzero_ps();
   const int64_t first = s.offset + 16 * qb;            // the position of row 0
   const int64_t kend = std::min(s.S, first + rows);    // keys any stored row sees
-  const __m512i pos = _mm512_add_epi32(   // each row's position: it sees keys <= pos
-      _mm512_set1_epi32(static_cast<int>(first)),
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+  const __m512i pos = positions(first);   // each row's position: it sees keys <= pos
   const __m512 scale = _mm512_set1_ps(s.scale);
   for (int64_t k0 = 0; k0 < kend; k0 += STEP) {
     // S^T = K Q^T for keys [k0, k0 + 64): tiles 4-7, 16 keys each (tile numbers are
@@ -149,9 +172,7 @@ AMX_BF16 void item_amx(uint16_t* out, const uint16_t* q, const uint16_t* kp, con
       const __m512 sc = _mm512_mul_ps(_mm512_load_ps(sbuf + 16 * j), scale);
       _mm512_store_ps(sbuf + 16 * j, sc);
       vis[j] = 0xFFFF;
-      if (edge)
-        vis[j] = k0 + j < s.S ? _mm512_cmple_epi32_mask(
-                                    _mm512_set1_epi32(static_cast<int>(k0 + j)), pos) : 0;
+      if (edge) vis[j] = visible(k0 + j, s.S, pos, _mm512_set1_epi32(-1));
       mx = _mm512_mask_max_ps(mx, vis[j], mx, sc);
     }
     const __m512 alpha = raypd_simd::exp_nonpositive(_mm512_sub_ps(m, mx));
@@ -207,13 +228,7 @@ AMX_BF16 void item_amx(uint16_t* out, const uint16_t* q, const uint16_t* kp, con
                                                     _mm512_load_ps(tbuf + 16 * d)));
     }
   }
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);   // l >= 1 for every row
-  alignas(64) float res[16];
-  for (int64_t d = 0; d < D; ++d) {
-    _mm512_store_ps(res, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), inv));
-    for (int64_t r = 0; r < rows; ++r)
-      out[((16 * qb + r) * s.H + hq) * D + d] = raypd_bf16::f_to_bf16(res[r]);
-  }
+  finish(out, ot, l, s, hq, qb, rows);
 }
 
 constexpr int KEYS = 32;   // keys a step of the AVX512-BF16 path (STEP is a multiple)
@@ -235,9 +250,7 @@ AVX512_BF16 void item_avx512(uint16_t* out, const uint16_t* q, const uint16_t* k
   // keys no row sees: before row 0's window (whole steps of them skipped)
   const int64_t kstart = s.window > 0 ? std::max<int64_t>(0, first - s.window + 1) / KEYS * KEYS
                                       : 0;
-  const __m512i pos = _mm512_add_epi32(   // each row's position: it sees keys <= pos
-      _mm512_set1_epi32(static_cast<int>(first)),
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+  const __m512i pos = positions(first);   // each row's position: it sees keys <= pos
   // and keys > pos - window (all keys >= 0 without a window)
   const __m512i low = s.window > 0 ? _mm512_sub_epi32(pos, _mm512_set1_epi32(
                                          static_cast<int>(s.window)))
@@ -264,12 +277,7 @@ AVX512_BF16 void item_avx512(uint16_t* out, const uint16_t* q, const uint16_t* k
     __m512 mx = m;
     for (int j = 0; j < KEYS; ++j) {
       vis[j] = 0xFFFF;
-      if (edge) {
-        const __m512i key = _mm512_set1_epi32(static_cast<int>(k0 + j));
-        vis[j] = k0 + j < s.S ? _mm512_cmple_epi32_mask(key, pos) &
-                                    _mm512_cmpgt_epi32_mask(key, low)
-                              : 0;
-      }
+      if (edge) vis[j] = visible(k0 + j, s.S, pos, low);
       mx = _mm512_mask_max_ps(mx, vis[j], mx, _mm512_load_ps(sbuf + 16 * j));
     }
     const __m512 alpha = raypd_simd::exp_nonpositive(_mm512_sub_ps(m, mx));
@@ -298,13 +306,7 @@ AVX512_BF16 void item_avx512(uint16_t* out, const uint16_t* q, const uint16_t* k
       for (int c = 0; c < COLS; ++c) _mm512_store_ps(ot + 16 * (d0 + c), o[c]);
     }
   }
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);   // l >= 1 for every row
-  alignas(64) float res[16];
-  for (int64_t d = 0; d < D; ++d) {
-    _mm512_store_ps(res, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), inv));
-    for (int64_t r = 0; r < rows; ++r)
-      out[((16 * qb + r) * s.H + hq) * D + d] = raypd_bf16::f_to_bf16(res[r]);
-  }
+  finish(out, ot, l, s, hq, qb, rows);
 }
 
 }  // namespace

@@ -432,8 +432,8 @@ def linear_amx_rows(weight: torch.Tensor) -> int:
 
 
 def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] in the layout linear_amx and linear_small_m read: [ceil(N / 16), K / 2, 16, 2], wp[nb, kp, n,
-    i] = weight[16 nb + n, 2 kp + i], rows past N zero."""
+    """weight [N, K] in the layout linear_amx and linear_small_m read: [ceil(N / 16), K / 2, 16,
+    2], wp[nb, kp, n, i] = weight[16 nb + n, 2 kp + i], rows past N zero."""
     n, k = weight.shape
     assert k % 2 == 0, k
     padded = torch.zeros(-(-n // 16) * 16, k, dtype=weight.dtype)

@@ -45,20 +45,6 @@ AMX_BF16 void configure(int M) {
   _tile_loadconfig(&c);
 }
 
-// M rows of float32 sums [M, 16] (row stride 16) + bias -> bf16 columns [n0, n0 + 16) of out
-AMX_BF16 inline void store(uint16_t* out, const float* sums, const uint16_t* bias, int M,
-                           int64_t N, int64_t n0) {
-  const __mmask16 mask = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-  __m512 b = _mm512_setzero_ps();
-  if (bias != nullptr)
-    b = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
-  for (int m = 0; m < M; ++m) {
-    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + m * 16), b);
-    _mm256_mask_storeu_epi16(out + m * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
-  }
-}
-
 // column blocks nb0 and nb0 + 1 (if it exists) against every x row, by AMX
 AMX_BF16 void amx_pair(uint16_t* out, const uint16_t* x, const uint16_t* wp,
                        const uint16_t* bias, int M, int64_t nb0, int64_t nblocks, int64_t N,
@@ -85,10 +71,10 @@ AMX_BF16 void amx_pair(uint16_t* out, const uint16_t* x, const uint16_t* wp,
   }
   alignas(64) float sums[16 * 16];
   _tile_stored(0, sums, 64);
-  store(out, sums, bias, M, N, nb0 * 16);
+  raypd_bf16::store_sums(out, sums, 16, bias, M, N, nb0 * 16);
   if (two) {
     _tile_stored(1, sums, 64);
-    store(out, sums, bias, M, N, (nb0 + 1) * 16);
+    raypd_bf16::store_sums(out, sums, 16, bias, M, N, (nb0 + 1) * 16);
   }
 }
 
@@ -113,7 +99,7 @@ AMX_BF16 void row_blocks(uint16_t* out, const uint16_t* x, const uint16_t* wp,
   for (int j = 0; j < NB; ++j) {
     alignas(64) float sums[16];
     _mm512_store_ps(sums, acc[j]);
-    store(out, sums, bias, 1, N, (nb0 + j) * 16);
+    raypd_bf16::store_sums(out, sums, 16, bias, 1, N, (nb0 + j) * 16);
   }
 }
 

@@ -102,19 +102,8 @@ AVX512_BF16 void blocks(uint16_t* out, const uint16_t* x, const uint16_t* wp,
     for (int64_t m0 = 0; m0 < M; m0 += mc)
       tile_rows<B>(std::min(mc, M - m0), x, wp, nb0, m0, K, kp0, std::min(KP, kp0 + K_CHUNK),
                    buf + m0 * B * 16, kp0 == 0);
-  for (int j = 0; j < B; ++j) {
-    const int64_t n0 = (nb0 + j) * 16;
-    const __mmask16 mask = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-    __m512 b = _mm512_setzero_ps();
-    if (bias != nullptr)
-      b = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
-    for (int64_t m0 = 0; m0 < M; m0 += mc)
-      for (int64_t r = 0; r < std::min(mc, M - m0); ++r) {
-        const __m512 v = _mm512_add_ps(_mm512_load_ps(buf + m0 * B * 16 + (r * B + j) * 16), b);
-        _mm256_mask_storeu_epi16(out + (m0 + r) * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
-      }
-  }
+  for (int j = 0; j < B; ++j)   // row m's sums of block j at buf + (m B + j) 16, whatever m's slice
+    raypd_bf16::store_sums(out, buf + j * 16, B * 16, bias, M, N, (nb0 + j) * 16);
 }
 
 }  // namespace
