@@ -81,6 +81,30 @@ def test_decode_kernel_matches_the_reference(monkeypatch, dtype, n_kv, group, he
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n_kv, group, head_dim", [(1, 12, 64), (2, 5, 96), (1, 16, 32),
+                                                   (2, 2, 256)])
+def test_uncommon_shapes_match_the_reference(n_kv, group, head_dim, threads):
+    """The AVX512-BF16 path compiles G <= 8 with head_dim 64 or 128 as constants; other shapes
+    (more query heads a KV head, other head sizes) take its general instance, as do the AVX2
+    and portable paths' float32 runs."""
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k_cache, v_cache, tables, lens = case(n_kv, group, head_dim, dtype, seed=3)
+        scale = head_dim ** -0.5
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, scale, 40)
+            full = kernels.paged_decode(q, k_cache, v_cache, tables, lens, scale, None)
+        finally:
+            torch.set_num_threads(before)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens,
+                                                           scale, 40), atol=tol, rtol=tol)
+        torch.testing.assert_close(full.double(), reference(q, k_cache, v_cache, tables, lens,
+                                                            scale, None), atol=tol, rtol=tol)
+
+
 def test_the_kernel_names_the_path_it_takes(monkeypatch):
     cpu = torch.device("cpu")
     avx512 = kernels._module().path(64, 1, 2) == 2

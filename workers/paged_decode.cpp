@@ -135,31 +135,63 @@ inline int64_t unpack_order(int64_t d) {
 // softmax, so the reductions overlap), softmaxed as one vector, the sum kept per lane; then
 // the probabilities, rounded to bf16, weight the values two tokens a vdpbf16ps into each query
 // head's accumulator, kept in `unpack_order` for the run. D a multiple of 32. p[h]: KV head h's
-// partial.
+// partial. G and D / 32 are template constants for the common shapes (GT, DKT > 0; 0: read
+// from the Shape), so that a tile's scores, query rows and accumulators stay in registers: with
+// them known only at run time they went through the stack, and a tile cost 1.5x as long (SmolLM2,
+// batch 8 x 544 tokens, one thread, the pool in cache: 232 -> 157 us a layer).
 struct HeadState {            // one KV head's running softmax, between tiles
   float* acc;                 // G x D, in unpack_order
   float* lsum;                // G x 16 lanes of l
 };
 
+// The rows of one block on their way into L2, a few lines at a time between a tile's
+// instructions. Issued all at once (192 lines for a SmolLM2 block), the prefetches filled the
+// core's miss queue and the tile's own loads waited behind them: reading and computing took turns
+// (with every layer's pool cold, 11-13 GB/s; spread out, 20-23).
+struct Prefetcher {
+  const char* k = nullptr;    // the block's first K row and first V row
+  const char* v = nullptr;
+  int64_t bytes = 0;          // of each
+  int64_t off = 0;            // how far it has got
+  inline void next2() {       // the next two lines of each (a fixed count: the caller unrolls)
+    if (off < bytes) { _mm_prefetch(k + off, _MM_HINT_T1); _mm_prefetch(v + off, _MM_HINT_T1); }
+    if (off + 64 < bytes) {
+      _mm_prefetch(k + off + 64, _MM_HINT_T1);
+      _mm_prefetch(v + off + 64, _MM_HINT_T1);
+    }
+    off += 128;
+  }
+  inline void rest() {        // whatever is left
+    for (; off < bytes; off += 64) {
+      _mm_prefetch(k + off, _MM_HINT_T1);
+      _mm_prefetch(v + off, _MM_HINT_T1);
+    }
+  }
+};
+
+// krow[i], vrow[i]: the tile's 16 rows; those past n repeat row 0 (scored, masked, weighted 0)
+template <int GT, int DKT>
 AVX512_BF16
 inline void tile_head(const bf16* qp, const bf16* const* krow, const bf16* const* vrow,
                       const Shape& s, int64_t b, int64_t h, int64_t n, Partial& p,
-                      const HeadState& st) {
-  const int64_t G = s.G, D = s.D, DK = D / 32;   // 32 bf16 per 512-bit register
+                      const HeadState& st, Prefetcher& pf) {
+  const int64_t G = GT ? GT : s.G, DK = DKT ? DKT : s.D / 32;   // 32 bf16 per 512-bit register
+  const int64_t D = DK * 32;
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
   alignas(64) float prob[MAX_G][16];
-  __m512 sc[MAX_G];                     // every query head's scores first: their reductions
+  __m512 sc[GT ? GT : MAX_G];           // every query head's scores first: their reductions
   for (int64_t g = 0; g < G; ++g) {     // overlap, no query head waits for the one before
     const bf16* qg = qp + (b * s.H + h * G + g) * D;
-    __m512bh q[MAX_D / 32];
+    __m512bh q[DKT ? DKT : MAX_D / 32];
     for (int64_t j = 0; j < DK; ++j) q[j] = (__m512bh)_mm512_loadu_si512(qg + j * 32);
     __m512 dots[16];
+#pragma GCC unroll 16
     for (int64_t i = 0; i < 16; ++i) {
+      if (g == 0) pf.next2();
       __m512 a = _mm512_setzero_ps();
-      if (i < n)
-        for (int64_t j = 0; j < DK; ++j)
-          a = _mm512_dpbf16_ps(a, q[j],
-                               (__m512bh)_mm512_loadu_si512(krow[i] + h * D + j * 32));
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < DK; ++j)
+        a = _mm512_dpbf16_ps(a, q[j], (__m512bh)_mm512_loadu_si512(krow[i] + h * D + j * 32));
       dots[i] = a;
     }
     sc[g] = _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(s.scale));
@@ -167,7 +199,8 @@ inline void tile_head(const bf16* qp, const bf16* const* krow, const bf16* const
   for (int64_t g = 0; g < G; ++g) {
     const float mx = std::max(p.m[g], _mm512_mask_reduce_max_ps(valid, sc[g]));
     __m512 lsum = _mm512_load_ps(st.lsum + 16 * g);
-    if (mx > p.m[g]) {                 // a new max: rescale what was summed so far
+    if (mx > p.m[g]) {                 // a new max: rescale what was summed so far (always
+      // rescaling, without the branch, measured the same on random scores)
       const float c = p.m[g] > -FLT_MAX ? std::exp(p.m[g] - mx) : 0.f;
       const __m512 cv = _mm512_set1_ps(c);
       lsum = _mm512_mul_ps(lsum, cv);
@@ -187,15 +220,16 @@ inline void tile_head(const bf16* qp, const bf16* const* krow, const bf16* const
   for (int64_t g = 0; g < G; ++g)
     _mm256_store_si256(reinterpret_cast<__m256i*>(ppair[g]),
                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(prob[g])));
+  // (two 32-value chunks a pass, or the pair loop unrolled: both measured slower)
   for (int64_t c = 0; c < DK; ++c) {
-    __m512 lo[MAX_G], hi[MAX_G];
+    __m512 lo[GT ? GT : MAX_G], hi[GT ? GT : MAX_G];
     for (int64_t g = 0; g < G; ++g) {
       lo[g] = _mm512_load_ps(st.acc + g * D + c * 32);
       hi[g] = _mm512_load_ps(st.acc + g * D + c * 32 + 16);
     }
     for (int64_t i = 0; i < n; i += 2) {   // an odd run's last pair: a zero probability
       const __m512i x = _mm512_loadu_si512(vrow[i] + h * D + c * 32);
-      const __m512i y = _mm512_loadu_si512(vrow[i + 1 < n ? i + 1 : i] + h * D + c * 32);
+      const __m512i y = _mm512_loadu_si512(vrow[i + 1] + h * D + c * 32);
       const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(x, y);
       const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(x, y);
       for (int64_t g = 0; g < G; ++g) {
@@ -211,22 +245,30 @@ inline void tile_head(const bf16* qp, const bf16* const* krow, const bf16* const
   }
 }
 
-// How many blocks ahead a work item's rows are prefetched. Measured with every layer's pool cold
-// (SmolLM2's shapes, batch 16, 30 layers' pools, blocks of 16 in random order, 2 threads: the
-// KV bytes / kernel time): the next block only (into L1), 10 GB/s; 3 blocks on (into L2), 12.5-13;
-// 2, 4 and 6 blocks between them.
+// How many blocks ahead a work item's rows are prefetched: at the run's first tile, the blocks
+// up to there at once; then at each block's first tile, the block PREFETCH_BLOCKS on, spread over
+// the tile. Measured with every layer's pool cold (SmolLM2's shapes, batch 16, 30 layers' pools,
+// blocks of 16 in random order, 2 threads): 1, 2, 3 and 6 within run-to-run noise of each other.
 constexpr int64_t PREFETCH_BLOCKS = 3;
 
+// Per-thread scratch for a work item's running state (reused: no allocation per item)
+inline float* item_scratch(size_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < floats + 16) buf.resize(floats + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) &
+                                  ~uintptr_t{63});
+}
+
+template <int GT, int DKT>
 AVX512_BF16
 void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const int64_t* table,
                         const Shape& s, int64_t b, int64_t t0, int64_t t1, Partial* const* p) {
   const int64_t G = s.G, D = s.D, Hkv = s.Hkv;
-  std::vector<float> state(Hkv * G * (D + 16) + 16);   // acc and lsum of every KV head
-  float* base_state = reinterpret_cast<float*>(
-      (reinterpret_cast<uintptr_t>(state.data()) + 63) & ~uintptr_t{63});
-  std::vector<HeadState> st(Hkv);
+  const int64_t per_head = G * (D + 16);
+  float* base_state = item_scratch(Hkv * per_head);   // acc and lsum of every KV head
+  HeadState st[MAX_HKV];
   for (int64_t h = 0; h < Hkv; ++h) {
-    st[h] = {base_state + h * G * (D + 16), base_state + h * G * (D + 16) + G * D};
+    st[h] = {base_state + h * per_head, base_state + h * per_head + G * D};
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t d = 0; d < D; ++d) st[h].acc[g * D + unpack_order(d)] = p[h]->acc[g * D + d];
       for (int64_t i = 0; i < 16; ++i) st[h].lsum[16 * g + i] = i == 0 ? p[h]->l[g] : 0.f;
@@ -234,32 +276,32 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
   }
   const bf16* krow[16];
   const bf16* vrow[16];
-  const int64_t row_bytes = s.row * 2;
+  const int64_t row_bytes = s.row * 2, last_block = (t1 - 1) / s.bs;
+  auto block_rows = [&](int64_t pb) {   // where block pb's rows of the run start, and their bytes
+    const int64_t r0 = std::max(t0, pb * s.bs), r1 = std::min(t1, (pb + 1) * s.bs);
+    const int64_t slot = table[b * s.W + pb] * s.bs + r0 % s.bs;
+    return Prefetcher{reinterpret_cast<const char*>(kp + slot * s.row),
+                      reinterpret_cast<const char*>(vp + slot * s.row), (r1 - r0) * row_bytes};
+  };
   int64_t t = t0;
   while (t < t1) {
     const int64_t blk = t / s.bs;
     const int64_t n = std::min<int64_t>({16, t1 - t, (blk + 1) * s.bs - t});
     const int64_t base = table[b * s.W + blk] * s.bs + t % s.bs;
-    for (int64_t i = 0; i < n; ++i) {
-      krow[i] = kp + (base + i) * s.row;
-      vrow[i] = vp + (base + i) * s.row;
+    for (int64_t i = 0; i < 16; ++i) {
+      krow[i] = kp + (base + (i < n ? i : 0)) * s.row;
+      vrow[i] = vp + (base + (i < n ? i : 0)) * s.row;
     }
-    {   // the rows of the blocks PREFETCH_BLOCKS on (all of them up to there at the run's first
-        // tile) on their way into L2 while this tile computes: blocks are scattered, no
-        // hardware prefetcher finds them
-      const int64_t last = std::min((t1 - 1) / s.bs, blk + PREFETCH_BLOCKS);
-      for (int64_t pb = t == t0 ? blk + 1 : blk + PREFETCH_BLOCKS; pb <= last; ++pb) {
-        const int64_t r0 = std::max(t0, pb * s.bs), r1 = std::min(t1, (pb + 1) * s.bs);
-        const int64_t nb = table[b * s.W + pb] * s.bs + r0 % s.bs;
-        const char* kr = reinterpret_cast<const char*>(kp + nb * s.row);   // one run of rows
-        const char* vr = reinterpret_cast<const char*>(vp + nb * s.row);
-        for (int64_t c = 0; c < (r1 - r0) * row_bytes; c += 64) {
-          _mm_prefetch(kr + c, _MM_HINT_T1);
-          _mm_prefetch(vr + c, _MM_HINT_T1);
-        }
-      }
-    }
-    for (int64_t h = 0; h < Hkv; ++h) tile_head(qp, krow, vrow, s, b, h, n, *p[h], st[h]);
+    // blocks are scattered: no hardware prefetcher finds the next one
+    if (t == t0)
+      for (int64_t pb = blk + 1; pb < blk + PREFETCH_BLOCKS && pb <= last_block; ++pb)
+        block_rows(pb).rest();
+    Prefetcher pf;
+    if ((t == t0 || t % s.bs == 0) && blk + PREFETCH_BLOCKS <= last_block)
+      pf = block_rows(blk + PREFETCH_BLOCKS);
+    for (int64_t h = 0; h < Hkv; ++h)
+      tile_head<GT, DKT>(qp, krow, vrow, s, b, h, n, *p[h], st[h], pf);
+    pf.rest();
     t += n;
   }
   for (int64_t h = 0; h < Hkv; ++h)
@@ -267,6 +309,34 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
       for (int64_t d = 0; d < D; ++d) p[h]->acc[g * D + d] = st[h].acc[g * D + unpack_order(d)];
       p[h]->l[g] = _mm512_reduce_add_ps(_mm512_load_ps(st[h].lsum + 16 * g));
     }
+}
+
+// attend_bf16_avx512 with G and D / 32 as constants where they are common ones
+template <int DKT>
+AVX512_BF16 void attend_bf16_g(const bf16* qp, const bf16* kp, const bf16* vp,
+                               const int64_t* table, const Shape& s, int64_t b, int64_t t0,
+                               int64_t t1, Partial* const* p) {
+  switch (s.G) {
+    case 1: return attend_bf16_avx512<1, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 2: return attend_bf16_avx512<2, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 3: return attend_bf16_avx512<3, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 4: return attend_bf16_avx512<4, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 5: return attend_bf16_avx512<5, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 6: return attend_bf16_avx512<6, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 7: return attend_bf16_avx512<7, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 8: return attend_bf16_avx512<8, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
+    default: return attend_bf16_avx512<0, 0>(qp, kp, vp, table, s, b, t0, t1, p);
+  }
+}
+
+AVX512_BF16 void attend_bf16(const bf16* qp, const bf16* kp, const bf16* vp,
+                             const int64_t* table, const Shape& s, int64_t b, int64_t t0,
+                             int64_t t1, Partial* const* p) {
+  switch (s.D) {
+    case 64: return attend_bf16_g<2>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 128: return attend_bf16_g<4>(qp, kp, vp, table, s, b, t0, t1, p);
+    default: return attend_bf16_avx512<0, 0>(qp, kp, vp, table, s, b, t0, t1, p);
+  }
 }
 
 // The same on AVX2 + FMA (any x86-64 CPU since about 2013: Zen, Haswell), float32 or bf16 pools,
@@ -487,7 +557,7 @@ void run(const T* qp, const T* kp, const T* vp, const int64_t* tp, const int64_t
     for (int64_t h = 0; h < s.Hkv; ++h) p[h] = &parts[(b * s.Hkv + h) * splits + k];
     if constexpr (sizeof(T) == 2) {
       if (path == 2) {
-        attend_bf16_avx512(qp, kp, vp, tp, s, b, t0, t1, p);
+        attend_bf16(qp, kp, vp, tp, s, b, t0, t1, p);
         continue;
       }
     }
