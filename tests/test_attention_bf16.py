@@ -110,3 +110,49 @@ def test_strided_token_rows_are_read_in_place(path):
     got = kernels.prefill_attention_bf16(q, k, v, 0.125)
     want = kernels.prefill_attention_bf16(q.contiguous(), k.contiguous(), v.contiguous(), 0.125)
     assert got is not None and torch.equal(got, want)
+
+
+def _paged(k: torch.Tensor, v: torch.Tensor, bs: int, seed: int, spare: int = 5):
+    """k, v [S, Hkv, D] scattered over a pool of blocks of `bs` (in a shuffled order, with
+    blocks no one uses between them): (k_pool, v_pool, block_table)."""
+    g = torch.Generator().manual_seed(seed)
+    s, h_kv, d = k.shape
+    need = -(-s // bs)
+    num_blocks = need + spare
+    table = torch.randperm(num_blocks, generator=g)[:need]
+    pools = []
+    for x in (k, v):
+        pool = torch.randn(num_blocks, bs, h_kv, d, generator=g).to(BF16)   # stale slots
+        flat = pool.view(-1, h_kv, d)
+        slots = table[torch.arange(s) // bs] * bs + torch.arange(s) % bs
+        flat[slots] = x
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("tq,prefix", [(1, 15), (1, 16), (7, 9), (16, 17), (17, 47),
+                                       (100, 412), (8, 504)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_the_paged_pool_read_in_place_equals_the_gathered_rows(path, bs, tq, prefix, window):
+    """A chunk over its cached prefix read through the block table from the pool (no gathered
+    copy): bit for bit what the same rows laid out contiguously give, whatever the block edges
+    (stale slots past the context are never read)."""
+    if window is not None and path == "amx":
+        pytest.skip("the AMX path has no window")
+    q, k, v = _inputs(tq, prefix, 6, 2, 64, tq * 31 + prefix)
+    k_pool, v_pool, table = _paged(k, v, bs, seed=prefix + bs)
+    want = kernels.prefill_attention_bf16(q, k, v, 0.125, window)
+    got = kernels.prefill_attention_bf16(q, k_pool, v_pool, 0.125, window, table, prefix + tq)
+    assert got is not None and torch.equal(got, want)
+
+
+def test_a_table_that_does_not_cover_the_context_is_refused(path):
+    q, k, v = _inputs(4, 28, 2, 1, 64, 0)
+    k_pool, v_pool, table = _paged(k, v, 16, seed=1)
+    with pytest.raises(ValueError, match="block table"):
+        kernels.prefill_attention_bf16(q, k_pool, v_pool, 1.0, None, table[:1], 32)
+    bad = table.clone()
+    bad[1] = k_pool.shape[0]
+    with pytest.raises(ValueError, match="outside the pool"):
+        kernels.prefill_attention_bf16(q, k_pool, v_pool, 1.0, None, bad, 32)

@@ -310,3 +310,40 @@ def test_decode_bound_of_a_random_shape_counts_its_whole_weights():
     engine = make_engine(None, model="random:smollm2-135m", dtype="float32", num_blocks=16)
     assert _decode_weight_bytes(engine) == pytest.approx(MODELS["smollm2-135m"].params * 4,
                                                          rel=1e-3)
+
+
+@pytest.mark.skipif(kernels.linear_small_m_rows(torch.empty(1, 32, dtype=BF16)) == 0,
+                    reason="needs the native kernels and AVX512-BF16")
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_bf16_chunks_read_their_prefix_in_place_with_the_same_tokens(tmp_path, monkeypatch,
+                                                                    window):
+    """bf16 chunked prefill and prefix hits (head_dim 64: the native bf16 prefill attention):
+    each later chunk reads its cached prefix from the pool through the block table; the
+    tokens equal those of the gathered-copy path it replaced."""
+    from workers import attention
+    _, tokenizer, _ = load_model("tiny")
+    path = save_random_checkpoint(tmp_path / "ckpt", MistralConfig, tokenizer, 7, BF16,
+                                  {**SHAPE, "hidden_size": 128, "num_attention_heads": 2,
+                                   "num_key_value_heads": 1}, sliding_window=window)
+    shared = random_prompt(48, seed=41)
+    prompts = [random_prompt(n, seed=500 + n) for n in (30, 75)] + [shared, shared + [5, 6, 7]]
+    real = attention.native.prefill_attention_bf16
+    in_place = []
+
+    def counted(q, k, v, scale, window=None, block_table=None, context_len=None):
+        if block_table is not None:
+            in_place.append(context_len)
+        return real(q, k, v, scale, window, block_table, context_len)
+
+    def gathered(q, k, v, scale, window=None, block_table=None, context_len=None):
+        return None if block_table is not None else real(q, k, v, scale, window)
+
+    runs = []
+    for impl in (counted, gathered):
+        monkeypatch.setattr(attention.native, "prefill_attention_bf16", impl)
+        engine = make_engine(load_model(str(path), "bfloat16"), max_num_batched_tokens=16)
+        runs.append([engine.generate([p], GREEDY)[0] for p in prompts])
+        assert runs[-1][-1].lifecycle.cached_tokens == 48
+        _drained(engine)
+    assert in_place and max(in_place) > 16       # later chunks, over a prefix, took it
+    assert [r.output_token_ids for r in runs[0]] == [r.output_token_ids for r in runs[1]]

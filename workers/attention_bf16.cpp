@@ -51,19 +51,35 @@ struct Shape {
   int64_t q_row, k_row, v_row;   // elements from one token to the next (heads x D packed)
   float scale;
   int64_t spad;   // S rounded up to a step of keys
+  // null: key j's row is row j of k and v; else they are the paged pool ([blocks, bs, Hkv,
+  // D]) and key j's row is slot table[j / bs] * bs + j % bs (a chunk's cached prefix read in
+  // place: no gathered copy of it)
+  const int64_t* table;
+  int64_t bs;
 };
+
+// the row of k and v that holds key j
+inline int64_t kv_row(const Shape& s, int64_t key) {
+  return s.table ? s.table[key / s.bs] * s.bs + key % s.bs : key;
+}
 
 // K of KV head h as A tiles of S^T = K Q^T: [spad][D], rows past S zero
 void pack_k(uint16_t* kp, const uint16_t* k, const Shape& s, int64_t h, int64_t key) {
   uint16_t* dst = kp + key * s.D;
-  if (key < s.S) std::memcpy(dst, k + key * s.k_row + h * s.D, s.D * 2);
+  if (key < s.S) std::memcpy(dst, k + kv_row(s, key) * s.k_row + h * s.D, s.D * 2);
   else std::memset(dst, 0, s.D * 2);
 }
 
-// V of KV head h transposed, as A tiles of O^T = V^T P^T: [D][spad], columns past S zero
+// V of KV head h transposed, as A tiles of O^T = V^T P^T: [D][spad], columns past S zero;
+// keys a run of consecutive rows at a time (a block of the table, or all of them)
 void pack_v(uint16_t* vt, const uint16_t* v, const Shape& s, int64_t h, int64_t d) {
   uint16_t* dst = vt + d * s.spad;
-  for (int64_t key = 0; key < s.S; ++key) dst[key] = v[key * s.v_row + h * s.D + d];
+  const int64_t run = s.table ? s.bs : s.S;
+  for (int64_t k0 = 0; k0 < s.S; k0 += run) {
+    const uint16_t* src = v + kv_row(s, k0) * s.v_row + h * s.D + d;
+    const int64_t n = std::min(run, s.S - k0);
+    for (int64_t i = 0; i < n; ++i) dst[k0 + i] = src[i * s.v_row];
+  }
   std::fill(dst + s.S, dst + s.spad, uint16_t{0});
 }
 
@@ -315,14 +331,17 @@ AVX512_BF16 void item_avx512(uint16_t* out, const uint16_t* q, const uint16_t* k
 // contiguous, tokens q_row / k_row / v_row elements apart; bf16; S >= Tq >= 1, H a multiple of
 // Hkv, D a multiple of 32 up to 128; window 0 (none) or the newest keys a query sees; amx: on
 // AMX-BF16 (a CPU whose tile state this process was granted, raypd_linear_amx_max() > 0; no
-// window), else AVX512-BF16 (raypd_linear_small_m_max() > 0). All checked by the caller.
+// window), else AVX512-BF16 (raypd_linear_small_m_max() > 0). table: null, or k and v are the
+// paged pool and key j is at slot table[j / bs] * bs + j % bs (every entry the first
+// ceil(S / bs) of the table holds within the pool). All checked by the caller.
 extern "C" void raypd_prefill_attention_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k,
                                              const uint16_t* v, int64_t Tq, int64_t S,
                                              int64_t H, int64_t Hkv, int64_t D, int64_t q_row,
                                              int64_t k_row, int64_t v_row, double scale,
-                                             int64_t window, int nthreads, int amx) {
+                                             int64_t window, int nthreads, int amx,
+                                             const int64_t* table, int64_t bs) {
   Shape s{Tq, S, H, Hkv, D, S - Tq, window, q_row, k_row, v_row, static_cast<float>(scale),
-          (S + STEP - 1) / STEP * STEP};
+          (S + STEP - 1) / STEP * STEP, table, bs};
   const int64_t per_head = s.spad * D;
   std::vector<uint16_t> kp(Hkv * per_head), vt(Hkv * per_head);
   const int64_t qblocks = (Tq + 15) / 16, items = H * qblocks, G = H / Hkv;

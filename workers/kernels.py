@@ -168,7 +168,8 @@ def _module():
     fn.decode_layers_bf16.restype = ctypes.c_int
     fn.prefill_attention_bf16 = lib.raypd_prefill_attention_bf16
     fn.prefill_attention_bf16.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, _i64,
-                                                                    ctypes.c_int, ctypes.c_int]
+                                                                    ctypes.c_int, ctypes.c_int,
+                                                                    _ptr, _i64]
     fn.prefill_attention_f32 = lib.raypd_prefill_attention_f32
     fn.prefill_attention_f32.argtypes = [_ptr] * 4 + [_i64] * 8 + [ctypes.c_double, _i64,
                                                                    ctypes.c_int]
@@ -450,16 +451,27 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, n: int,
 
 # ---- prefill attention, bf16 on CPUs with AMX-BF16 or AVX512-BF16 (attention_bf16.cpp) ---------
 def prefill_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                           window: int | None = None) -> torch.Tensor | None:
+                           window: int | None = None, block_table: torch.Tensor | None = None,
+                           context_len: int | None = None) -> torch.Tensor | None:
     """Causal attention of q [Tq, H, D] (the last Tq positions) over k, v [S, Hkv, D] (every
     position, the chunk's own last), each query seeing only the `window` newest keys of a
     sliding-window layer -> [Tq, H, D]; None where the kernel does not apply (not bf16 on the
     CPU, D not a multiple of 32 up to 128, neither AMX-BF16 (no window) nor AVX512-BF16, the
-    portable switch). AMX where the CPU has it, unless RAYPD_KERNEL_ISA=avx512bf16."""
+    portable switch). AMX where the CPU has it, unless RAYPD_KERNEL_ISA=avx512bf16.
+    With `block_table` ([blocks] int64) and `context_len` (S), k and v are a layer's paged pool
+    [num_blocks, block_size, Hkv, D] and the keys are the sequence's first S slots of its
+    blocks, read in place (the chunk's own K/V already written there)."""
     tq, h, d = q.shape
-    s, h_kv = k.shape[:2]
+    if block_table is not None:
+        if k.dim() != 4 or not (k.is_contiguous() and v.is_contiguous()) or context_len is None:
+            return None
+        num_blocks, bs, h_kv = k.shape[:3]
+        s = context_len
+    else:
+        num_blocks, bs = 0, 0
+        s, h_kv = k.shape[:2]
     if q.device.type != "cpu" or not q.dtype == k.dtype == v.dtype == torch.bfloat16 \
-            or d % 32 or d > 128 or h % h_kv or k.shape != v.shape or k.shape[2] != d \
+            or d % 32 or d > 128 or h % h_kv or k.shape != v.shape or k.shape[-1] != d \
             or not 1 <= tq <= s or isa_cap() < 2 or (window is not None and window < 1):
         return None
     fn = _module()
@@ -468,12 +480,28 @@ def prefill_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     amx = fn.amx_max > 0 and not force_no_amx() and window is None
     if not amx and not fn.small_m_max:      # (no AVX512-BF16)
         return None
-    # each token's heads x D contiguous (slices of a fused QKV projection are): read in place
-    q, k, v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (q, k, v))
+    table_ptr = None
+    if block_table is not None:
+        # checked on every call, not asserted: the kernel reads where the table points
+        table = block_table.to("cpu", torch.int64).contiguous()
+        need = -(-s // bs)
+        if table.dim() != 1 or table.numel() < need:
+            raise ValueError(f"prefill_attention_bf16: a block table of {table.numel()} blocks "
+                             f"for {s} tokens in blocks of {bs}")
+        lo, hi = torch.aminmax(table[:need])
+        if int(lo) < 0 or int(hi) >= num_blocks:
+            raise ValueError("prefill_attention_bf16: a block outside the pool")
+        table_ptr, k_row = table.data_ptr(), h_kv * d
+        kr = vr = k_row
+    else:
+        # each token's heads x D contiguous (slices of a fused QKV projection are): in place
+        k, v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (k, v))
+        kr, vr = k.stride(0), v.stride(0)
+    q = q if q.stride(2) == 1 and q.stride(1) == d else q.contiguous()
     out = torch.empty(tq, h, d, dtype=q.dtype)
     fn.prefill_attention_bf16(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), tq, s,
-                              h, h_kv, d, q.stride(0), k.stride(0), v.stride(0), scale,
-                              int(window or 0), torch.get_num_threads(), int(amx))
+                              h, h_kv, d, q.stride(0), kr, vr, scale, int(window or 0),
+                              torch.get_num_threads(), int(amx), table_ptr, bs)
     return out
 
 
