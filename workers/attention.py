@@ -138,15 +138,15 @@ def _decode_attention_torch(q: torch.Tensor, kv: LayerKV, g: DecodeGroup, scale:
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
                        seg: PrefillSegment, scale: float, window: int | None) -> torch.Tensor:
     """One chunk: q [q_len, H, D] -> [q_len, H, D], causal over its cached prefix + itself."""
-    if seg.block_table is not None and kv.k_scales is None:
-        # bf16 on AVX512-BF16 / AMX: the prefix (and the chunk, written there already) read in
-        # place from the pool, through the block table (gathered, a prefix cost up to a few ms a
-        # step: the copy of every block of the table, every layer)
-        o = native.prefill_attention_bf16(q, kv.k, kv.v, scale, window, seg.block_table,
-                                          seg.context_len)
-        if o is not None:
-            return o
     if seg.block_table is not None:   # else the chunk is the whole context: its own K/V
+        if kv.k_scales is None:
+            # bf16 on AVX512-BF16 / AMX: the prefix (and the chunk, written there already) read
+            # in place from the pool, through the block table (gathered, a prefix cost up to a
+            # few ms a step: the copy of every block of the table, every layer)
+            o = native.prefill_attention_bf16(q, kv.k, kv.v, scale, window, seg.block_table,
+                                              seg.context_len)
+            if o is not None:
+                return o
         k = kv.gather("k", seg.block_table, seg.context_len, q.dtype)   # [S, Hkv, D]
         v = kv.gather("v", seg.block_table, seg.context_len, q.dtype)
     # bf16 on a CPU with AMX (no window) or AVX512-BF16: flash-style blocks, no mask (None

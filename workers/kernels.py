@@ -491,8 +491,8 @@ def prefill_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         lo, hi = torch.aminmax(table[:need])
         if int(lo) < 0 or int(hi) >= num_blocks:
             raise ValueError("prefill_attention_bf16: a block outside the pool")
-        table_ptr, k_row = table.data_ptr(), h_kv * d
-        kr = vr = k_row
+        table_ptr, kr = table.data_ptr(), h_kv * d     # rows of the pool
+        vr = kr
     else:
         # each token's heads x D contiguous (slices of a fused QKV projection are): in place
         k, v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (k, v))
