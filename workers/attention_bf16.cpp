@@ -17,7 +17,8 @@
 // of Q's d-pairs (16 rows x 2, one zmm) against each key's d-pair broadcast (16 independent
 // accumulators, one per key); P^T as 16 key-pair registers; O^T[d] (one zmm of 16 rows) by
 // 16 vdpbf16ps of those against V's key-pairs at d broadcast, 8 columns at a time (eight
-// independent chains hide vdpbf16ps' latency), rescaled as it is loaded.
+// independent chains hide vdpbf16ps' latency), rescaled as it is loaded (skipped in a step
+// where no row's max moved). Scores stay unscaled: the softmax works in log2 units.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -96,6 +97,17 @@ AVX512_BF16 inline __m512 exp_bf16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 2^t for t <= 0 the same way (the AVX512-BF16 path's scores come in log2 units); very
+// negative t gives 0
+AVX512_BF16 inline __m512 exp2_bf16(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0555041f), f, _mm512_set1_ps(0.2402265f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931472f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // lanes of bf16 pairs: lane 2r = a[r], lane 2r + 1 = b[r] (a, b: 16 floats each)
 AVX512_BF16 inline __m512i interleave_bf16(__m512 a, __m512 b) {
   const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);   // a in lanes 0-15, b in 16-31
@@ -118,26 +130,39 @@ AVX512_BF16 inline __mmask16 visible(int64_t key, int64_t S, __m512i pos, __m512
   return _mm512_cmple_epi32_mask(kv, pos) & _mm512_cmpgt_epi32_mask(kv, low);
 }
 
-// O^T [D][16 rows] / l -> bf16 rows [16 qb, 16 qb + rows) of query head hq in out [Tq, H, D]
+// O^T [D][16 rows] / l -> bf16 rows [16 qb, 16 qb + rows) of query head hq in out [Tq, H, D]:
+// a row's 16 columns at a time, gathered from O^T (one column is 16 floats apart)
 AVX512_BF16 inline void finish(uint16_t* out, const float* ot, __m512 l, const Shape& s,
                                int64_t hq, int64_t qb, int64_t rows) {
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);   // l >= 1 for every row
-  alignas(64) float res[16];
-  for (int64_t d = 0; d < s.D; ++d) {
-    _mm512_store_ps(res, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), inv));
-    for (int64_t r = 0; r < rows; ++r)
-      out[((16 * qb + r) * s.H + hq) * s.D + d] = raypd_bf16::f_to_bf16(res[r]);
+  alignas(64) float inv[16];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));   // l >= 1 for every row
+  const __m512i cols = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(16));
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* dst = out + ((16 * qb + r) * s.H + hq) * s.D;
+    const __m512 ir = _mm512_set1_ps(inv[r]);
+    for (int64_t d0 = 0; d0 < s.D; d0 += 16) {
+      const __m512 o = _mm512_i32gather_ps(cols, ot + 16 * d0 + r, 4);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d0),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o, ir)));
+    }
   }
 }
 
 // Q^T of query head hq, rows [16 qb, 16 qb + rows), as [D / 2 pairs][16 rows][2] (zero rows
-// past Tq): one zmm a d-pair
+// past Tq): one zmm a d-pair; a pair moved as one 32-bit word
 inline void pack_q(uint16_t* qp, const uint16_t* q, const Shape& s, int64_t hq, int64_t qb,
                    int64_t rows) {
-  for (int64_t p = 0; p < s.D / 2; ++p)
-    for (int64_t r = 0; r < 16; ++r)
-      for (int64_t i = 0; i < 2; ++i)
-        qp[(p * 16 + r) * 2 + i] = r < rows ? q[(16 * qb + r) * s.q_row + hq * s.D + 2 * p + i] : 0;
+  const int64_t DP = s.D / 2;
+  for (int64_t r = 0; r < 16; ++r) {
+    const uint16_t* src = q + (16 * qb + r) * s.q_row + hq * s.D;
+    for (int64_t p = 0; p < DP; ++p) {
+      uint32_t pair = 0;
+      if (r < rows) std::memcpy(&pair, src + 2 * p, 4);
+      std::memcpy(qp + (p * 16 + r) * 2, &pair, 4);
+    }
+  }
 }
 
 // query head hq, query rows [16 qb, 16 qb + 16) (rows past Tq computed on zeros, not stored).
@@ -272,8 +297,17 @@ AVX512_BF16 void item_avx512(uint16_t* out, const uint16_t* q, const uint16_t* k
                                          static_cast<int>(s.window)))
                                    : _mm512_set1_epi32(-1);
   const __m512 scale = _mm512_set1_ps(s.scale);
+  // raw scores to log2 units: p = 2^((S - max S) scale log2 e), one fmsub a key, no scaled S
+  const __m512 to_log2 = _mm512_set1_ps(s.scale * 1.44269504088896341f);
   for (int64_t k0 = kstart; k0 < kend; k0 += KEYS) {
-    // S^T = K Q^T for keys [k0, k0 + 32), 16 keys a pass
+    // some key masked for some row: past the diagonal or S, or before a window
+    const bool edge = k0 + KEYS > first || k0 + KEYS > s.S || (s.window > 0 &&
+                                                                k0 <= first + 15 - s.window);
+    __mmask16 vis[KEYS];
+    for (int j = 0; j < KEYS; ++j) vis[j] = edge ? visible(k0 + j, s.S, pos, low) : 0xFFFF;
+    // S^T = K Q^T for keys [k0, k0 + 32), 16 keys a pass, unscaled; the rows' running max
+    // taken from the registers
+    __m512 mx = m;
     for (int half = 0; half < 2; ++half) {
       __m512 acc[16];
       for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
@@ -283,36 +317,36 @@ AVX512_BF16 void item_avx512(uint16_t* out, const uint16_t* q, const uint16_t* k
         for (int j = 0; j < 16; ++j)
           acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(kk[j * DP + p]), qv);
       }
-      for (int j = 0; j < 16; ++j)
-        _mm512_store_ps(sbuf + 16 * (16 * half + j), _mm512_mul_ps(acc[j], scale));
+      for (int j = 0; j < 16; ++j) {
+        mx = _mm512_mask_max_ps(mx, vis[16 * half + j], mx, acc[j]);
+        _mm512_store_ps(sbuf + 16 * (16 * half + j), acc[j]);
+      }
     }
-    // some key masked for some row: past the diagonal or S, or before a window
-    const bool edge = k0 + KEYS > first || k0 + KEYS > s.S || (s.window > 0 &&
-                                                                k0 <= first + 15 - s.window);
-    __mmask16 vis[KEYS];
-    __m512 mx = m;
-    for (int j = 0; j < KEYS; ++j) {
-      vis[j] = 0xFFFF;
-      if (edge) vis[j] = visible(k0 + j, s.S, pos, low);
-      mx = _mm512_mask_max_ps(mx, vis[j], mx, _mm512_load_ps(sbuf + 16 * j));
-    }
-    const __m512 alpha = raypd_simd::exp_nonpositive(_mm512_sub_ps(m, mx));
+    // alpha is exactly 1 where no row's max moved (most steps past the first few): O^T is
+    // then left as it is
+    const bool moved = _mm512_cmp_ps_mask(mx, m, _CMP_NEQ_OQ) != 0;
+    const __m512 alpha = raypd_simd::exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(m, mx), scale));
     l = _mm512_mul_ps(l, alpha);
     m = mx;
+    const __m512 mxc = _mm512_mul_ps(mx, to_log2);
     __m512bh pp[KEYS / 2];   // P^T as key pairs: lane 2r + i = row r's p of key 2 jp + i
     for (int jp = 0; jp < KEYS / 2; ++jp) {
       const int j = 2 * jp;
       const __m512 p0 = _mm512_maskz_mov_ps(
-          vis[j], exp_bf16(_mm512_sub_ps(_mm512_load_ps(sbuf + 16 * j), mx)));
+          vis[j], exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(sbuf + 16 * j), to_log2, mxc)));
       const __m512 p1 = _mm512_maskz_mov_ps(
-          vis[j + 1], exp_bf16(_mm512_sub_ps(_mm512_load_ps(sbuf + 16 * j + 16), mx)));
+          vis[j + 1],
+          exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(sbuf + 16 * j + 16), to_log2, mxc)));
       l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
       pp[jp] = (__m512bh)interleave_bf16(p0, p1);
     }
     // O^T[d] = alpha O^T[d] + sum over key pairs of P^T pair x (V[2 jp, d], V[2 jp + 1, d])
     for (int64_t d0 = 0; d0 < D; d0 += COLS) {
       __m512 o[COLS];
-      for (int c = 0; c < COLS; ++c) o[c] = _mm512_mul_ps(_mm512_load_ps(ot + 16 * (d0 + c)), alpha);
+      for (int c = 0; c < COLS; ++c) {
+        o[c] = _mm512_load_ps(ot + 16 * (d0 + c));
+        if (moved) o[c] = _mm512_mul_ps(o[c], alpha);
+      }
       for (int jp = 0; jp < KEYS / 2; ++jp)
         for (int c = 0; c < COLS; ++c) {
           const int32_t pair =
