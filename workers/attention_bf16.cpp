@@ -84,11 +84,10 @@ void pack_v(uint16_t* vt, const uint16_t* v, const Shape& s, int64_t h, int64_t 
   std::fill(dst + s.S, dst + s.spad, uint16_t{0});
 }
 
-// e^x for x <= 0 to about 1e-4 relative (what probabilities rounded to bf16, 2^-8, need):
-// 2^n * 2^f, |f| <= 1/2, 2^f by a cubic; very negative x gives 0
-AVX512_BF16 inline __m512 exp_bf16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)),
-                                 _mm512_set1_ps(1.44269504088896341f));
+// 2^t for t <= 0 to about 1e-4 relative (what probabilities rounded to bf16, 2^-8, need):
+// 2^n * 2^f, |f| <= 1/2, 2^f by a cubic; very negative t gives 0 (the AVX512-BF16 path's
+// scores come in log2 units)
+AVX512_BF16 inline __m512 exp2_bf16(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0555041f), f, _mm512_set1_ps(0.2402265f));
@@ -97,15 +96,10 @@ AVX512_BF16 inline __m512 exp_bf16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 2^t for t <= 0 the same way (the AVX512-BF16 path's scores come in log2 units); very
-// negative t gives 0
-AVX512_BF16 inline __m512 exp2_bf16(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0555041f), f, _mm512_set1_ps(0.2402265f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931472f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+// e^x for x <= 0, the same way
+AVX512_BF16 inline __m512 exp_bf16(__m512 x) {
+  return exp2_bf16(_mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)),
+                                 _mm512_set1_ps(1.44269504088896341f)));
 }
 
 // lanes of bf16 pairs: lane 2r = a[r], lane 2r + 1 = b[r] (a, b: 16 floats each)
