@@ -69,6 +69,7 @@ class EngineSection:
     max_num_seqs: int = _opt(64, min=1)
     enable_prefix_caching: bool = True
     threads_per_worker: int = _opt(1, min=1)   # torch threads in each worker actor
+    share_idle_threads: bool = True            # ... plus idle workers' on the same machine
     model_impl: str = _opt("auto", choices=("auto", "compact", "stock"))  # see workers/llama.py
     max_loras: int = _opt(4, min=1)            # LoRA adapters resident per worker (then LRU)
     device: str = _opt("auto", choices=("auto", "cpu", "cuda"))   # auto: cuda if the worker
@@ -195,6 +196,7 @@ class RaypdConfig:
                         num_decode=w.decode.count, transport_cfg=dict(self.transfer.options),
                         lease_s=self.transfer.lease_s,
                         threads_per_actor=self.engine.threads_per_worker,
+                        share_idle_threads=self.engine.share_idle_threads,
                         prefill_resources=dict(w.prefill.resources),
                         decode_resources=dict(w.decode.resources), num_gpus_per_worker=w.num_gpus,
                         max_restarts=w.max_restarts, flow=self.flow_config(),

@@ -34,6 +34,7 @@ class PDConfig:
     transport_cfg: dict = field(default_factory=dict)
     lease_s: float = 30.0
     threads_per_actor: int = 1            # torch threads in each worker
+    share_idle_threads: bool = True       # ... plus those of idle workers on the same machine
     prefill_resources: dict = field(default_factory=dict)   # e.g. {"prefill": 1}
     decode_resources: dict = field(default_factory=dict)    # e.g. {"decode": 1}
     num_gpus_per_worker: float = 0.0
@@ -65,7 +66,8 @@ class PDCluster:
         self.cfg = cfg
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
-        engine = {**cfg.engine, "num_threads": cfg.threads_per_actor}
+        engine = {**cfg.engine, "num_threads": cfg.threads_per_actor,
+                  "share_idle_threads": cfg.share_idle_threads}
         common = dict(num_cpus=0, max_concurrency=256, num_gpus=cfg.num_gpus_per_worker,
                       max_restarts=cfg.max_restarts, max_task_retries=0)
         transport_cfg = dict(cfg.transport_cfg)

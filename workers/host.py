@@ -33,6 +33,7 @@ from protocol.step_rates import StepRates
 from workers.device import serial_openmp_here
 from workers.engine import EngineConfig, LLMEngine, StepOutput
 from workers.metrics import WorkerMetrics
+from workers.thread_share import ThreadShare
 
 DONE = object()   # the last item of a request's output queue
 
@@ -82,8 +83,14 @@ class EngineHost:
             serial_openmp_here()
         # in an actor the loop thread sets the torch threads (its own team); elsewhere as given
         self._loop_threads = engine_cfg.get("num_threads") if in_actor else None
+        engine_cfg = dict(engine_cfg)
+        share = engine_cfg.pop("share_idle_threads", False)
         cfg = EngineConfig(**({**engine_cfg, "num_threads": None} if in_actor else engine_cfg))
         self.worker_id = worker_id
+        # in an actor: the threads of idle raypd workers on this machine too (thread_share.py)
+        self._threads = ThreadShare(worker_id, self._loop_threads) \
+            if share and self._loop_threads else None
+        self.step_threads: int | None = None    # the torch threads of the last step (sharing)
         self.engine = LLMEngine(cfg)
         self.transport_name = transport
         self._transport_cfg = {"worker_id": worker_id, **(transport_cfg or {})}
@@ -139,7 +146,14 @@ class EngineHost:
                     self._publish()
                     if not self.engine.has_unfinished():
                         self._work.clear()
+                        if self._threads is not None:
+                            self._threads.set_busy(False)
                         continue
+                    if self._threads is not None:
+                        self._threads.set_busy(True)
+                        if (n := self._threads.threads()) != self.step_threads:
+                            torch.set_num_threads(n)
+                            self.step_threads = n
                     self._step_started = time.monotonic()
                     before = step_snapshot(self.engine)
                     try:
@@ -160,6 +174,8 @@ class EngineHost:
                     self._publish()
                 for out in outputs:
                     self._deliver(out)
+            if self._threads is not None:
+                self._threads.close()
         except BaseException as e:   # noqa: BLE001 - the loop is gone: let Ray restart us
             self._loop_error = f"{type(e).__name__}: {e}"
             print(f"{self.worker_id}: engine loop failed ({self._loop_error}); exiting so "
