@@ -46,7 +46,14 @@ def test_generate_runs_without_ray_or_the_http_stack():
 def test_bench_engine_runs_without_ray_or_the_http_stack():
     proc = run_blocked("bench", "engine", "--model", "tiny", "--quick", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout)["model"] == "tiny"
+    out = json.loads(proc.stdout)
+    assert out["model"] == "tiny"
+    # the decode steps' floor: the larger of the read and the arithmetic (16 rows: 16x the
+    # arithmetic of one at the same context)
+    for b in (1, 16):
+        assert out[f"decode_roofline_ms_b{b}"] == max(out[f"decode_bound_ms_b{b}"],
+                                                      out[f"decode_compute_bound_ms_b{b}"])
+    assert abs(out["decode_compute_bound_ms_b16"] / out["decode_compute_bound_ms_b1"] - 16) < 1e-6
 
 
 def test_every_command_is_listed_without_ray():

@@ -13,8 +13,9 @@ warmed up; every figure is the median of `repeats` runs. Fairness rules:
   with requests spread round-robin over the base model and the adapters against the same batch
   on an engine without adapters (`lora_throughput_ratio` = base-only time / mixed time).
 Physical scale: `decode_bound_ms` is what reading the weights and the batch's KV once at the
-memory bandwidth measured here takes; `prefill_gflops` is set against `matmul_peak_gflops`, the
-engine's own linear at a large shape.
+memory bandwidth measured here takes; `decode_compute_bound_ms` the step's arithmetic at
+`matmul_peak_gflops` and `decode_roofline_ms` the larger of the two (the step's floor);
+`prefill_gflops` is set against `matmul_peak_gflops`, the engine's own linear at a large shape.
 
 `--device` runs both sides on that device (generate() gets the stock model moved there). A
 random-weight model of a real shape (`--model random:llama3-8b`) has no answers to compare:
@@ -533,6 +534,16 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
         out["hf_prefill_tok_s"][str(n)] = n / t_hf
         out["prefill_gflops"][str(n)] = flops / t_eng / 1e9
     out["matmul_peak_gflops"] = _matmul_peak_gflops(hf_model.dtype, dev)
+    # the arithmetic floor of the decode steps above: every row's matmuls (the head too: each
+    # decode row samples) and its attention, at the matmul peak. With few cores this, not the
+    # read, is the larger at batch 16; the roofline is the larger of the two
+    layer_params = sum(p.numel() for name, p in hf_model.named_parameters() if ".layers." in name)
+    for b in (1, 16):
+        row = 2 * (layer_params + info.vocab_size * info.hidden_size) \
+            + 4 * info.num_layers * info.num_heads * info.head_dim * (plen + new / 2)
+        compute_ms = 1e3 * b * row / (out["matmul_peak_gflops"] * 1e9)
+        out[f"decode_compute_bound_ms_b{b}"] = compute_ms
+        out[f"decode_roofline_ms_b{b}"] = max(compute_ms, out[f"decode_bound_ms_b{b}"])
 
     # ---- mixed lengths: every request stops at its own length on both sides -----------------
     mixed = [(prompt(rng.randint(lo_p, hi_p)), rng.randint(lo_o, hi_o)) for _ in range(n_mixed)]
