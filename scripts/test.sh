@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (first run only), then the whole test suite. Extra arguments go to pytest.
-#   scripts/test.sh          everything (~16 min on this 2-core VM): unit, integration (Ray
+#   scripts/test.sh          everything (~12 min on this 2-core VM): unit, integration (Ray
 #                            actors, servers), e2e (bench smoke runs, chaos, `ray up` smoke),
 #                            SmolLM2 checks
 #   scripts/test.sh --fast   the inner loop (~2 min): no Ray actors or servers, no e2e runs,
