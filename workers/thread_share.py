@@ -10,8 +10,8 @@ more than the CPUs it may run on. So the threads in use stay within what the liv
 reserved, give or take the one step that is running when a peer turns busy.
 
 A slot whose process is gone (its pid and start time no longer name a live process) is ignored
-and removed. Workers of other raypd clusters on the
-same machine share the folder: they compete for the same cores.
+and removed. Workers of other raypd clusters on the same machine share the folder: they compete
+for the same cores.
 
 Invariant: `threads()` is within [own, max(own, cpus)].
 """
@@ -26,6 +26,7 @@ from pathlib import Path
 
 SLOT = struct.Struct("<iiiq")    # pid, own threads, busy (0/1), the process's start time
 RESCAN_S = 1.0                   # how often the folder is listed again for new / gone peers
+HAVE_PROC = Path("/proc/self/stat").exists()   # start times readable (else pids alone)
 
 
 def default_dir() -> Path:
@@ -44,7 +45,7 @@ def start_time(pid: int) -> int:
 
 
 def _alive(pid: int, started: int) -> bool:
-    if Path("/proc/self/stat").exists():
+    if HAVE_PROC:
         return start_time(pid) == started
     try:
         os.kill(pid, 0)
@@ -111,8 +112,8 @@ class ThreadShare:
         """Threads for this worker's next step (call with it marked busy)."""
         peers = self.peers()
         idle = sum(own for own, busy in peers if not busy)
-        busy = self.own + sum(own for own, b in peers if b)
-        n = self.own + idle * self.own // busy
+        busy_own = self.own + sum(own for own, busy in peers if busy)
+        n = self.own + idle * self.own // busy_own
         return max(self.own, min(n, self.cpus))
 
     def close(self) -> None:
