@@ -11,9 +11,13 @@
 # (workers.prefill.count: 0, one decode worker, engine.threads_per_worker: 2) and llama.cpp
 # (2 threads). Each server gets a warm-up run, then each of its workloads RUNS times (3; 1 with
 # --quick) with `vllm bench serve`. Every run (and the warm-up) sends prompts no earlier run
-# sent, the same ones to every server: run r has seed r + 1 (the warm-up 0) and its own text
-# files, so a run never hits the prefix cache an earlier run filled (only what it shares within
-# itself, as the prefix workloads intend):
+# sent, the same ones to every server: run r of the w-th workload below has seed
+# 1000 w + r + 1 (the warm-up 0) and its own text files, so a run never hits the prefix cache
+# an earlier run filled (only what it shares within itself, as the prefix workloads intend).
+# Seeds must differ across workloads too: vLLM's random dataset draws a prompt's start from the
+# seed alone, so 512- and 1,024-token prompts of one seed share their first 512 tokens. Each
+# run's prompt tokens and prefix-cache hits are read from the server's /metrics before and
+# after it (vLLM's and raypd's counters), and OUT.json reports the cached fraction:
 #   single_stream_text     text prompts of 390-540 tokens (scripts/bench_vs_vllm.py data), 64
 #                          out, concurrency 1; llama.cpp joins here only (text prompts, one
 #                          request at a time; it has no ignore_eos: its outputs may end early)
@@ -82,34 +86,40 @@ wait_healthy() {   # port, seconds, log
   echo "server not healthy after $2 s; log: $3" >&2; tail -n 30 "$3" >&2; return 1
 }
 
-client() {   # label, port, name, backend, args, result file, run (warmup, 0, 1, ...)
+metrics() {   # port, file: the server's Prometheus text (empty where it has none)
+  curl -sf --max-time 10 "http://127.0.0.1:$1/metrics" > "$2" 2>/dev/null || : > "$2"
+}
+
+client() {   # label, port, name, backend, args, result file, run (warmup, 0, 1, ...), workload index
   local ids=() seed=0 args=${5//RUN/$7}
-  [ "$7" = warmup ] || seed=$(($7 + 1))
+  [ "$7" = warmup ] || seed=$((1000 * $8 + $7 + 1))
   # llama-cpp-python's server answers 400 unless an x-request-id header is a UUID; vLLM's
   # client sends prefix + index: a UUID prefix one digit short (indices 0-9: N1 <= 10)
   [ "$1" = llamacpp ] && ids=(--request-id-prefix 00000000-0000-4000-8000-00000000000)
+  metrics "$2" "$WORK/${6%.json}.metrics.before"
   # shellcheck disable=SC2086
   HF_HUB_OFFLINE=1 "$VENV/bin/vllm" bench serve "${ids[@]}" --backend $4 --base-url "http://127.0.0.1:$2" \
     --model "$HF_DIR" --tokenizer "$HF_DIR" --served-model-name "$SERVED" --seed "$seed" --ignore-eos \
     --request-rate inf $args --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
     --save-result --result-dir "$WORK" --result-filename "$6" > "$WORK/${6%.json}.log" 2>&1 \
     || { echo "client failed: $WORK/${6%.json}.log" >&2; tail -n 20 "$WORK/${6%.json}.log" >&2; }
+  metrics "$2" "$WORK/${6%.json}.metrics.after"
 }
 
 drive() {   # label, port: a warm-up run, then each of the label's workloads RUNS times
-  local label=$1 port=$2 w name servers rest backend args r
-  for w in "${WORKLOADS[@]}"; do
-    name=${w%%|*}; rest=${w#*|}; servers=${rest%%|*}; rest=${rest#*|}
+  local label=$1 port=$2 i w name servers rest backend args r
+  for i in "${!WORKLOADS[@]}"; do
+    w=${WORKLOADS[$i]}; name=${w%%|*}; rest=${w#*|}; servers=${rest%%|*}; rest=${rest#*|}
     backend=${rest%%|*}; args=${rest#*|}
     [[ ",$servers," == *",$label,"* ]] || continue
     if [ -z "${WARMED:-}" ]; then
       echo "bench-vs-vllm: $label / warm-up" >&2
-      client "$label" "$port" "$name" "$backend" "${args/--num-prompts $N1/--num-prompts 2}" "$label.warmup.json" warmup
+      client "$label" "$port" "$name" "$backend" "${args/--num-prompts $N1/--num-prompts 2}" "$label.warmup.json" warmup "$i"
       WARMED=1
     fi
     for r in $(seq 0 $((RUNS - 1))); do
       echo "bench-vs-vllm: $label / $name / run $r" >&2
-      client "$label" "$port" "$name" "$backend" "$args" "$label.$name.$r.json" "$r"
+      client "$label" "$port" "$name" "$backend" "$args" "$label.$name.$r.json" "$r" "$i"
     done
   done
   WARMED=

@@ -9,7 +9,9 @@
       run never hits what an earlier run left in a server's prefix cache
   python scripts/bench_vs_vllm.py summarize WORK OUT.json RUNS WORKLOAD...
       medians and spread over RUNS runs of every (server, workload), ratios raypd / vLLM,
-      failed requests, and each target of issue 29 met or not
+      failed requests, each run's prompt tokens served from the server's prefix cache
+      (`prompt_cached_fraction`, from its /metrics before and after the run; null where the
+      server exports no such counters), and each target of issue 29 met or not
 """
 
 from __future__ import annotations
@@ -26,7 +28,38 @@ SERVERS = ("vllm", "default", "colocated", "llamacpp")
 KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
         "request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
         "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
-FIGURES = ("output_throughput", "median_ttft_ms", "p99_tpot_ms", "median_tpot_ms")
+FIGURES = ("output_throughput", "median_ttft_ms", "p99_tpot_ms", "median_tpot_ms",
+           "prompt_cached_fraction")
+# Prometheus counters of prompt tokens and of those a prefix cache served: vLLM's, raypd's
+PROMPT_COUNTERS = ("vllm:prompt_tokens_total", "raypd_prompt_tokens_total")
+CACHED_COUNTERS = ("vllm:prompt_tokens_cached_total", "raypd_cached_prompt_tokens_total")
+
+
+def counter_sum(text: str, names: tuple[str, ...]) -> float | None:
+    """Sum of every sample of the named counters in a Prometheus text page (all label sets);
+    None when none of them is there."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        metric = line.split("{", 1)[0].split(" ", 1)[0]
+        if metric in names:
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return total if seen else None
+
+
+def cached_fraction(before: str, after: str) -> float | None:
+    """Prompt tokens served from the prefix cache / prompt tokens, between two scrapes."""
+    p0, p1 = counter_sum(before, PROMPT_COUNTERS), counter_sum(after, PROMPT_COUNTERS)
+    c0, c1 = counter_sum(before, CACHED_COUNTERS), counter_sum(after, CACHED_COUNTERS)
+    if None in (p0, p1, c0, c1) or p1 - p0 <= 0:
+        return None
+    return (c1 - c0) / (p1 - p0)
+
+
+def _read(path: str) -> str:
+    return open(path).read() if os.path.exists(path) else ""
 
 
 def _stdlib_text() -> list[str]:
@@ -94,7 +127,11 @@ def _load(work: str, server: str, name: str, runs: int) -> list[dict] | None:
         p = os.path.join(work, f"{server}.{name}.{r}.json")
         if os.path.exists(p):
             d = json.load(open(p))
-            out.append({k: d.get(k) for k in KEEP})
+            run = {k: d.get(k) for k in KEEP}
+            stem = p[:-len(".json")]
+            run["prompt_cached_fraction"] = cached_fraction(_read(stem + ".metrics.before"),
+                                                            _read(stem + ".metrics.after"))
+            out.append(run)
         else:
             out.append({"missing": True, "failed": None})
     return out if any("missing" not in x for x in out) else None
