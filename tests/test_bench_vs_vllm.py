@@ -53,3 +53,39 @@ def test_summary_reports_each_runs_cached_fraction_and_their_median(tmp_path):
     s = json.load(open(out))["workloads"]["random_x"]["servers"]["vllm"]
     assert [r["prompt_cached_fraction"] for r in s["per_run"]] == [0.5, None]
     assert s["prompt_cached_fraction"] == 0.5
+
+
+def _one_run(work, server, name, before, after):
+    run = {"completed": 4, "failed": 0, "output_throughput": 10.0, "median_ttft_ms": 1.0,
+           "p99_tpot_ms": 2.0, "median_tpot_ms": 1.5}
+    json.dump(run, open(work / f"{server}.{name}.0.json", "w"))
+    (work / f"{server}.{name}.0.metrics.before").write_text(before)
+    (work / f"{server}.{name}.0.metrics.after").write_text(after)
+
+
+def test_prefix_hits_in_a_workload_not_built_for_reuse_miss_its_targets(tmp_path):
+    """Half of a random workload's prompts from cache (once: seeds shared across workloads)
+    means the figures are not the workload's: every one of its targets counts as missed."""
+    table = []
+    for name in ("random_x", "prefix_repetition_c8"):
+        for server in ("vllm", "default", "colocated"):
+            hit = server == "vllm"
+            _one_run(tmp_path, server, name, VLLM_BEFORE if hit else RAYPD_BEFORE,
+                     VLLM_AFTER if hit else RAYPD_BEFORE.replace("2048", "3048"))
+        table.append(f"{name}|vllm,default,colocated|vllm|--dataset-name random")
+    out = bvv.summarize(str(tmp_path), str(tmp_path / "out.json"), 1, table)
+    rnd, rep = out["targets_met"]["random_x"], out["targets_met"]["prefix_repetition_c8"]
+    assert out["workloads"]["random_x"]["prompt_cached_fraction_max"] == 0.5
+    assert rnd["no_accidental_prefix_hits"] is False and not any(rnd.values())
+    assert "no_accidental_prefix_hits" not in rep        # built to reuse: hits are the point
+    assert rep["default_output_tok_s_ratio>=0.9"] and rep["no_failed_requests"]
+
+
+def test_a_random_workload_without_prefix_hits_keeps_its_targets(tmp_path):
+    for server in ("vllm", "default", "colocated"):
+        _one_run(tmp_path, server, "random_x", RAYPD_BEFORE,
+                 RAYPD_BEFORE.replace("2048", "3048"))
+    out = bvv.summarize(str(tmp_path), str(tmp_path / "out.json"), 1,
+                        ["random_x|vllm,default,colocated|vllm|--dataset-name random"])
+    t = out["targets_met"]["random_x"]
+    assert t["no_accidental_prefix_hits"] and t["default_output_tok_s_ratio>=0.9"]
