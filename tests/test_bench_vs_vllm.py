@@ -89,3 +89,15 @@ def test_a_random_workload_without_prefix_hits_keeps_its_targets(tmp_path):
                         ["random_x|vllm,default,colocated|vllm|--dataset-name random"])
     t = out["targets_met"]["random_x"]
     assert t["no_accidental_prefix_hits"] and t["default_output_tok_s_ratio>=0.9"]
+
+
+def test_a_run_whose_counters_were_not_read_is_not_taken_for_clean(tmp_path):
+    """No fraction for a raypd run (its /metrics unreadable, or a counter renamed) is unknown,
+    not zero: the guard must not pass a run it could not check."""
+    for server in ("vllm", "default"):
+        _one_run(tmp_path, server, "random_x", RAYPD_BEFORE,
+                 RAYPD_BEFORE.replace("2048", "3048"))
+    _one_run(tmp_path, "colocated", "random_x", "", "")
+    out = bvv.summarize(str(tmp_path), str(tmp_path / "out.json"), 1,
+                        ["random_x|vllm,default,colocated|vllm|--dataset-name random"])
+    assert out["targets_met"]["random_x"]["no_accidental_prefix_hits"] is False
