@@ -44,16 +44,14 @@ MAX_ACCIDENTAL_CACHED = 0.02
 
 def counter_sum(text: str, names: tuple[str, ...]) -> float | None:
     """Sum of every sample of the named counters in a Prometheus text page (all label sets);
-    None when none of them is there."""
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        metric = line.split("{", 1)[0].split(" ", 1)[0]
-        if metric in names:
-            total += float(line.rsplit(" ", 1)[1])
-            seen = True
-    return total if seen else None
+    None when none of them is there, or the page does not parse."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        values = [s.value for fam in text_string_to_metric_families(text)
+                  for s in fam.samples if s.name in names]
+    except ValueError:
+        return None
+    return sum(values) if values else None
 
 
 def cached_fraction(before: str, after: str) -> float | None:
