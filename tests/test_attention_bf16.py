@@ -156,3 +156,18 @@ def test_a_table_that_does_not_cover_the_context_is_refused(path):
     bad[1] = k_pool.shape[0]
     with pytest.raises(ValueError, match="outside the pool"):
         kernels.prefill_attention_bf16(q, k_pool, v_pool, 1.0, None, bad, 32)
+
+
+def test_a_short_context_after_a_long_one_reads_none_of_its_keys(path):
+    """The packed K and V live in a buffer kept from call to call and never zeroed: a short
+    context after a long one whose keys and values were NaN must see none of them (its padding
+    past S is written, not left over: a masked key's weight 0 times a stale NaN is NaN). A
+    context too long to keep a buffer for (over 64 MB packed: 8 KV heads x 128 x 17,000 keys)
+    gets one of its own, after which the kept one serves again."""
+    scale = 1 / math.sqrt(128)
+    q, k, v = _inputs(40, 900, 4, 2, 128, 1)
+    kernels.prefill_attention_bf16(q, k.fill_(float("nan")), v.fill_(float("nan")), scale)
+    for tq, prefix, h_kv, seed in [(3, 5, 2, 2), (2, 17_000, 8, 3), (17, 30, 2, 4), (1, 0, 2, 5)]:
+        q, k, v = _inputs(tq, prefix, 2 * h_kv, h_kv, 128, seed)
+        got = kernels.prefill_attention_bf16(q, k, v, scale)
+        _close(got, attention_reference(q, k, v, scale), q)
