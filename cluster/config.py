@@ -117,7 +117,7 @@ class RouterSection:
     admit_timeout_s: float = _opt(120.0, gt=0)  # wait for decode capacity, then 429
     request_timeout_s: float = _opt(600.0, gt=0)
     max_retries: int = _opt(2, min=0)           # re-runs of a request whose worker died
-    report_interval_s: float = _opt(0.1, gt=0)  # the router polls every worker's load this often
+    report_interval_s: float = _opt(0.1, gt=0)  # the router reads every worker's load this often
     health_timeout_s: float = _opt(10.0, gt=0)  # a worker whose report takes longer: unhealthy
     hang_timeout_s: float = _opt(300.0, gt=0)   # an engine step running longer: unhealthy
     migrate_on_kv_pressure: bool = False        # move a running decode off a full decode worker

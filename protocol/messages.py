@@ -278,6 +278,8 @@ class StepDeltas:
 
     worker_id: str
     deltas: tuple[RequestDelta, ...]
+    report: LoadReport | None = None   # the worker's load report, pushed with the stream
+    # (at most one per `report_every_s` the reader asked for: router/streams.py)
 
 
 @dataclass(frozen=True)
@@ -357,4 +359,6 @@ class LoadReport:
     events: tuple[KVEvent, ...] = ()   # KV events since the last report
     released: tuple[HoldRelease, ...] = field(default=())   # handoff holds let go since then
     reported_at: float = 0.0           # worker clock when the snapshot was taken
+    seq: int = 0                       # the worker's count of reports made (polled or pushed):
+    # a report with a lower seq than one already applied is older (its load is stale)
     age_s: float = 0.0                 # how old the snapshot was when the report was made

@@ -3,17 +3,25 @@ what each last reported.
 
 A reporter thread polls every worker's `load_report` (KV events, load, handoff holds released)
 every `report_interval_s`: the events go into the prefix index, the load into the worker's
-WorkerState (what the policies see), the releases to `on_released`. A worker whose report does
-not come back within `health_timeout_s`, or whose engine step has run longer than
-`hang_timeout_s`, is unhealthy: it gets no new requests and its prefix-index entries are
-dropped, until it answers again. A worker whose incarnation changed was restarted by Ray: its
-memory is gone (`on_restarted`). Membership changes (scale out, drain, remove) are here too.
+WorkerState (what the policies see), the releases to `on_released`. A decode worker whose delta
+stream is read pushes the same report on it instead (`apply_pushed`; router/streams.py), at
+most one per interval while it steps and one a second while idle, and is not polled while its
+last push is under PUSHED_FRESH_S old: a poll costs a Ray call on both sides (~1 ms of CPU on a
+2-core machine, every interval). Reports are ordered by `seq`: an older one that arrives after
+a newer one (a poll crossing a push) gives its events and releases, not its load.
+
+A worker whose report does not come back within `health_timeout_s`, or whose engine step has
+run longer than `hang_timeout_s`, is unhealthy: it gets no new requests and its prefix-index
+entries are dropped, until it answers again. A worker whose incarnation changed was restarted
+by Ray: its memory is gone (`on_restarted`). Membership changes (scale out, drain, remove) are
+here too.
 
 Torch-free; thread-safe (one lock for membership and states, one refresh at a time).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +36,8 @@ from router.prefix_index import ApproxPrefixIndex, PrefixIndex
 from router.worker_view import REPORT_INTERVAL_S, apply_load_report
 
 ROLES = ("prefill", "decode")
+PUSHED_FRESH_S = 1.5    # a worker that pushed a report this recently is not polled (its
+#                         stream pushes at least once a second: DecodeHost.deltas' wait_s)
 
 
 class Fleet:
@@ -54,6 +64,8 @@ class Fleet:
         self.draining: set[str] = set()          # worker ids: no new requests (scale-in)
         self.unhealthy: set[str] = set()         # worker ids that failed their last report
         self._incarnation: dict[str, str] = {}   # worker id -> incarnation last reported
+        self._seq: dict[str, int] = {}           # worker id -> seq of the newest report applied
+        self._pushed_at: dict[str, float] = {}   # worker id -> monotonic time of its last push
         self.lock = threading.RLock()            # membership, states, index (reentrant: a
         # prefill choice holds it across the local-prefill check and the policy's pick)
         self._refresh_lock = threading.Lock()    # one refresh at a time (the loop's, a drain's)
@@ -136,6 +148,8 @@ class Fleet:
                 if w in group:
                     group.remove(w)
             self.state.pop(worker_id, None)
+            self._seq.pop(worker_id, None)
+            self._pushed_at.pop(worker_id, None)
             self.draining.discard(worker_id)
             self.unhealthy.discard(worker_id)
             self.index.remove_worker(worker_id)
@@ -152,11 +166,15 @@ class Fleet:
             self._refresh()
 
     def _refresh(self) -> None:
-        with self.lock:
-            workers = list(self._id)
         # a report that did not come back in time is still on its way, carrying KV events
         # and hold releases the worker has handed over: wait for that one, never drop it
         pending = self._report_refs
+        now = time.monotonic()
+        with self.lock:
+            workers = [w for w, wid in self._id.items() if w in pending or
+                       now - self._pushed_at.get(wid, -math.inf) >= PUSHED_FRESH_S]
+        if not workers:
+            return
         refs = {pending[w] if w in pending else w.load_report.remote(): w for w in workers}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.health_timeout_s)
         reports, failed = [], [w for r, w in refs.items() if r not in ready]
@@ -175,6 +193,19 @@ class Fleet:
             for rep in reports:
                 self._apply_report(rep)
 
+    def apply_pushed(self, rep: LoadReport) -> None:
+        """A report a worker pushed on its delta stream (the reader thread calls this)."""
+        with self.lock:
+            if rep.worker_id not in self._by_id:     # removed meanwhile
+                return
+            self._pushed_at[rep.worker_id] = time.monotonic()
+            self._apply_report(rep)
+
+    def stream_lost(self, worker_id: str) -> None:
+        """A worker's delta stream broke: poll it again from the next refresh on."""
+        with self.lock:
+            self._pushed_at.pop(worker_id, None)
+
     def _apply_report(self, rep: LoadReport) -> None:
         """Under the lock: one worker's report into the index, its state and the ledger."""
         wid = rep.worker_id
@@ -182,12 +213,18 @@ class Fleet:
             self._on_released(wid, rep.released)
         if self._incarnation.setdefault(wid, rep.incarnation) != rep.incarnation:
             self._incarnation[wid] = rep.incarnation      # restarted: its memory is gone
+            self._seq.pop(wid, None)                      # and its count starts again
             self._on_restarted(wid)
+        stale = rep.seq < self._seq.get(wid, 0)   # a newer report was applied already
+        if not stale:
+            self._seq[wid] = rep.seq
         if wid not in self.state:         # removed meanwhile
             return
-        self.timeline.record(self.role_of(wid), rep)
         if isinstance(self.index, PrefixIndex):
             self.index.apply(wid, rep.events)
+        if stale:                         # its events count; its load is older than ours
+            return
+        self.timeline.record(self.role_of(wid), rep)
         if rep.busy_for_s > self.hang_timeout_s:   # alive, but its engine is stuck
             self.unhealthy.add(wid)
             self.state[wid].draining = True

@@ -187,7 +187,10 @@ class Orchestrator:
                            on_released=self._worker_released,
                            on_restarted=self._worker_restarted)
         self.releases = HandoffReleases(self.ledger, self.fleet.worker_id)
-        self.streams = DeltaStreams(lambda wid: wid in self.fleet.state)   # tokens from D
+        self.streams = DeltaStreams(lambda wid: wid in self.fleet.state,   # tokens from D,
+                                    on_report=self.fleet.apply_pushed,    # and its load
+                                    report_every_s=cfg.report_interval_s,
+                                    on_lost=self.fleet.stream_lost)
         self.fleet.start()
         self._stop = threading.Event()
         if cfg.migrate_on_kv_pressure:

@@ -6,11 +6,13 @@ waits on Ray for its tokens.
 
 A worker that dies ends every inbox it feeds with `WorkerGone` (the request's attempt fails and
 is retried elsewhere); the reader subscribes again once the worker is back (Ray restarts it), or
-stops when the worker left the fleet.
+stops when the worker left the fleet. The stream also carries the worker's load report (at
+most one per report interval), which the fleet takes instead of calling the worker for it.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -18,9 +20,10 @@ from typing import Any
 
 import ray
 
-from protocol.messages import RequestDelta
+from protocol.messages import LoadReport, RequestDelta
 
 RESUBSCRIBE_S = 0.5     # between tries to read a restarting worker's stream again
+log = logging.getLogger(__name__)
 
 
 class WorkerGone:
@@ -31,8 +34,17 @@ class WorkerGone:
 
 
 class DeltaStreams:
-    def __init__(self, is_member: Callable[[str], bool]) -> None:
+    def __init__(self, is_member: Callable[[str], bool],
+                 on_report: Callable[[LoadReport], None] | None = None,
+                 report_every_s: float | None = None,
+                 on_lost: Callable[[str], None] | None = None) -> None:
+        """With `on_report`, each stream carries its worker's load report at most every
+        `report_every_s` (DecodeHost.deltas), handed to `on_report` by the reader thread;
+        `on_lost(worker_id)` runs when a stream breaks, before its requests hear of it."""
         self._is_member = is_member               # worker id -> still in the fleet
+        self._on_report = on_report
+        self._on_lost = on_lost or (lambda worker_id: None)
+        self._report_every_s = report_every_s if on_report is not None else None
         self._lock = threading.Lock()
         self._inboxes: dict[tuple[str, str], queue.SimpleQueue] = {}
         self._readers: dict[str, threading.Thread] = {}
@@ -59,19 +71,29 @@ class DeltaStreams:
     def _read(self, worker: Any, worker_id: str) -> None:
         while not self._stop.is_set() and self._is_member(worker_id):
             try:
-                for ref in worker.deltas.remote():
+                for ref in worker.deltas.remote(report_every_s=self._report_every_s):
                     if self._stop.is_set():
                         return
                     batch = ray.get(ref)
+                    if batch.report is not None:
+                        self._report(batch.report)
                     with self._lock:
                         for d in batch.deltas:
                             inbox = self._inboxes.get((worker_id, d.worker_request_id))
                             if inbox is not None:
                                 inbox.put(d)
             except Exception as e:   # noqa: BLE001 - the worker died, restarts or was removed
+                self._on_lost(worker_id)     # its reports come by polls again: a retry that
+                # refreshes the fleet then sees it gone
                 self._fail_all(worker_id, f"{type(e).__name__}: {e}"[:300])
             if self._stop.wait(RESUBSCRIBE_S):
                 return
+
+    def _report(self, report: LoadReport) -> None:
+        try:
+            self._on_report(report)
+        except Exception:   # noqa: BLE001 - a report the fleet cannot take: the tokens go on
+            log.exception("load report pushed by %s not applied", report.worker_id)
 
     def _fail_all(self, worker_id: str, reason: str) -> None:
         with self._lock:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from protocol.messages import LoadReport
 from router.policies import RoutingDecision, RoutingRequest, WorkerState, cached_tokens
 
-REPORT_INTERVAL_S = 0.1     # the router polls every worker's load report this often
+REPORT_INTERVAL_S = 0.1     # the router reads every worker's load report this often (fleet.py)
 
 
 def apply_load_report(st: WorkerState, rep: LoadReport, now: float | None = None) -> None:

@@ -18,6 +18,7 @@ Detokenization runs in that stream's thread, not in the engine loop.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -348,12 +349,27 @@ class DecodeHost(EngineHost):
             out.append(RequestDelta(rid, tuple(tokens), text, done, error))
         return StepDeltas(self.worker_id, tuple(out))
 
-    def deltas(self, wait_s: float = 1.0):
+    def deltas(self, wait_s: float = 1.0, report_every_s: float | None = None):
         """The worker's delta stream (a Ray streaming generator, read by the router): a
         StepDeltas whenever requests got tokens, an empty one at least every `wait_s` (so the
-        reader learns the worker is alive)."""
+        reader learns the worker is alive). With `report_every_s`, a message also carries the
+        worker's `load_report()` when the last one it carried is that old: the router reads
+        a streaming worker's load from here instead of calling it (router/fleet.py)."""
+        assert report_every_s is None or report_every_s > 0
+        pushed, owed = -math.inf, False     # owed: steps ran since the last report pushed
         while not self._stop:
-            yield self.take_deltas(wait_s)
+            wait = wait_s if not owed else \
+                min(wait_s, max(0.0, pushed + report_every_s - time.monotonic()))
+            batch = self.take_deltas(wait)
+            if report_every_s is None:
+                yield batch
+                continue
+            if time.monotonic() - pushed >= report_every_s:   # at most one per interval,
+                pushed, owed = time.monotonic(), False          # never one owed longer
+                batch = replace(batch, report=self.load_report())
+            else:
+                owed = owed or bool(batch.deltas)
+            yield batch
 
 
 def decode_actor_class(host: type = DecodeHost, **options):

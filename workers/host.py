@@ -111,6 +111,7 @@ class EngineHost:
         self._events_out: list = []                   # KV events not yet reported
         self._released_out: list[HoldRelease] = []    # ledger releases not yet reported
         self._snapshot = LoadReport(worker_id)        # load as of the last step
+        self._report_seq = 0                          # reports made (orders them)
         self.incarnation = uuid.uuid4().hex[:8]       # a restarted actor has a new one
         self.ledger = HandoffLedger(on_release=self._note_release)
         self._step_started: float | None = None       # monotonic start of the running step
@@ -358,8 +359,10 @@ class EngineHost:
             events, self._events_out = self._events_out, []
             released, self._released_out = self._released_out, []
             snap = self._snapshot
+            self._report_seq += 1
+            seq = self._report_seq
         started, now = self._step_started, time.monotonic()
-        return replace(snap, events=tuple(events), released=tuple(released),
+        return replace(snap, events=tuple(events), released=tuple(released), seq=seq,
                        busy_for_s=now - started if started is not None else 0.0,
                        age_s=max(0.0, now - snap.reported_at))
 
