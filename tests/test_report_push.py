@@ -57,6 +57,34 @@ def test_the_delta_stream_pushes_one_report_an_interval_and_owes_none(tiny_loade
         host.shutdown()
 
 
+def test_a_long_prefill_without_tokens_still_pushes_reports(tiny_loaded):
+    """Chunked prefill: steps that bring no token still move the worker's state (queued
+    tokens, KV events), and its reports keep coming at the interval, not with the heartbeat."""
+    host = DecodeHost("decode-chunks", dict(model="tiny", num_blocks=96, block_size=16,
+                                            max_num_batched_tokens=16, device="cpu"))
+    every = 0.02
+    try:
+        prompt = [5 + (7 * i) % 200 for i in range(1200)]      # 75 chunks of 16
+        stream = host.deltas(wait_s=30.0, report_every_s=every)
+        first = next(stream)               # idle: its report, at once (none pushed before)
+        assert first.report is not None and first.report.num_requests == 0
+        adm = host.admit(RequestInput("long", prompt, SamplingParams(max_tokens=2, ignore_eos=True),
+                                      time.time() + 60), local_prefill_max_tokens=10**6)
+        assert adm.admitted and adm.local
+        before_token, deadline = [], time.monotonic() + 60
+        while time.monotonic() < deadline:
+            batch = next(stream)
+            if batch.deltas:
+                break
+            if batch.report is not None:
+                before_token.append(batch.report)
+        queued = [r.queued_tokens + r.running_tokens for r in before_token]
+        assert len(before_token) >= 2, queued             # not one heartbeat 30 s later
+        assert any(r.events for r in before_token)        # the chunks' blocks, as they land
+    finally:
+        host.shutdown()
+
+
 @ray.remote(num_cpus=0)
 class _Polled:
     """A decode worker's report surface: counts the polls."""

@@ -293,6 +293,8 @@ class DecodeHost(EngineHost):
         """Under the lock, at admission: the request's tokens will go out on the stream."""
         self._detok[req.request_id] = IncrementalDetokenizer(self.engine.tokenizer,
                                                              req.sampling.stop)
+        with self._outbox_cv:     # wakes the stream: new work, whose reports are owed
+            self._outbox_cv.notify()
 
     def _post(self, rid: str, token_ids: tuple[int, ...], ended: bool,
               error: str | None = None) -> None:
@@ -354,16 +356,20 @@ class DecodeHost(EngineHost):
         StepDeltas whenever requests got tokens, an empty one at least every `wait_s` (so the
         reader learns the worker is alive). With `report_every_s`, a message also carries the
         worker's `load_report()` when the last one it carried is that old: the router reads
-        a streaming worker's load from here instead of calling it (router/fleet.py)."""
+        a streaming worker's load from here instead of calling it (router/fleet.py). While
+        the engine has work (tokens or not: a long prompt's prefill chunks bring none), and
+        once after, a report is pushed every `report_every_s`; idle, with the heartbeat. The
+        first message carries one at once."""
         assert report_every_s is None or report_every_s > 0
-        pushed, owed = -math.inf, False     # owed: steps ran since the last report pushed
+        pushed, owed = -math.inf, True      # owed: the state may have moved since the push
         while not self._stop:
+            if report_every_s is None:
+                yield self.take_deltas(wait_s)
+                continue
+            owed = owed or self._work.is_set()    # steps to come: their state is owed too
             wait = wait_s if not owed else \
                 min(wait_s, max(0.0, pushed + report_every_s - time.monotonic()))
             batch = self.take_deltas(wait)
-            if report_every_s is None:
-                yield batch
-                continue
             if time.monotonic() - pushed >= report_every_s:   # at most one per interval,
                 pushed, owed = time.monotonic(), False          # never one owed longer
                 batch = replace(batch, report=self.load_report())
