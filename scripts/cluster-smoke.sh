@@ -96,11 +96,28 @@ read -r P_SSH P_GCS P_METRICS P_ROUTER P_CLIENT P_DASH P_AGENT_HTTP P_AGENT_GRPC
   P_PROM P_WMIN < <("$PY" - <<'EOF'
 import socket
 socks, ports = [], []
-while len(ports) < 13:
+def take(p: int) -> bool:
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p))
+    except OSError:
+        s.close()
+        return False
+    socks.append(s)
+    return True
+while len(ports) < 12:                 # one port each: the OS picks a free one
     s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]
     if p < 60000:
         socks.append(s); ports.append(p)
-print(*ports)
+# then 41 consecutive worker ports, none of them one of the twelve (Ray refuses a port that
+# two of its components name) and each free now
+for base in range(20000, 60000 - 41, 41):
+    if all(p not in ports for p in range(base, base + 41)) and \
+            all(take(p) for p in range(base, base + 41)):
+        break
+else:
+    raise SystemExit("cluster-smoke: no 41 consecutive free ports under 60000")
+print(*ports, base)
 EOF
 )
 P_WMAX=$((P_WMIN + 40))

@@ -71,15 +71,19 @@ def _clean(cluster: PDCluster) -> None:
 
 
 def _wait_restarted(cluster: PDCluster, timeout_s: float = 120.0) -> None:
-    """Until every worker answers: one that exited restarts (max_restarts), and a call that
-    reaches it meanwhile fails with ActorUnavailableError (the request may well have finished
-    before Ray has brought it back, on a slow machine)."""
+    """Until every worker answers and the router takes requests on it again: one that exited
+    restarts (max_restarts), and a call that reaches it meanwhile fails with
+    ActorUnavailableError (the request may well have finished before Ray has brought it back,
+    on a slow machine); the router marks it healthy at its next report after that, and until
+    then a move there is refused ("unplaced")."""
+    fleet = cluster.orchestrator.fleet
+
     def answers() -> bool:
         try:
             ray.get([w.check_invariants.remote() for w in cluster.workers])
-            return True
         except ray.exceptions.ActorUnavailableError:
             return False
+        return all(fleet.takes_requests(fleet.worker_id(w)) for w in cluster.workers)
     wait_until(answers, timeout_s)
 
 
