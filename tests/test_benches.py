@@ -33,11 +33,11 @@ def test_bench_transfer_reports_every_key_and_halves_bytes_with_a_half_prefix_hi
     # each); every transport's own path is tested in test_disagg.py
     r = run_bench_transfer(model="tiny", sizes_mib=(1,), ttft_prompt_tokens=256,
                            transports=("shm",), ttft_transports=("shm",))
-    _finite(r, ["memcpy_gbps", "best_same_node_ratio", "transfer_share_of_ttft_2048",
+    _finite(r, ["memcpy_gbps", "best_same_node_ratio", "transfer_share_of_ttft_256",
                 "delta_bytes_saved_ratio"])
     assert r["transports"]["shm"]["1"] > 0
     assert r["ttft_prompt_tokens"] == 256 and r["ttft_transport"] == "shm"
-    assert 0 < r["transfer_share_of_ttft_2048"] < 1
+    assert 0 < r["transfer_share_of_ttft_256"] < 1 and "transfer_share_of_ttft_2048" not in r
     assert 0.4 <= r["delta_bytes_saved_ratio"] <= 0.6
     assert r["delta_skipped_blocks"] == r["delta_transferred_blocks"] == 8
 

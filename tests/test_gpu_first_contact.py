@@ -57,3 +57,8 @@ def test_dry_run_of_every_step_passes_on_tiny(tmp_path):
                                     "bench_engine_graphs", "bench_engine_eager",
                                     "bench_transfer"}
     assert report["steps"]["greedy"]["result"]["cases"][0]["model"] == "tiny"
+    # the TTFT share is named by the prompt length it was measured at (--ttft-prompt-tokens)
+    transfer = report["steps"]["bench_transfer"]["result"]
+    assert transfer["ttft_prompt_tokens"] == 256
+    assert 0 < transfer["transfer_share_of_ttft_256"] < 1 and "ttft_256" in transfer
+    assert "transfer_share_of_ttft_2048" not in transfer

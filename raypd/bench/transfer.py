@@ -125,10 +125,11 @@ def run_bench_transfer(quick: bool = False, model: str = "smollm2",
         measured = best if best in per_transport else next(iter(per_transport), None)
         share = per_transport[measured]["share"] if measured else math.nan
         out.update({
-            "transfer_share_of_ttft_2048": share,
+            # named by the prompt length measured (2048 by default), as on the GPU path
+            f"transfer_share_of_ttft_{ttft_prompt_tokens}": share,
             "ttft_transport": measured,
             "ttft_prompt_tokens": ttft_prompt_tokens,
-            "ttft_2048": per_transport.get(measured, {}),
+            f"ttft_{ttft_prompt_tokens}": per_transport.get(measured, {}),
             "ttft_share_by_transport": {t: r["share"] for t, r in per_transport.items()},
             "ttft_by_transport": per_transport,
             "ttft_errors": errors,
