@@ -78,14 +78,24 @@ def test_linear_takes_the_amx_path_up_to_16_rows_and_onednn_past_them(monkeypatc
 
 
 def test_k_not_a_multiple_of_32_keeps_the_other_paths():
-    lin = Linear(torch.randn(64, 48).to(BF16))
-    assert lin.amx_m == 0 and lin.vnni is None
+    """K = 48: no AMX linear; the small-M kernel (AVX512-BF16, which every AMX CPU has) takes
+    the layer's few-row steps on its VNNI copy, and they are still the matmul."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 48, generator=g).to(BF16)
+    lin = Linear(w)
+    assert lin.amx_m == 0
+    assert lin.small_m == kernels.linear_small_m_rows(w) > 0 and lin.vnni is not None
+    assert lin.kernel == "onednn-packed+small-m-avx512bf16"
+    x = torch.randn(3, 48, generator=g).to(BF16)
+    want = reference(x, w, None)
+    assert ((lin(x).float() - want).abs() <= 2 ** -8 * want.abs() + 1e-3).all()
 
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "portable"])
 def test_isa_switch_turns_the_amx_linear_off(monkeypatch, isa):
     monkeypatch.setenv("RAYPD_KERNEL_ISA", isa)
     lin = Linear(torch.randn(64, 64).to(BF16))
-    assert lin.amx_m == 0 and lin.vnni is None
+    assert lin.amx_m == 0
     assert lin.small_m == kernels.linear_small_m_rows(torch.empty(1, 2, dtype=BF16))
     assert (lin.small_m == 0) == (isa == "portable")
+    assert (lin.vnni is None) == (isa == "portable")    # only the small-M kernel reads it
