@@ -81,6 +81,9 @@ struct Shape {
   int64_t q_row, k_row, v_row;   // elements from one token to the next (heads x D packed)
   float scale;
   int64_t spad;   // S rounded up to a step of keys
+  // V^T's row stride (elements): spad + 32, never a multiple of 4 KB (a tile's 16 rows at a
+  // 4 KB stride all fall into one L1 set: 16 > its 12 ways, and P.V's loads missed)
+  int64_t vs;
   // null: key j's row is row j of k and v; else they are the paged pool ([blocks, bs, Hkv,
   // D]) and key j's row is slot table[j / bs] * bs + j % bs (a chunk's cached prefix read in
   // place: no gathered copy of it)
@@ -100,10 +103,10 @@ void pack_k(uint16_t* kp, const uint16_t* k, const Shape& s, int64_t h, int64_t 
   else std::memset(dst, 0, s.D * 2);
 }
 
-// V of KV head h transposed, as A tiles of O^T = V^T P^T: [D][spad], columns past S zero;
+// V of KV head h transposed, as A tiles of O^T = V^T P^T: [D][vs], columns past S zero;
 // keys a run of consecutive rows at a time (a block of the table, or all of them)
 void pack_v(uint16_t* vt, const uint16_t* v, const Shape& s, int64_t h, int64_t d) {
-  uint16_t* dst = vt + d * s.spad;
+  uint16_t* dst = vt + d * s.vs;
   const int64_t run = s.table ? s.bs : s.S;
   for (int64_t k0 = 0; k0 < s.S; k0 += run) {
     const uint16_t* src = v + kv_row(s, k0) * s.v_row + h * s.D + d;
@@ -111,6 +114,28 @@ void pack_v(uint16_t* vt, const uint16_t* v, const Shape& s, int64_t h, int64_t 
     for (int64_t i = 0; i < n; ++i) dst[k0 + i] = src[i * s.v_row];
   }
   std::fill(dst + s.S, dst + s.spad, uint16_t{0});
+}
+
+// V of KV head h transposed as the AMX paths read it: one 16 x 32 A tile (head_dim rows
+// 16 i.., keys 32 b..) a contiguous 1 KB block, block (b, i) at (b D / 16 + i) x 512 elements,
+// keys past S zero. (As [D][keys] rows, a tile's 16 rows were 16 far-apart lines, each its own
+// stream: P.V's loads missed L1 and L2.)
+inline const uint16_t* vblock(const uint16_t* vt, const Shape& s, int64_t key, int64_t i) {
+  return vt + ((key / 32) * (s.D / 16) + i) * 512;
+}
+void pack_v_tiles(uint16_t* vt, const uint16_t* v, const Shape& s, int64_t h, int64_t d) {
+  uint16_t* dst = vt + (d / 16) * 512 + (d % 16) * 32;
+  const int64_t bstride = (s.D / 16) * 512;   // from one block of 32 keys to the next
+  const int64_t run = s.table ? s.bs : s.S;
+  for (int64_t k0 = 0; k0 < s.S; k0 += run) {
+    const uint16_t* src = v + kv_row(s, k0) * s.v_row + h * s.D + d;
+    const int64_t n = std::min(run, s.S - k0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t key = k0 + i;
+      dst[(key / 32) * bstride + key % 32] = src[i * s.v_row];
+    }
+  }
+  for (int64_t key = s.S; key < s.spad; ++key) dst[(key / 32) * bstride + key % 32] = 0;
 }
 
 // 2^t for t <= 0 to about 1e-4 relative (what probabilities rounded to bf16, 2^-8, need):
@@ -254,35 +279,34 @@ AMX_BF16 void item_amx(uint16_t* out, const uint16_t* q, const uint16_t* kp, con
     _tile_loadd(1, pbuf + 512, 64);    // and [k0 + 32, k0 + 64)
     for (int64_t pass = 0; pass * 64 < D; ++pass) {
       const int64_t chunks = std::min<int64_t>(4, D / 16 - 4 * pass);   // of 16 columns
-      const uint16_t* va = vt + (64 * pass) * s.spad + k0;
-      const int64_t ld = s.spad * 2;
+      const int64_t i0 = 4 * pass;   // V^T's first 16-row block this pass
       _tile_zero(4);
-      _tile_loadd(2, va, ld);
+      _tile_loadd(2, vblock(vt, s, k0, i0), 64);
       _tile_dpbf16ps(4, 2, 0);
-      _tile_loadd(2, va + 32, ld);
+      _tile_loadd(2, vblock(vt, s, k0 + 32, i0), 64);
       _tile_dpbf16ps(4, 2, 1);
       _tile_stored(4, tbuf, 64);
       if (chunks > 1) {
         _tile_zero(5);
-        _tile_loadd(2, va + 16 * s.spad, ld);
+        _tile_loadd(2, vblock(vt, s, k0, i0 + 1), 64);
         _tile_dpbf16ps(5, 2, 0);
-        _tile_loadd(2, va + 16 * s.spad + 32, ld);
+        _tile_loadd(2, vblock(vt, s, k0 + 32, i0 + 1), 64);
         _tile_dpbf16ps(5, 2, 1);
         _tile_stored(5, tbuf + 256, 64);
       }
       if (chunks > 2) {
         _tile_zero(6);
-        _tile_loadd(2, va + 32 * s.spad, ld);
+        _tile_loadd(2, vblock(vt, s, k0, i0 + 2), 64);
         _tile_dpbf16ps(6, 2, 0);
-        _tile_loadd(2, va + 32 * s.spad + 32, ld);
+        _tile_loadd(2, vblock(vt, s, k0 + 32, i0 + 2), 64);
         _tile_dpbf16ps(6, 2, 1);
         _tile_stored(6, tbuf + 512, 64);
       }
       if (chunks > 3) {
         _tile_zero(7);
-        _tile_loadd(2, va + 48 * s.spad, ld);
+        _tile_loadd(2, vblock(vt, s, k0, i0 + 3), 64);
         _tile_dpbf16ps(7, 2, 0);
-        _tile_loadd(2, va + 48 * s.spad + 32, ld);
+        _tile_loadd(2, vblock(vt, s, k0 + 32, i0 + 3), 64);
         _tile_dpbf16ps(7, 2, 1);
         _tile_stored(7, tbuf + 768, 64);
       }
@@ -291,6 +315,130 @@ AMX_BF16 void item_amx(uint16_t* out, const uint16_t* q, const uint16_t* kp, con
         _mm512_store_ps(o + 16 * d, _mm512_fmadd_ps(_mm512_load_ps(o + 16 * d), alpha,
                                                     _mm512_load_ps(tbuf + 16 * d)));
     }
+  }
+  finish(out, ot, l, s, hq, qb, rows);
+}
+
+// D <= 64 on AMX (item_amx_o): O^T stays in tiles 4-7 (16 head_dim rows x 16 query rows
+// each) across all steps of 32 keys; tiles 0, 1 = S^T (16 keys x 16 rows each), 2 = A (K or
+// V^T), 3 = B (Q^T or P^T). The softmax rescales lazily: a row's reference max moves only when
+// the step's max passes it by more than LAZY (log2 units, so p <= 2^LAZY), and only then are
+// O^T's tiles stored, scaled and reloaded (after the first few steps, almost never). Scores
+// stay raw: p = 2^(S c - m c), c = scale log2 e, one fmsub a key.
+constexpr int OSTEP = 32;     // keys a step of item_amx_o
+constexpr float LAZY = 8.f;   // log2 units a row's max may grow before O^T is rescaled
+
+AMX_BF16 void item_amx_o(uint16_t* out, const uint16_t* q, const uint16_t* kp,
+                         const uint16_t* vt, const Shape& s, int64_t hq, int64_t qb) {
+  const int64_t D = s.D, rows = std::min<int64_t>(16, s.Tq - 16 * qb), dt = D / 16;
+  alignas(64) uint16_t qp[64 * 16];       // Q^T as B tiles: [D / 32][16 pairs][16 rows][2]
+  alignas(64) float sbuf[OSTEP * 16];     // S^T of a step: [32 keys][16 rows]
+  alignas(64) uint16_t pbuf[2][OSTEP * 16];   // P^T as B tiles: [16 key pairs][16 rows][2]
+  alignas(64) float ot[64 * 16];          // O^T: [D][16 rows]
+  pack_q(qp, q, s, hq, qb, rows);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  __m512 m = _mm512_set1_ps(-FLT_MAX), l = _mm512_setzero_ps();
+  const int64_t first = s.offset + 16 * qb;            // the position of row 0
+  const int64_t kend = std::min(s.S, first + rows);    // keys any stored row sees
+  const __m512i pos = positions(first);   // each row's position: it sees keys <= pos
+  const __m512 c = _mm512_set1_ps(s.scale * 1.44269504088896341f);
+  const __m512 lazy = _mm512_set1_ps(LAZY);
+  // S^T = K Q^T of keys [k0, k0 + 32) into tiles 0, 1
+  const auto scores = [&](int64_t k0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    const uint16_t* kk = kp + k0 * D;
+    for (int64_t ch = 0; ch < D / 32; ++ch) {
+      _tile_loadd(3, qp + ch * 512, 64);
+      _tile_loadd(2, kk + 32 * ch, D * 2);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_loadd(2, kk + 16 * D + 32 * ch, D * 2);
+      _tile_dpbf16ps(1, 2, 3);
+    }
+  };
+  // O^T += V^T P^T of the step at k0 (its P^T in pbuf[b]): V^T's rows into three A tiles in
+  // turn, so a load need not wait for the product before it to have read its tile
+  const auto values = [&](int64_t k0, int b) {
+    _tile_loadd(3, pbuf[b], 64);
+    _tile_loadd(2, vblock(vt, s, k0, 0), 64);
+    _tile_loadd(0, vblock(vt, s, k0, 1), 64);
+    _tile_dpbf16ps(4, 2, 3);
+    _tile_dpbf16ps(5, 0, 3);
+    if (dt > 2) {
+      _tile_loadd(1, vblock(vt, s, k0, 2), 64);
+      _tile_loadd(2, vblock(vt, s, k0, 3), 64);
+      _tile_dpbf16ps(6, 1, 3);
+      _tile_dpbf16ps(7, 2, 3);
+    }
+  };
+  // pipelined: the next step's S^T runs on the tiles while this step's softmax runs on
+  // AVX512, and a step's P.V waits a step (a tile load of P^T just stored by vector stores
+  // stalled until they had drained)
+  scores(0);
+  _tile_stored(0, sbuf, 64);
+  _tile_stored(1, sbuf + 256, 64);
+  int64_t pending = -1;   // the step whose P.V is still to do (its P^T in pbuf[pending & 1])
+  for (int64_t k0 = 0, it = 0; k0 < kend; k0 += OSTEP, ++it) {
+    const bool next = k0 + OSTEP < kend;
+    if (next) scores(k0 + OSTEP);
+    const bool edge = k0 + OSTEP > first || k0 + OSTEP > s.S;   // some key masked for some row
+    __mmask16 vis[OSTEP];
+    __m512 mxs[4] = {m, m, m, m};   // (four chains: one would wait on each max's latency)
+    for (int j = 0; j < OSTEP; ++j) {
+      vis[j] = edge ? visible(k0 + j, s.S, pos, _mm512_set1_epi32(-1)) : 0xFFFF;
+      mxs[j & 3] = _mm512_mask_max_ps(mxs[j & 3], vis[j], mxs[j & 3],
+                                      _mm512_load_ps(sbuf + 16 * j));
+    }
+    const __m512 mx = _mm512_max_ps(_mm512_max_ps(mxs[0], mxs[1]), _mm512_max_ps(mxs[2], mxs[3]));
+    if (k0 == 0) {
+      m = mx;   // (every row sees key 0)
+    } else if (_mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(mx, m), c), lazy, _CMP_GT_OQ)) {
+      if (pending >= 0) values(pending * OSTEP, pending & 1);   // (its P is at the old max)
+      pending = -1;
+      const __m512 alpha = exp2_bf16(_mm512_mul_ps(_mm512_sub_ps(m, mx), c));
+      l = _mm512_mul_ps(l, alpha);
+      m = mx;
+      _tile_stored(4, ot, 64);
+      _tile_stored(5, ot + 256, 64);
+      _tile_stored(6, ot + 512, 64);
+      _tile_stored(7, ot + 768, 64);
+      for (int64_t d = 0; d < D; ++d)
+        _mm512_store_ps(ot + 16 * d, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), alpha));
+      _tile_loadd(4, ot, 64);
+      _tile_loadd(5, ot + 256, 64);
+      _tile_loadd(6, ot + 512, 64);
+      _tile_loadd(7, ot + 768, 64);
+    }
+    const __m512 mc = _mm512_mul_ps(m, c);
+    uint16_t* pb = pbuf[it & 1];
+    __m512 ls[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};   // (two chains of sums)
+    for (int j = 0; j < OSTEP; j += 2) {
+      __m512 p0 = exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(sbuf + 16 * j), c, mc));
+      __m512 p1 = exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(sbuf + 16 * j + 16), c, mc));
+      if (edge) {
+        p0 = _mm512_maskz_mov_ps(vis[j], p0);
+        p1 = _mm512_maskz_mov_ps(vis[j + 1], p1);
+      }
+      ls[(j >> 1) & 1] = _mm512_add_ps(ls[(j >> 1) & 1], _mm512_add_ps(p0, p1));
+      _mm512_store_si512(pb + j * 16, interleave_bf16(p0, p1));
+    }
+    l = _mm512_add_ps(l, _mm512_add_ps(ls[0], ls[1]));
+    if (next) {   // (this step's scores are read: the buffer takes the next step's)
+      _tile_stored(0, sbuf, 64);
+      _tile_stored(1, sbuf + 256, 64);
+    }
+    if (pending >= 0) values(pending * OSTEP, pending & 1);
+    pending = it;
+  }
+  if (pending >= 0) values(pending * OSTEP, pending & 1);
+  _tile_stored(4, ot, 64);
+  _tile_stored(5, ot + 256, 64);
+  if (dt > 2) {
+    _tile_stored(6, ot + 512, 64);
+    _tile_stored(7, ot + 768, 64);
   }
   finish(out, ot, l, s, hq, qb, rows);
 }
@@ -373,7 +521,7 @@ AVX512_BF16 void item_avx512(uint16_t* out, const uint16_t* q, const uint16_t* k
       for (int jp = 0; jp < KEYS / 2; ++jp)
         for (int c = 0; c < COLS; ++c) {
           const int32_t pair =
-              *reinterpret_cast<const int32_t*>(vt + (d0 + c) * s.spad + k0 + 2 * jp);
+              *reinterpret_cast<const int32_t*>(vt + (d0 + c) * s.vs + k0 + 2 * jp);
           o[c] = _mm512_dpbf16_ps(o[c], pp[jp], (__m512bh)_mm512_set1_epi32(pair));
         }
       for (int c = 0; c < COLS; ++c) _mm512_store_ps(ot + 16 * (d0 + c), o[c]);
@@ -398,9 +546,10 @@ extern "C" void raypd_prefill_attention_bf16(uint16_t* out, const uint16_t* q, c
                                              int64_t window, int nthreads, int amx,
                                              const int64_t* table, int64_t bs) {
   Shape s{Tq, S, H, Hkv, D, S - Tq, window, q_row, k_row, v_row, static_cast<float>(scale),
-          (S + STEP - 1) / STEP * STEP, table, bs};
-  const int64_t per_head = s.spad * D;
-  Workspace packed(2 * Hkv * per_head);
+          (S + STEP - 1) / STEP * STEP, 0, table, bs};
+  s.vs = s.spad + 32;
+  const int64_t per_head = s.spad * D, per_head_v = s.vs * D;
+  Workspace packed(Hkv * (per_head + per_head_v));
   uint16_t* const kpack = packed.data;
   uint16_t* const vpack = packed.data + Hkv * per_head;
   const int64_t qblocks = (Tq + 15) / 16, items = H * qblocks, G = H / Hkv;
@@ -412,15 +561,17 @@ extern "C" void raypd_prefill_attention_bf16(uint16_t* out, const uint16_t* q, c
       pack_k(kpack + (w / s.spad) * per_head, k, s, w / s.spad, w % s.spad);
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < Hkv * D; ++w)
-      pack_v(vpack + (w / D) * per_head, v, s, w / D, w % D);
+      if (amx) pack_v_tiles(vpack + (w / D) * per_head_v, v, s, w / D, w % D);
+      else pack_v(vpack + (w / D) * per_head_v, v, s, w / D, w % D);
     if (amx) configure();   // tile state is per thread
     // the longest items (the last query blocks) first; a KV head's query heads side by side
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < items; ++w) {
       const int64_t qb = qblocks - 1 - w / H, hq = w % H;
       const uint16_t* kh = kpack + (hq / G) * per_head;
-      const uint16_t* vh = vpack + (hq / G) * per_head;
-      if (amx) item_amx(out, q, kh, vh, s, hq, qb);
+      const uint16_t* vh = vpack + (hq / G) * per_head_v;
+      if (amx && s.D <= 64) item_amx_o(out, q, kh, vh, s, hq, qb);
+      else if (amx) item_amx(out, q, kh, vh, s, hq, qb);
       else item_avx512(out, q, kh, vh, s, hq, qb);
     }
     if (amx) raypd_amx::release_tiles();

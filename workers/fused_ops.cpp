@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "bf16.h"
+#include "exp_avx512.h"
 
 namespace {
 
@@ -95,6 +96,39 @@ void silu_mul(S* out, const S* gate_up, int64_t T, int64_t I, int nthreads) {
   }
 }
 
+// The bf16 SiLU-and-mul on AVX512 (where cpu_has_avx512_bf16()): 16 values a step, silu(x) =
+// x / (1 + e^-x) as x e / (1 + e) for x < 0 and x / (1 + e) else, e = e^-|x| (the softmaxes'
+// exp, 2e-7 relative), the reciprocal by rcp14 and a Newton step; rounded once to bf16. (The
+// scalar loop called glibc's vector expf and divided: ~1.5 G values/s on 2 cores, where a
+// 2,048-token prefill spends 2 ms a layer.)
+AVX512_BF16 void silu_mul_bf16_avx512(uint16_t* out, const uint16_t* gate_up, int64_t T,
+                                      int64_t I, int nthreads) {
+  const auto load = [](const uint16_t* p, __mmask16 k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+  };
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && T >= PARALLEL_MIN_TOKENS)
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* g = gate_up + t * 2 * I;
+    const uint16_t* u = g + I;
+    uint16_t* o = out + t * I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 k = I - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (I - i)) - 1);
+      const __m512 x = load(g + i, k);
+      const __m512 e = raypd_simd::exp_nonpositive(
+          _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+      const __m512 d = _mm512_add_ps(one, e);
+      __m512 r = _mm512_rcp14_ps(d);
+      r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, two));
+      const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+      const __m512 sig = _mm512_mask_mul_ps(r, neg, r, e);   // 1 / (1 + e), or e / (1 + e)
+      const __m512 y = _mm512_mul_ps(_mm512_mul_ps(x, sig), load(u + i, k));
+      _mm256_mask_storeu_epi16(o + i, k, (__m256i)_mm512_cvtneps_pbh(y));
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -122,7 +156,9 @@ int raypd_rope_and_cache_f32(float* qkv, const float* cos, const float* sin, flo
 }
 
 void raypd_silu_mul(uint16_t* out, const uint16_t* gate_up, int64_t T, int64_t I, int nthreads) {
-  silu_mul(out, gate_up, T, I, nthreads);
+  static const bool avx512 = raypd_bf16::cpu_has_avx512_bf16();
+  if (avx512) silu_mul_bf16_avx512(out, gate_up, T, I, nthreads);
+  else silu_mul(out, gate_up, T, I, nthreads);
 }
 void raypd_silu_mul_f32(float* out, const float* gate_up, int64_t T, int64_t I, int nthreads) {
   silu_mul(out, gate_up, T, I, nthreads);
