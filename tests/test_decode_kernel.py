@@ -1,8 +1,8 @@
 """The native paged decode attention (workers/paged_decode.cpp) against a plain float64 PyTorch
 reference: GQA ratios 1, 3, 4, 8; head_dim 64 and 128; context lengths around a block's edges
 and a few thousand; block tables that are not contiguous; sliding windows; one thread and two
-(a long context is split between them); the widest path the CPU has, the AVX2 one and the
-portable one forced."""
+(a long context is split between them); the widest path the CPU has (AMX scores for bf16
+pools where the CPU has AMX-BF16), the AVX512-BF16, AVX2 and portable ones forced."""
 
 from __future__ import annotations
 
@@ -21,14 +21,15 @@ pytestmark = pytest.mark.skipif(kernels._module() is None,
 def reference(q, k_cache, v_cache, tables, lens, scale, window):
     """Each row attends to its own tokens (its block table's first lens[b]), in float64."""
     b, h, d = q.shape
+    bs = k_cache.shape[1]
     n_kv = k_cache.shape[2]
     out = torch.empty(b, h, d, dtype=torch.float64)
     for i in range(b):
         n = int(lens[i])
         slots = torch.arange(n)
-        blocks = tables[i][slots // BS]
-        k = k_cache[blocks, slots % BS].double()              # [n, Hkv, D]
-        v = v_cache[blocks, slots % BS].double()
+        blocks = tables[i][slots // bs]
+        k = k_cache[blocks, slots % bs].double()              # [n, Hkv, D]
+        v = v_cache[blocks, slots % bs].double()
         first = max(0, n - window) if window else 0
         k, v = k[first:], v[first:]
         qi = q[i].double().view(n_kv, h // n_kv, d)            # [Hkv, G, D]
@@ -38,16 +39,16 @@ def reference(q, k_cache, v_cache, tables, lens, scale, window):
     return out
 
 
-def case(n_kv, group, head_dim, dtype, seed=0):
+def case(n_kv, group, head_dim, dtype, seed=0, bs=BS, lens=LENS):
     g = torch.Generator().manual_seed(seed)
-    width = -(-max(LENS) // BS)
-    num_blocks = len(LENS) * width + 7
-    k_cache = torch.randn(num_blocks, BS, n_kv, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, BS, n_kv, head_dim, generator=g).to(dtype)
-    lens = torch.tensor(LENS)
+    width = -(-max(lens) // bs)
+    num_blocks = len(lens) * width + 7
+    k_cache = torch.randn(num_blocks, bs, n_kv, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, n_kv, head_dim, generator=g).to(dtype)
+    lens = torch.tensor(lens)
     # a shuffled pool: each row's blocks are scattered, not contiguous
-    tables = torch.randperm(num_blocks, generator=g)[:len(LENS) * width].view(len(LENS), width)
-    q = torch.randn(len(LENS), n_kv * group, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), n_kv * group, head_dim, generator=g).to(dtype)
     return q, k_cache, v_cache, tables, lens
 
 
@@ -55,7 +56,15 @@ def has_avx2() -> bool:
     return kernels._module().path(64, 0, 1) == 1
 
 
-@pytest.mark.parametrize("isa", ["fast", "avx2", "portable"])
+def has_avx512_bf16() -> bool:
+    return kernels._module().path(64, 1, 2) == 2
+
+
+def has_amx() -> bool:
+    return kernels._module().path(64, 1, 3) == 3
+
+
+@pytest.mark.parametrize("isa", ["fast", "avx512bf16", "avx2", "portable"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -65,7 +74,9 @@ def test_decode_kernel_matches_the_reference(monkeypatch, dtype, n_kv, group, he
                                             threads, isa):
     if isa == "avx2" and not has_avx2():
         pytest.skip("no AVX2 + FMA on this CPU")
-    if isa != "fast":   # fast: the widest path the CPU has (AVX512-BF16 for bf16, or AVX2)
+    if isa == "avx512bf16" and (dtype == torch.float32 or not has_amx()):
+        pytest.skip("the same path as fast here (float32 pools, or no AMX on this CPU)")
+    if isa != "fast":   # fast: the widest path the CPU has (AMX scores for bf16, or AVX2)
         monkeypatch.setenv("RAYPD_KERNEL_ISA", isa)
     q, k_cache, v_cache, tables, lens = case(n_kv, group, head_dim, dtype)
     scale = head_dim ** -0.5
@@ -105,14 +116,34 @@ def test_uncommon_shapes_match_the_reference(n_kv, group, head_dim, threads):
                                                             scale, None), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("isa", ["fast", "avx512bf16"])
+@pytest.mark.parametrize("bs", [8, 32])
+def test_other_block_sizes_match_the_reference(monkeypatch, bs, isa):
+    """Blocks of 8 tokens (every 16-token tile of the AMX scores is short and copied out) and of
+    32 (two full tiles a block), bf16, GQA 4, a window that starts inside a block."""
+    if isa != "fast":
+        monkeypatch.setenv("RAYPD_KERNEL_ISA", isa)
+    lens = [1, bs - 1, bs, bs + 1, 2 * bs + 3, 700]
+    q, k_cache, v_cache, tables, lens_t = case(2, 4, 64, torch.bfloat16, seed=5, bs=bs,
+                                               lens=lens)
+    for window in (None, 37):
+        out = kernels.paged_decode(q, k_cache, v_cache, tables, lens_t, 0.125, window)
+        torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens_t,
+                                                           0.125, window), atol=1e-2, rtol=1e-2)
+
+
 def test_the_kernel_names_the_path_it_takes(monkeypatch):
     cpu = torch.device("cpu")
-    avx512 = kernels._module().path(64, 1, 2) == 2
     avx2 = "native-cpu-avx2" if has_avx2() else "native-cpu"
+    avx512 = "native-cpu-avx512bf16" if has_avx512_bf16() else avx2
     assert kernels.decode_kernel_name(cpu, torch.bfloat16) == \
-        ("native-cpu-avx512bf16" if avx512 else avx2)
+        ("native-cpu-amx" if has_amx() else avx512)
     assert kernels.decode_kernel_name(cpu, torch.float32) == avx2
     assert kernels.decode_kernel_name(cpu, torch.float32, head_dim=60) == "native-cpu"  # D % 8
+    assert kernels.decode_kernel_name(cpu, torch.bfloat16, head_dim=48) != "native-cpu-amx"
+    monkeypatch.setenv("RAYPD_KERNEL_ISA", "avx512bf16")
+    assert kernels.decode_kernel_name(cpu, torch.bfloat16) == avx512
+    assert kernels.decode_kernel_name(cpu, torch.float32) == avx2
     monkeypatch.setenv("RAYPD_KERNEL_ISA", "avx2")
     assert kernels.decode_kernel_name(cpu, torch.bfloat16) == avx2
     monkeypatch.setenv("RAYPD_KERNEL_ISA", "portable")
@@ -122,8 +153,8 @@ def test_the_kernel_names_the_path_it_takes(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_fast_avx2_and_portable_paths_give_the_same_tokens(monkeypatch, dtype):
-    """The whole engine, greedy: the widest path (AVX512-BF16 for bf16 where the CPU has it),
-    the AVX2 one and the portable one agree token for token."""
+    """The whole engine, greedy: the widest path (AMX scores for bf16 where the CPU has it),
+    the AVX512-BF16, AVX2 and portable ones agree token for token."""
     from conftest import make_engine, random_prompt
 
     from workers.model_loader import load_model
@@ -132,7 +163,7 @@ def test_fast_avx2_and_portable_paths_give_the_same_tokens(monkeypatch, dtype):
     prompts = [random_prompt(n, seed=n) for n in (5, 17, 40, 90)]
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
     tokens = {}
-    for isa in ("", "avx2", "portable"):
+    for isa in ("", "avx512bf16", "avx2", "portable"):
         monkeypatch.setenv("RAYPD_KERNEL_ISA", isa)
         tokens[isa] = [r.output_token_ids for r in make_engine(loaded).generate(prompts, greedy)]
-    assert tokens[""] == tokens["avx2"] == tokens["portable"]
+    assert tokens[""] == tokens["avx512bf16"] == tokens["avx2"] == tokens["portable"]

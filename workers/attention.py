@@ -91,9 +91,10 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 def decode_kernel_name(device: torch.device, dtype: torch.dtype | None = None,
                        head_dim: int = 64) -> str:
     """Which decode attention runs over a float pool of `dtype` on `device`: triton-cuda (cuda
-    where Triton imports; `RAYPD_TRITON_DECODE=0` turns it off), native-cpu[-avx512bf16] (the
-    CPU's native kernel, workers/kernels.py), or torch (the gather path). What `_decode_attention`
-    picks for that pool, so it is what the engine reports as `attention_kernel`."""
+    where Triton imports; `RAYPD_TRITON_DECODE=0` turns it off), native-cpu[-amx|-avx512bf16|
+    -avx2] (the CPU's native kernel, workers/kernels.py), or torch (the gather path). What
+    `_decode_attention` picks for that pool, so it is what the engine reports as
+    `attention_kernel`."""
     if device.type == "cuda":
         name = triton_decode.kernel_name(device, dtype, head_dim) if dtype is not None else None
         return name or "torch"

@@ -55,14 +55,16 @@ MAX_KV_HEADS = 256
 def isa_cap() -> int:
     """The widest instructions the native kernels may use, by `RAYPD_KERNEL_ISA` (tests compare
     the paths on one CPU): 0 `portable` (plain loops), 1 `avx2` (AVX2 + FMA: no AVX512 or AMX
-    path even where the CPU has them), 2 anything the CPU has (unset, or `avx512bf16`)."""
-    return {"portable": 0, "avx2": 1}.get(os.environ.get("RAYPD_KERNEL_ISA", ""), 2)
+    path even where the CPU has them), 2 `avx512bf16` (no AMX path), 3 anything the CPU has
+    (unset)."""
+    return {"portable": 0, "avx2": 1, "avx512bf16": 2}.get(os.environ.get("RAYPD_KERNEL_ISA", ""), 3)
 
 
 def force_no_amx() -> bool:
     """`RAYPD_KERNEL_ISA=avx512bf16` (or `avx2`, `portable`): no AMX path even where the CPU has
-    it (decode linears take the AVX512-BF16 small-M kernel; tests cover both)."""
-    return isa_cap() < 2 or os.environ.get("RAYPD_KERNEL_ISA", "") == "avx512bf16"
+    it (decode linears take the AVX512-BF16 small-M kernel, decode attention its vdpbf16ps
+    scores; tests cover both)."""
+    return isa_cap() < 3
 
 
 def _cpu_features() -> str:
@@ -225,7 +227,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def decode_kernel_name(device: torch.device, dtype: torch.dtype | None = None,
                        head_dim: int = 64) -> str:
-    """Which decode attention runs: native-cpu-avx512bf16 (bf16 pools on a CPU with
+    """Which decode attention runs: native-cpu-amx (bf16 pools on a CPU with AMX-BF16: scores
+    on AMX, values on AVX512-BF16), native-cpu-avx512bf16 (bf16 pools on a CPU with
     AVX512-BF16), native-cpu-avx2 (AVX2 + FMA: float32 pools, bf16 pools elsewhere),
     native-cpu (the kernel's portable loops), or torch."""
     fn = _module() if device.type == "cpu" else None
@@ -233,7 +236,8 @@ def decode_kernel_name(device: torch.device, dtype: torch.dtype | None = None,
         return "torch"
     code = DTYPE_CODES.get(dtype if dtype is not None else torch.float32)
     path = fn.path(head_dim, code, isa_cap()) if code is not None else 0
-    return {2: "native-cpu-avx512bf16", 1: "native-cpu-avx2"}.get(path, "native-cpu")
+    return {3: "native-cpu-amx", 2: "native-cpu-avx512bf16",
+            1: "native-cpu-avx2"}.get(path, "native-cpu")
 
 
 # ---- fused small operations of the compact model (bf16, float32 on the CPU; fused_ops.cpp) ----

@@ -7,10 +7,13 @@
 // until the AVX512 path read a tile for all heads at once: each token's heads x D are
 // contiguous, so a block is one run of memory. SmolLM2, batch 16 x 570 tokens, 2 threads:
 // 0.59 -> 0.56 ms a layer with every layer's pool cold; 15.5 -> 13.9 ms of a decode step.)
-// Dot products, chosen at run time (raypd_decode_path): AVX512-BF16 (vdpbf16ps: bf16 pairs into
-// float32) for bf16 pools where the CPU has it; else AVX2 + FMA on rows widened to float32
-// (float32 pools, and bf16 pools on CPUs such as Zen 3); else (or the portable path forced)
-// plain loops the compiler vectorizes, rows converted to float32 first.
+// Dot products, chosen at run time (raypd_decode_path): for bf16 pools, on a CPU with AMX-BF16
+// the scores of a 16-token tile by tdpbf16ps (K rows straight from the block against the
+// query heads' Q^T, packed once an item) and P.V by vdpbf16ps (SmolLM2, batch 16 x 1,100
+// tokens, 2 threads, every layer cold: 0.89 -> 0.76 ms a layer); AVX512-BF16 alone
+// (vdpbf16ps: bf16 pairs into float32) for both where there is no AMX; else AVX2 + FMA on
+// rows widened to float32 (float32 pools, and bf16 pools on CPUs such as Zen 3); else (or the
+// portable path forced) plain loops the compiler vectorizes, rows converted to float32 first.
 // Invariants: k_cache and v_cache are [num_blocks, block_size, kv_heads, head_dim] contiguous;
 // block_tables[b] covers context_lens[b] tokens; window > 0 keeps only the last `window` keys.
 // Plain C++ with a C ABI (no torch headers; workers/kernels.py loads it with ctypes and hands it
@@ -26,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "bf16.h"
 #include "exp_avx2.h"
 #include "exp_avx512.h"
@@ -172,16 +176,36 @@ struct Prefetcher {
 };
 
 // krow[i], vrow[i]: the tile's 16 rows; those past n repeat row 0 (scored, masked, weighted 0)
-template <int GT, int DKT>
-AVX512_BF16
+// AMXT: the scores by AMX instead (see attend_bf16_avx512): ktile, kstride: the tile's K rows
+// (16 of them, kstride bytes apart, this head's D at h * D); qt: the head's Q^T B tiles.
+template <int GT, int DKT, bool AMXT>
+AMX_BF16
 inline void tile_head(const bf16* qp, const bf16* const* krow, const bf16* const* vrow,
                       const Shape& s, int64_t b, int64_t h, int64_t n, Partial& p,
-                      const HeadState& st, Prefetcher& pf) {
+                      const HeadState& st, Prefetcher& pf, const bf16* ktile, int64_t kstride,
+                      const uint32_t* qt, float* sbuf) {
   const int64_t G = GT ? GT : s.G, DK = DKT ? DKT : s.D / 32;   // 32 bf16 per 512-bit register
   const int64_t D = DK * 32;
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
   alignas(64) float prob[MAX_G][16];
   __m512 sc[GT ? GT : MAX_G];           // every query head's scores first: their reductions
+  if constexpr (AMXT) {                 // S^T [16 tokens][G] = K (16 x D) . Q^T (D x G)
+    _tile_zero(0);
+    for (int64_t j = 0; j < DK; ++j) {
+      _tile_loadd(1, ktile + h * D + j * 32, kstride);
+      _tile_loadd(2, qt + j * 256, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, sbuf, 4 * G);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                               11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(G)));
+    for (int64_t g = 0; g < G; ++g)
+      sc[g] = _mm512_mul_ps(
+          _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(g))),
+                              sbuf, 4),
+          _mm512_set1_ps(s.scale));
+  } else
   for (int64_t g = 0; g < G; ++g) {     // overlap, no query head waits for the one before
     const bf16* qg = qp + (b * s.H + h * G + g) * D;
     __m512bh q[DKT ? DKT : MAX_D / 32];
@@ -230,6 +254,7 @@ inline void tile_head(const bf16* qp, const bf16* const* krow, const bf16* const
       hi[g] = _mm512_load_ps(st.acc + g * D + c * 32 + 16);
     }
     for (int64_t i = 0; i < n; i += 2) {   // an odd run's last pair: a zero probability
+      if constexpr (AMXT) pf.next2();      // (no score loop to spread the prefetches over)
       const __m512i x = _mm512_loadu_si512(vrow[i] + h * D + c * 32);
       const __m512i y = _mm512_loadu_si512(vrow[i + 1] + h * D + c * 32);
       const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(x, y);
@@ -285,11 +310,45 @@ Prefetcher tile_prefetch(const T* kp, const T* vp, const int64_t* table, const S
   return Prefetcher{};
 }
 
-template <int GT, int DKT>
-AVX512_BF16
+// AMX (AMXT): a tile's scores S^T [16 tokens][G] for a KV head as tdpbf16ps of its K rows (an
+// A tile straight from the block: 16 rows of 32 head_dim values, a row of the pool apart) with
+// the head's query rows as a B tile (Q^T, head_dim pairs x G, packed once a work item), stored,
+// and gathered into one vector of 16 scores per query head: no vdpbf16ps per token and query
+// head, no 16-way reductions (the scores were ~2/3 of a tile's instructions). A tile of fewer
+// than 16 rows (a run's end, a block's end) is copied out first, so the tile load stays in the
+// block. The values still go through vdpbf16ps: an AMX P.V wants V in token pairs, which the
+// pool's [token][head][head_dim] layout is not.
+AMX_BF16 inline void configure_scores(int64_t G) {
+  raypd_amx::TileConfig c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  c.rows[0] = 16, c.colsb[0] = static_cast<uint16_t>(4 * G);   // S^T: 16 tokens x G float32
+  c.rows[1] = 16, c.colsb[1] = 64;                              // K: 16 tokens x 32 bf16
+  c.rows[2] = 16, c.colsb[2] = static_cast<uint16_t>(4 * G);   // Q^T: 16 pairs x G
+  _tile_loadconfig(&c);
+}
+
+template <int GT, int DKT, bool AMXT>
+AMX_BF16
 void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const int64_t* table,
                         const Shape& s, int64_t b, int64_t t0, int64_t t1, Partial* const* p) {
   const int64_t G = s.G, D = s.D, Hkv = s.Hkv;
+  thread_local std::vector<uint32_t> qt_buf;     // [Hkv][D / 32][16 pairs][16]: Q^T B tiles
+  thread_local std::vector<bf16> ktile_buf;      // a short tile's K rows, 16 x row
+  alignas(64) float sbuf[16 * MAX_G];
+  if constexpr (AMXT) {
+    configure_scores(G);
+    qt_buf.assign(Hkv * (D / 32) * 256, 0u);
+    ktile_buf.resize(16 * s.row);
+    const uint16_t* q16 = reinterpret_cast<const uint16_t*>(qp) + b * s.H * D;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; d += 2) {
+          const uint16_t* qg = q16 + (h * G + g) * D;
+          qt_buf[(h * (D / 32) + d / 32) * 256 + (d % 32) / 2 * 16 + g] =
+              static_cast<uint32_t>(qg[d]) | static_cast<uint32_t>(qg[d + 1]) << 16;
+        }
+  }
   const int64_t per_head = G * (D + 16);
   float* base_state = item_scratch(Hkv * per_head);   // acc and lsum of every KV head
   HeadState st[MAX_HKV];
@@ -313,11 +372,20 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
     }
     // blocks are scattered: no hardware prefetcher finds the next one
     Prefetcher pf = tile_prefetch(kp, vp, table, s, b, t0, t1, t, PREFETCH_BLOCKS);
+    const bf16* ktile = krow[0];
+    if (AMXT && n < 16) {                // rows past n: row 0 again (scored, then masked)
+      for (int64_t i = 0; i < 16; ++i)
+        std::memcpy(ktile_buf.data() + i * s.row, krow[i], s.row * sizeof(bf16));
+      ktile = ktile_buf.data();
+    }
     for (int64_t h = 0; h < Hkv; ++h)
-      tile_head<GT, DKT>(qp, krow, vrow, s, b, h, n, *p[h], st[h], pf);
+      tile_head<GT, DKT, AMXT>(qp, krow, vrow, s, b, h, n, *p[h], st[h], pf, ktile,
+                               s.row * static_cast<int64_t>(sizeof(bf16)),
+                               AMXT ? qt_buf.data() + h * (D / 32) * 256 : nullptr, sbuf);
     pf.rest();
     t += n;
   }
+  if constexpr (AMXT) raypd_amx::release_tiles();
   for (int64_t h = 0; h < Hkv; ++h)
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t d = 0; d < D; ++d) p[h]->acc[g * D + d] = st[h].acc[g * D + unpack_order(d)];
@@ -326,30 +394,38 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
 }
 
 // attend_bf16_avx512 with G and D / 32 as constants where they are common ones
-template <int DKT>
-AVX512_BF16 void attend_bf16_g(const bf16* qp, const bf16* kp, const bf16* vp,
-                               const int64_t* table, const Shape& s, int64_t b, int64_t t0,
-                               int64_t t1, Partial* const* p) {
+template <int DKT, bool AMXT>
+AMX_BF16 void attend_bf16_g(const bf16* qp, const bf16* kp, const bf16* vp,
+                            const int64_t* table, const Shape& s, int64_t b, int64_t t0,
+                            int64_t t1, Partial* const* p) {
   switch (s.G) {
-    case 1: return attend_bf16_avx512<1, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
-    case 2: return attend_bf16_avx512<2, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
-    case 3: return attend_bf16_avx512<3, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
-    case 4: return attend_bf16_avx512<4, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
-    case 5: return attend_bf16_avx512<5, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
-    case 6: return attend_bf16_avx512<6, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
-    case 7: return attend_bf16_avx512<7, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
-    case 8: return attend_bf16_avx512<8, DKT>(qp, kp, vp, table, s, b, t0, t1, p);
-    default: return attend_bf16_avx512<0, 0>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 1: return attend_bf16_avx512<1, DKT, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 2: return attend_bf16_avx512<2, DKT, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 3: return attend_bf16_avx512<3, DKT, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 4: return attend_bf16_avx512<4, DKT, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 5: return attend_bf16_avx512<5, DKT, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 6: return attend_bf16_avx512<6, DKT, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 7: return attend_bf16_avx512<7, DKT, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 8: return attend_bf16_avx512<8, DKT, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
+    default: return attend_bf16_avx512<0, 0, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
   }
 }
 
-AVX512_BF16 void attend_bf16(const bf16* qp, const bf16* kp, const bf16* vp,
-                             const int64_t* table, const Shape& s, int64_t b, int64_t t0,
-                             int64_t t1, Partial* const* p) {
+// amx: the scores by AMX (path 3)
+AMX_BF16 void attend_bf16(const bf16* qp, const bf16* kp, const bf16* vp,
+                          const int64_t* table, const Shape& s, int64_t b, int64_t t0,
+                          int64_t t1, Partial* const* p, bool amx) {
+  if (amx) {
+    switch (s.D) {
+      case 64: return attend_bf16_g<2, true>(qp, kp, vp, table, s, b, t0, t1, p);
+      case 128: return attend_bf16_g<4, true>(qp, kp, vp, table, s, b, t0, t1, p);
+      default: return attend_bf16_avx512<0, 0, true>(qp, kp, vp, table, s, b, t0, t1, p);
+    }
+  }
   switch (s.D) {
-    case 64: return attend_bf16_g<2>(qp, kp, vp, table, s, b, t0, t1, p);
-    case 128: return attend_bf16_g<4>(qp, kp, vp, table, s, b, t0, t1, p);
-    default: return attend_bf16_avx512<0, 0>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 64: return attend_bf16_g<2, false>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 128: return attend_bf16_g<4, false>(qp, kp, vp, table, s, b, t0, t1, p);
+    default: return attend_bf16_avx512<0, 0, false>(qp, kp, vp, table, s, b, t0, t1, p);
   }
 }
 
@@ -562,8 +638,8 @@ void run(const T* qp, const T* kp, const T* vp, const int64_t* tp, const int64_t
     Partial* p[MAX_HKV];
     for (int64_t h = 0; h < s.Hkv; ++h) p[h] = &parts[(b * s.Hkv + h) * splits + k];
     if constexpr (sizeof(T) == 2) {
-      if (path == 2) {
-        attend_bf16(qp, kp, vp, tp, s, b, t0, t1, p);
+      if (path >= 2) {
+        attend_bf16(qp, kp, vp, tp, s, b, t0, t1, p, path == 3);
         continue;
       }
     }
@@ -614,10 +690,14 @@ static bool in_bounds(const int64_t* tp, const int64_t* lp, int64_t B, int64_t b
   return true;
 }
 
-// Which path a pool of this head_dim and dtype (0 float32, 1 bfloat16) takes: 2 AVX512-BF16
-// (bf16 pools), 1 AVX2 + FMA, 0 the portable loops. cap: 2 any, 1 at most AVX2
-// (RAYPD_KERNEL_ISA=avx2), 0 portable (RAYPD_KERNEL_ISA=portable).
+// Which path a pool of this head_dim and dtype (0 float32, 1 bfloat16) takes: 3 AMX scores
+// and AVX512-BF16 values (bf16 pools), 2 AVX512-BF16, 1 AVX2 + FMA, 0 the portable loops. cap:
+// 3 any, 2 no AMX (RAYPD_KERNEL_ISA=avx512bf16), 1 at most AVX2 (RAYPD_KERNEL_ISA=avx2), 0
+// portable (RAYPD_KERNEL_ISA=portable).
+extern "C" int64_t raypd_linear_amx_max();   // linear_amx.cpp: > 0 where AMX-BF16 is usable
 extern "C" int raypd_decode_path(int64_t D, int dtype, int cap) {
+  if (cap >= 3 && dtype == 1 && D % 32 == 0 && D <= MAX_D && raypd_linear_amx_max() > 0)
+    return 3;
   if (cap >= 2 && dtype == 1 && D % 32 == 0 && D <= MAX_D && raypd_bf16::cpu_has_avx512_bf16())
     return 2;
   if (cap >= 1 && D % 8 == 0 && D <= MAX_D && cpu_has_avx2_fma()) return 1;
