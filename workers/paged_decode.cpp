@@ -342,12 +342,12 @@ void attend_bf16_avx512(const bf16* qp, const bf16* kp, const bf16* vp, const in
     ktile_buf.resize(16 * s.row);
     const uint16_t* q16 = reinterpret_cast<const uint16_t*>(qp) + b * s.H * D;
     for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; d += 2) {
-          const uint16_t* qg = q16 + (h * G + g) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* qg = q16 + (h * G + g) * D;
+        for (int64_t d = 0; d < D; d += 2)
           qt_buf[(h * (D / 32) + d / 32) * 256 + (d % 32) / 2 * 16 + g] =
               static_cast<uint32_t>(qg[d]) | static_cast<uint32_t>(qg[d + 1]) << 16;
-        }
+      }
   }
   const int64_t per_head = G * (D + 16);
   float* base_state = item_scratch(Hkv * per_head);   // acc and lsum of every KV head
@@ -411,22 +411,24 @@ AMX_BF16 void attend_bf16_g(const bf16* qp, const bf16* kp, const bf16* vp,
   }
 }
 
+// ... and D / 32 as a constant for head_dim 64 and 128
+template <bool AMXT>
+AMX_BF16 void attend_bf16_d(const bf16* qp, const bf16* kp, const bf16* vp,
+                            const int64_t* table, const Shape& s, int64_t b, int64_t t0,
+                            int64_t t1, Partial* const* p) {
+  switch (s.D) {
+    case 64: return attend_bf16_g<2, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
+    case 128: return attend_bf16_g<4, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
+    default: return attend_bf16_avx512<0, 0, AMXT>(qp, kp, vp, table, s, b, t0, t1, p);
+  }
+}
+
 // amx: the scores by AMX (path 3)
 AMX_BF16 void attend_bf16(const bf16* qp, const bf16* kp, const bf16* vp,
                           const int64_t* table, const Shape& s, int64_t b, int64_t t0,
                           int64_t t1, Partial* const* p, bool amx) {
-  if (amx) {
-    switch (s.D) {
-      case 64: return attend_bf16_g<2, true>(qp, kp, vp, table, s, b, t0, t1, p);
-      case 128: return attend_bf16_g<4, true>(qp, kp, vp, table, s, b, t0, t1, p);
-      default: return attend_bf16_avx512<0, 0, true>(qp, kp, vp, table, s, b, t0, t1, p);
-    }
-  }
-  switch (s.D) {
-    case 64: return attend_bf16_g<2, false>(qp, kp, vp, table, s, b, t0, t1, p);
-    case 128: return attend_bf16_g<4, false>(qp, kp, vp, table, s, b, t0, t1, p);
-    default: return attend_bf16_avx512<0, 0, false>(qp, kp, vp, table, s, b, t0, t1, p);
-  }
+  if (amx) return attend_bf16_d<true>(qp, kp, vp, table, s, b, t0, t1, p);
+  attend_bf16_d<false>(qp, kp, vp, table, s, b, t0, t1, p);
 }
 
 // The same on AVX2 + FMA (any x86-64 CPU since about 2013: Zen, Haswell), float32 or bf16 pools,
