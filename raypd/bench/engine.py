@@ -34,8 +34,10 @@ import time
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from kvcache.manager import cdiv
 from workers.device import resolve_device, synchronize
 from workers.engine import EngineConfig, LLMEngine
+from workers.kernels.bindings import SIGNATURES
 from workers.layers import Linear
 from workers.random_model import is_random
 from workers.request import SamplingParams
@@ -95,14 +97,14 @@ def _median(f, repeats: int) -> float:
 
 
 class _TimedKernels:
-    """workers/kernels.py's native library with every call timed (the bench swaps it in for
-    `kernels._module` while it counts; attributes that are not calls pass through)."""
+    """The native kernels' library (workers/kernels/bindings.py) with every call timed (the bench
+    swaps it in for `bindings.library` while it counts; attributes that are not calls pass
+    through)."""
 
-    # decode_layers_*: every layer's kernels in one call (workers/decode_layers.cpp; what runs
-    # between them there is a copy of the query rows)
-    CALLS = ("add_rms_norm", "rope_and_cache", "silu_mul", "linear_small_m", "linear_amx",
-             "linear_w16", "decode_layers_f32", "decode_layers_bf16", "prefill_attention_bf16",
-             "prefill_attention_f32")
+    # every entry point (decode_layers_*: every layer's kernels in one call,
+    # workers/kernels/csrc/decode_layers.cpp; what runs between them there is a copy of the
+    # query rows)
+    CALLS = frozenset(SIGNATURES)
 
     def __init__(self, lib) -> None:
         self._lib, self.seconds = lib, 0.0
@@ -116,16 +118,9 @@ class _TimedKernels:
                 self.seconds += time.perf_counter() - t0
         return call
 
-    def __call__(self, *args):
-        return self._timed(self._lib)(*args)
-
     def __getattr__(self, name: str):
         f = getattr(self._lib, name)
-        if name not in self.CALLS:
-            return f
-        if isinstance(f, dict):     # one function per dtype
-            return {k: self._timed(v) for k, v in f.items()}
-        return self._timed(f)
+        return self._timed(f) if name in self.CALLS else f
 
 
 def _python_overhead_ms(engine: LLMEngine, prompts: list[list[int]], steps: int = 12) -> dict:
@@ -136,7 +131,7 @@ def _python_overhead_ms(engine: LLMEngine, prompts: list[list[int]], steps: int 
     (scheduling, block tables, metadata, sampling bookkeeping, the interpreter between ops)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from workers import kernels
+    from workers.kernels import bindings
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=2 * steps + 2, ignore_eos=True))
     while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
@@ -146,11 +141,11 @@ def _python_overhead_ms(engine: LLMEngine, prompts: list[list[int]], steps: int 
         t0 = time.perf_counter()
         engine.step()
         plain.append(time.perf_counter() - t0)
-    module = kernels._module
-    lib = module()
+    library = bindings.library
+    lib = library()
     timed = _TimedKernels(lib) if lib is not None else None
     if timed is not None:
-        kernels._module = lambda: timed
+        bindings.library = lambda: timed
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
@@ -158,7 +153,7 @@ def _python_overhead_ms(engine: LLMEngine, prompts: list[list[int]], steps: int 
                 engine.step()
             timed_step_ms = (time.perf_counter() - t0) * 1e3 / steps
     finally:
-        kernels._module = module
+        bindings.library = library
     while engine.has_unfinished():
         engine.step()
     torch_ms = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3 / steps
@@ -173,7 +168,8 @@ def _python_overhead_ms(engine: LLMEngine, prompts: list[list[int]], steps: int 
 def _decode_weight_bytes(engine: LLMEngine) -> int:
     """The weight bytes a decode step streams: every linear's weight (lm_head included) and
     bias as the step reads them, a linear that a float32 model holds as bf16
-    (workers/linear_w16.cpp) at 2 bytes a value, not the 4 of float32 bytes it never reads.
+    (workers/kernels/csrc/linear_w16.cpp) at 2 bytes a value, not the 4 of float32 bytes it
+    never reads.
     Not the input embedding, of which a step gathers one row a token (unless lm_head is that
     matrix: tied, counted once as lm_head), nor the norms' few kB a layer. Counted on the model
     the step runs: the stock model's parameters are no count of it, since the runner frees the
@@ -201,7 +197,7 @@ def _sample_ms(engine: LLMEngine, batch: int, repeats: int) -> float:
     OpenAI client that sets no temperature gets), each seeded, on logits of the model's vocab."""
     logits = torch.randn(batch, engine.info.vocab_size, generator=torch.Generator().manual_seed(0)
                          ).to(engine.device, engine.runner.model.dtype) * 4
-    reqs = [engine.make_request([1, 2, 3], SamplingParams(temperature=1.0, seed=i))
+    reqs = [engine.inputs.make_request([1, 2, 3], SamplingParams(temperature=1.0, seed=i))
             for i in range(batch)]
     sample(logits, reqs)            # warm-up
 
@@ -243,7 +239,7 @@ def _attn_decode_gbps(engine: LLMEngine, batch: int, context: int, repeats: int 
     if k_cache.device.type != "cpu" or k_cache.dtype not in kernels.DTYPE_CODES:
         return {"attn_decode_gbps": None}
     num_blocks, bs, n_kv, head_dim = k_cache.shape
-    width = -(-context // bs)
+    width = cdiv(context, bs)
     if batch * width > num_blocks:
         return {"attn_decode_gbps": None}
     g = torch.Generator().manual_seed(0)
@@ -297,7 +293,7 @@ def _lora_bench(model: str, dtype: str, loaded, prompts: list[list[int]], output
 
     from workers.lora import write_random_adapter
     rank = 8
-    num_blocks = sum(-(-(len(p) + o) // 16) for p, o in zip(prompts, outputs, strict=True)) + 64
+    num_blocks = sum(cdiv(len(p) + o, 16) for p, o in zip(prompts, outputs, strict=True)) + 64
     with tempfile.TemporaryDirectory(prefix="raypd-bench-lora-") as tmp:
         adapters = {f"lora{i}": str(write_random_adapter(f"{tmp}/lora{i}", loaded[0].config,
                                                          rank=rank, seed=i))
@@ -347,8 +343,8 @@ def run_shape_bench(model: str, dtype: str = "auto", device: str = "auto",
     if quick:
         prefill_tokens, decode_batches, decode_prompt, decode_new = 256, (1, 4), 64, 8
     bs = 16
-    need = max(decode_batches) * -(-(decode_prompt + decode_new + 1) // bs) \
-        + -(-(prefill_tokens + 2) // bs) + 16
+    need = max(decode_batches) * cdiv(decode_prompt + decode_new + 1, bs) \
+        + cdiv(prefill_tokens + 2, bs) + 16
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device,
                                     cuda_graphs=cuda_graphs, num_blocks=need, block_size=bs,
                                     max_num_batched_tokens=max(2048, prefill_tokens),
@@ -439,7 +435,7 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     prefix_len = 512 if quick else 1024
     prefill_lens = (512,) if quick else (512, 2048)
     total_tokens = 16 * (plen + new) + hi_p * n_mixed + max(prefill_lens) + 4096
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, num_blocks=-(-total_tokens // 16),
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, num_blocks=cdiv(total_tokens, 16),
                                     max_num_batched_tokens=2048, max_num_seqs=64,
                                     enable_prefix_caching=False, device=device,
                                     cuda_graphs=cuda_graphs), loaded=loaded)
@@ -608,7 +604,7 @@ def run_calibration(model: str = "smollm2", threads: int | None = None, dtype: s
     max_batch = max(b for b, _ in decode_points)
     need = max(max(prefill_lens) + 2, max(b * (c + decode_steps + 8) for b, c in decode_points))
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device,
-                                    num_blocks=-(-need // 16) + max_batch + 16, block_size=16,
+                                    num_blocks=cdiv(need, 16) + max_batch + 16, block_size=16,
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     max_num_seqs=max(64, max_batch),
                                     enable_prefix_caching=False))
