@@ -98,7 +98,7 @@ def test_graphs_are_captured_at_start_up_and_replayed_never_captured_while_servi
 def test_the_graphs_step_table_holds_each_group_at_its_own_width(tiny_loaded):
     """Padding rows point at the scratch block; each decode group's rows carry its own blocks
     and only those (the rest of the row is scratch), whatever the graph's width."""
-    from workers.model_runner import ScheduledChunk
+    from workers.scheduler_output import ScheduledChunk, SchedulerOutput
     engine = make_engine(tiny_loaded, num_blocks=256, max_num_seqs=8)
     runner = engine.runner
     runner.one_decode_group = False                   # the gather path's length groups
@@ -107,7 +107,7 @@ def test_the_graphs_step_table_holds_each_group_at_its_own_width(tiny_loaded):
     b = engine.add_request(random_prompt(70, seed=2), SamplingParams(max_tokens=2))
     engine.step()
     chunks = [ScheduledChunk(r, 1, engine.kv.block_table(r.request_id)) for r in (a, b)]
-    ids, pos, meta, _, _ = runner.prepare(chunks)
+    ids, pos, meta, _, _ = runner.prepare(SchedulerOutput(chunks))
     assert [g.block_tables.shape[1] for g in meta.decode_groups] == [1, 5]
     b_, w = static._shape(meta)
     assert (b_, w) == (2, 8)
@@ -120,11 +120,12 @@ def test_the_graphs_step_table_holds_each_group_at_its_own_width(tiny_loaded):
 
 @pytest.mark.parametrize("kernel, width", [("torch", 8), ("triton-cuda", 128)])
 def test_a_steps_graph_width_follows_the_decode_kernel(tiny_loaded, kernel, width):
-    from workers.model_runner import ScheduledChunk
+    from workers.scheduler_output import ScheduledChunk, SchedulerOutput
     engine = make_engine(tiny_loaded, num_blocks=256, max_num_seqs=8)
     engine.runner.attention_kernel = kernel
     static = StaticDecode(engine.runner, 8, 255, 2048)
     r = engine.add_request(random_prompt(70, seed=3), SamplingParams(max_tokens=2))
     engine.step()
-    meta = engine.runner.prepare([ScheduledChunk(r, 1, engine.kv.block_table(r.request_id))])[2]
+    meta = engine.runner.prepare(SchedulerOutput([ScheduledChunk(
+        r, 1, engine.kv.block_table(r.request_id))]))[2]
     assert static._shape(meta) == (1, width)

@@ -11,8 +11,9 @@ from conftest import hf_greedy, make_engine, random_prompt
 
 from workers.cuda_graphs import batch_buckets, bucket_for, width_bucket
 from workers.device import DeviceError, DeviceProbe, resolve_device
-from workers.model_runner import ModelRunner, ScheduledChunk
+from workers.model_runner import ModelRunner
 from workers.request import SamplingParams
+from workers.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 @pytest.mark.parametrize("probe, expected", [
@@ -87,14 +88,14 @@ def test_step_metadata_is_one_host_to_device_copy(tiny_loaded, tiny_reference):
     chunks.append(ScheduledChunk(c, c.num_tokens - 32, engine.kv.block_table(c.request_id)))
     runner.one_decode_group = False    # the torch path's length groups: two here
     before = ModelRunner.h2d_copies
-    ids, pos, meta, rows, _ = runner.prepare(chunks)
+    ids, pos, meta, rows, _ = runner.prepare(SchedulerOutput(chunks))
     assert ModelRunner.h2d_copies - before == 1
     assert len(meta.decode_groups) == 2 and meta.prefills[0].block_table is not None
     tensors = [ids, pos, rows, meta.slot_mapping, meta.prefills[0].block_table,
                *(t for g in meta.decode_groups for t in (g.block_tables, g.context_lens))]
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     runner.one_decode_group = True     # the native kernel reads each row's own context
-    assert len(runner.prepare(chunks)[2].decode_groups) == 1
+    assert len(runner.prepare(SchedulerOutput(chunks))[2].decode_groups) == 1
     assert all(t.device == runner.device for t in tensors)
     assert [g.needs_mask for g in meta.decode_groups] == [False, False]   # one row each
 

@@ -206,8 +206,8 @@ def test_request_waits_for_blocks_held_by_a_reservation(tiny_loaded, tiny_refere
     """A decode-side reservation holds blocks outside the running set: a running request that
     cannot grow waits for them instead of being cut short (it used to end as "length")."""
     engine = make_engine(tiny_loaded, num_blocks=6, block_size=8)
-    reserved = engine.make_request(random_prompt(23, seed=60), GREEDY)
-    assert engine.reserve(reserved) == 0          # 3 blocks held, not running
+    reserved = engine.inputs.make_request(random_prompt(23, seed=60), GREEDY)
+    assert engine.handoff.reserve(reserved) == 0          # 3 blocks held, not running
     [runner] = [engine.add_request(random_prompt(20, seed=61), GREEDY)]   # needs 6 blocks
     for _ in range(40):
         engine.step()

@@ -12,10 +12,13 @@ import torch
 from conftest import hf_greedy, make_engine, random_prompt, save_random_checkpoint
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
+from kvcache.manager import cdiv
 from workers import kernels
 from workers.attention import DecodeGroup, LayerKV, _decode_attention_torch
+from workers.kernels import build
 from workers.model_loader import load_model
 from workers.request import SamplingParams
+from workers.scheduler_output import ModelRunnerOutput
 
 BF16 = torch.bfloat16
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -78,8 +81,8 @@ def test_greedy_matches_generate_for_each_family(checkpoints, family, model_impl
 @pytest.mark.parametrize("family", ["llama_bf16", "qwen2_bf16"])
 def test_float32_model_of_a_bf16_checkpoint_matches_generate(checkpoints, family):
     """A bf16 checkpoint in float32: decode steps' linears read the weights as bf16 (exact)
-    through workers/linear_w16.cpp where the CPU has AVX2 + FMA; greedy tokens are still
-    generate()'s in float32, at batch 8 (8 rows) and alone (1 row)."""
+    through workers/kernels/csrc/linear_w16.cpp where the CPU has AVX2 + FMA; greedy tokens are
+    still generate()'s in float32, at batch 8 (8 rows) and alone (1 row)."""
     path = checkpoints[family]
     engine = make_engine(load_model(str(path), "float32"))
     w16 = kernels.linear_w16_rows(torch.zeros(1, 1)) > 0
@@ -134,20 +137,16 @@ def test_bf16_logits_close_to_stock_bf16(checkpoints, family):
     engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     tokens = list(prompt)
     for _ in range(4):
-        chunks = engine.scheduler.schedule()
-        logits, rows = engine.runner.execute(chunks)
+        sched = engine.scheduler.schedule()
+        logits, rows = engine.runner.execute(sched)
         with torch.inference_mode():
             ref = reference(torch.tensor([tokens])).logits[0, -1].float()
         err = (logits[0] - ref).abs().max().item() / ref.abs().max().item()
         assert err <= BF16_LOGIT_TOL, f"{family}: relative logit error {err:.4f}"
         # continue the engine by hand with the stock model's greedy token
-        req = chunks[rows[0]].request
-        req.num_computed_tokens += chunks[rows[0]].num_new_tokens
         tok = int(ref.argmax())
-        req.append_token(tok, 0.0)
+        req, = engine.scheduler.update_from_output(sched, ModelRunnerOutput(rows, [tok]), 0.0)
         tokens.append(tok)
-        engine.kv.cache_computed(req.request_id, req.namespace_root, req.block_hashes,
-                                 req.all_token_ids, req.num_computed_tokens)
     engine.abort(req.request_id)
     _drained(engine)
 
@@ -155,14 +154,14 @@ def test_bf16_logits_close_to_stock_bf16(checkpoints, family):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 40])
 def test_native_decode_kernel_agrees_with_torch_path(dtype, window):
-    if kernels._module() is None:
+    if kernels.library() is None:
         pytest.skip("the native kernel could not be built here (no C++ compiler)")
     g = torch.Generator().manual_seed(0)
     num_blocks, bs, n_kv, head_dim, heads = 64, 16, 2, 32, 6
     k_cache = torch.randn(num_blocks, bs, n_kv, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, bs, n_kv, head_dim, generator=g).to(dtype)
     lens = torch.tensor([1, 15, 16, 17, 70, 130])
-    width = int(-(-lens.max() // bs))
+    width = int(cdiv(lens.max(), bs))
     tables = torch.randperm(num_blocks, generator=g)[:len(lens) * width].view(len(lens), width)
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
     group = DecodeGroup(0, len(lens), tables, lens, int(lens.max()))
@@ -174,7 +173,7 @@ def test_native_decode_kernel_agrees_with_torch_path(dtype, window):
 
 
 def test_native_kernel_refuses_inputs_it_would_read_past():
-    if kernels._module() is None:
+    if kernels.library() is None:
         pytest.skip("the native kernel could not be built here (no C++ compiler)")
     cache = torch.randn(4, 16, 2, 8)
     q, tables = torch.randn(2, 4, 8), torch.zeros(2, 1, dtype=torch.long)
@@ -194,12 +193,12 @@ def test_native_kernel_refuses_inputs_it_would_read_past():
 
 
 def test_native_kernel_builds_once_into_the_cache_and_reuses_it(tmp_path):
-    if kernels._compiler() is None:
+    if build.compiler() is None:
         pytest.skip("no C++ compiler here")
-    lib = kernels.build(tmp_path)
+    lib = build.build(tmp_path)
     assert lib.parent == tmp_path / "native" and lib.exists()
     mtime = lib.stat().st_mtime_ns
-    assert kernels.build(tmp_path) == lib and lib.stat().st_mtime_ns == mtime   # not rebuilt
+    assert build.build(tmp_path) == lib and lib.stat().st_mtime_ns == mtime   # not rebuilt
     # no temporary file left (the lock file stays: it is only ever locked, never rewritten)
     assert {p.name for p in lib.parent.iterdir()} == {lib.name, lib.stem + ".lock"}
 
@@ -218,7 +217,7 @@ def test_workers_starting_together_compile_the_kernel_once(tmp_path, monkeypatch
     cxx.chmod(0o755)
     monkeypatch.setenv("CXX", str(cxx))
     with ThreadPoolExecutor(4) as pool:
-        libs = list(pool.map(lambda _: kernels.build(tmp_path), range(4)))
+        libs = list(pool.map(lambda _: build.build(tmp_path), range(4)))
     assert len(set(libs)) == 1 and libs[0].read_text() == "lib\n"
     assert calls.read_text().splitlines() == ["compile"]
 
@@ -227,20 +226,20 @@ def test_without_a_compiler_the_kernel_is_off_and_attention_takes_the_torch_path
         tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("RAYPD_NATIVE_KERNELS", raising=False)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
     monkeypatch.setenv("RAYPD_CACHE_DIR", str(tmp_path))
-    kernels._module.cache_clear()
+    kernels.library.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-            kernels.build(tmp_path)
+            build.build(tmp_path)
         q = torch.randn(2, 4, 8)
         cache = torch.randn(4, 16, 2, 8)
         assert kernels.paged_decode(q, cache, cache, torch.zeros(2, 1, dtype=torch.long),
                                     torch.tensor([3, 5]), 0.3, None) is None
         assert kernels.decode_kernel_name(torch.device("cpu")) == "torch"
-        assert "native decode attention unavailable" in caplog.text
+        assert "native CPU kernels unavailable" in caplog.text
     finally:
-        kernels._module.cache_clear()    # the next test builds (or finds) the real one again
+        kernels.library.cache_clear()    # the next test builds (or finds) the real one again
 
 
 def test_native_kernel_off_gives_the_same_tokens(checkpoints, monkeypatch):

@@ -71,8 +71,8 @@ def test_smollm2_greedy_on_cuda_matches_generate_and_says_paris():
     engine = LLMEngine(EngineConfig(model="smollm2", dtype="float32", device="cuda",
                                     num_blocks=512), loaded=loaded)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = engine.tokenize(chat)
-    plain = [engine.tokenize("The quick brown fox"), random_prompt(200, seed=1, vocab=4000)]
+    ids = engine.inputs.tokenize(chat)
+    plain = [engine.inputs.tokenize("The quick brown fox"), random_prompt(200, seed=1, vocab=4000)]
     reqs = engine.generate([ids, *plain], SamplingParams(max_tokens=24, ignore_eos=True))
     for r in reqs:
         assert r.output_token_ids == hf_greedy_on(reference, r.prompt_token_ids, 24)

@@ -84,21 +84,21 @@ class World:
         self.d_ledger = HandoffLedger(clock=self.clock)
         self.handoff = DecodeHandoff(self.d, "decode", self.d_ledger, clock=self.clock)
         self.writes_ok = True
-        fill = self.d.fill
+        fill = self.d.handoff.fill
 
         def checked_fill(req, dest_block_ids, pages, *args, engine=self.d):
             own = {b.block_id for b in engine.kv.blocks_of(req.request_id)}
             self.writes_ok &= set(dest_block_ids) <= own and all(
                 engine.kv.pool.blocks[b].ref_cnt > 0 for b in dest_block_ids)
             return fill(req, dest_block_ids, pages, *args)
-        self.d.fill = checked_fill
+        self.d.handoff.fill = checked_fill
 
     # ---- the operations --------------------------------------------------------------------
     def admit(self, seed: int, shared: bool) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
         tokens = (SHARED if shared else []) + random_prompt(5 + 7 * seed, seed=seed)
-        req = self.d.make_request(tokens, SamplingParams(max_tokens=3, ignore_eos=True),
+        req = self.d.inputs.make_request(tokens, SamplingParams(max_tokens=3, ignore_eos=True),
                                   request_id=rid)
         adm = AdmittedRequest(rid, 0, tuple(req.prompt_token_ids), tuple(req.block_hashes), 16,
                               req.namespace_root, req.sampling, self.clock.now + 30)
@@ -109,7 +109,7 @@ class World:
         res = self.handoff.reservations.get(rid)
         if res is None or rid in self.results:
             return
-        req = self.p.admitted_request(self.admitted[rid], max_tokens=1)
+        req = self.p.handoff.admitted_request(self.admitted[rid], max_tokens=1)
         req.hold_kv = True
         self.p.add_request(request=req, prompt=None)
         while self.p.has_unfinished():

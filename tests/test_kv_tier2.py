@@ -180,7 +180,7 @@ def test_tier2_reload_is_bit_exact_and_greedy_identical(tiny_loaded, tiny_refere
     [first] = small.generate([shared + [5]], GREEDY)
     hashes = first.block_hashes[:3]
     for h in hashes:
-        first_pages[h] = small.read_pages([small.kv.pool._cached[h].block_id]).clone()
+        first_pages[h] = small.handoff.read_pages([small.kv.pool._cached[h].block_id]).clone()
     small.generate([other], GREEDY)
     assert all(h in small.kv.pool.tier2 for h in hashes), "shared's blocks were not demoted"
     [again] = small.generate([shared + [9]], GREEDY)
@@ -191,7 +191,7 @@ def test_tier2_reload_is_bit_exact_and_greedy_identical(tiny_loaded, tiny_refere
     if kv_dtype == "float32":   # the tiny model is float32: also stock transformers
         assert again.output_token_ids == hf_greedy(tiny_reference, shared + [9], 8)
     for h in hashes:          # the reloaded blocks' bytes equal what was demoted, bit for bit
-        page = small.read_pages([small.kv.pool._cached[h].block_id])
+        page = small.handoff.read_pages([small.kv.pool._cached[h].block_id])
         assert torch.equal(page.view(torch.uint8), first_pages[h].view(torch.uint8))
     small.check_invariants()
     assert small.kv.pool.counts()["referenced"] == 0

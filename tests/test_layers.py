@@ -101,3 +101,40 @@ def test_production_hosts_carry_no_fault_injection():
     for host in (PrefillHost, DecodeHost):
         assert not [f for f in faults if hasattr(host, f)], host
     assert all(hasattr(FaultyPrefillHost, f) or hasattr(FaultyDecodeHost, f) for f in faults)
+
+
+def test_native_sources_live_in_the_kernels_room():
+    """C++ sources and headers sit in workers/kernels/ (csrc/), nowhere else in workers/."""
+    room = ROOT / "workers" / "kernels"
+    wrong = [str(p.relative_to(ROOT)) for p in (ROOT / "workers").rglob("*")
+             if p.suffix in (".cpp", ".cc", ".h", ".hpp") and room not in p.parents]
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("module", ["workers.scheduler", "workers.scheduler_output",
+                                    "workers.engine_config", "cluster.config"])
+def test_the_engine_cores_torch_free_modules_load_without_torch(module):
+    """The scheduler and the step it hands the runner (vLLM v1's SchedulerOutput) are plain
+    Python: they load, in a fresh interpreter, without torch or Ray; so do the config chain and
+    the engine's settings."""
+    code = (f"import sys, importlib\nimportlib.import_module({module!r})\n"
+            f"print(','.join(n for n in ('torch', 'ray') if n in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"{module} loaded {out.stdout.strip()}"
+
+
+def test_no_engine_class_holds_more_than_about_twenty_methods():
+    """The engine core is split along its jobs (inputs, scheduling, the runner, outputs, the
+    P/D API, views): no class of those modules grows past 22 methods."""
+    files = ["engine", "engine_handoff", "engine_views", "input_processor", "output_processor",
+             "scheduler", "scheduler_output", "model_runner"]
+    wrong = []
+    for name in files:
+        tree = ast.parse((ROOT / "workers" / f"{name}.py").read_text())
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            n = sum(isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) for m in cls.body)
+            if n > 22:
+                wrong.append(f"workers/{name}.py {cls.name}: {n} methods")
+    assert not wrong, wrong

@@ -15,7 +15,7 @@ import torch
 from conftest import hf_greedy, make_engine, random_prompt
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from workers.engine import UnknownLoRAError
+from protocol.errors import UnknownLoRAError
 from workers.lora import LoRAError, read_adapter
 from workers.model_loader import load_model
 from workers.request import SamplingParams
@@ -146,7 +146,7 @@ def test_namespace_is_the_content_hash_not_the_name(adapters, tmp_path):
 def test_unknown_adapter_is_refused_not_served_by_the_base(adapters):
     engine = _engine(adapters)
     with pytest.raises(UnknownLoRAError, match="'nope'.*all, qv"):
-        engine.make_request([5, 6, 7], GREEDY, lora_id="nope")
+        engine.inputs.make_request([5, 6, 7], GREEDY, lora_id="nope")
     assert engine.stats.requests_rejected == 1
 
 
@@ -185,16 +185,16 @@ def test_a_worker_refuses_a_request_admitted_under_another_adapter_namespace(ada
     from protocol.errors import RequestError
     from protocol.messages import AdmittedRequest
     d = make_engine(load_model("tiny"), lora_adapters=adapters)
-    req = d.make_request(random_prompt(40, seed=5), SamplingParams(max_tokens=4),
+    req = d.inputs.make_request(random_prompt(40, seed=5), SamplingParams(max_tokens=4),
                          request_id="r1", lora_id="all")
     admitted = AdmittedRequest("r1", 0, tuple(req.prompt_token_ids), tuple(req.block_hashes),
                                req.block_size, req.namespace_root, req.sampling, 1e18, "",
                                "all")
     same = make_engine(load_model("tiny"), lora_adapters={"all": adapters["all"]})
-    assert same.admitted_request(admitted).lora_name == "all"
+    assert same.handoff.admitted_request(admitted).lora_name == "all"
     other = make_engine(load_model("tiny"), lora_adapters={"all": adapters["qv"]})
     with pytest.raises(RequestError, match="another cache namespace"):
-        other.admitted_request(admitted)
+        other.handoff.admitted_request(admitted)
     assert other.kv.pool.counts()["referenced"] == 0
 
 
@@ -234,14 +234,14 @@ def test_engine_stats_count_requests_tokens_and_hits_per_adapter(adapters):
 def test_decode_reservations_count_against_max_loras(adapters):
     """A reservation awaiting its KV will run: another adapter beyond max_loras waits."""
     engine = _engine(adapters, max_loras=1)
-    a = engine.make_request(random_prompt(20, seed=1), GREEDY, lora_id="all")
-    b = engine.make_request(random_prompt(20, seed=2), GREEDY, lora_id="qv")
-    same = engine.make_request(random_prompt(20, seed=3), GREEDY, lora_id="all")
-    assert engine.reserve(a) == 0
-    assert engine.reserve(b) is None          # nothing reserved for it
-    assert engine.reserve(same) == 0
-    engine.add_request(request=engine.make_request([5, 6, 7], GREEDY, lora_id="qv"), prompt=None)
-    assert engine.scheduler.schedule() == []  # the queued "qv" request waits for a slot
+    a = engine.inputs.make_request(random_prompt(20, seed=1), GREEDY, lora_id="all")
+    b = engine.inputs.make_request(random_prompt(20, seed=2), GREEDY, lora_id="qv")
+    same = engine.inputs.make_request(random_prompt(20, seed=3), GREEDY, lora_id="all")
+    assert engine.handoff.reserve(a) == 0
+    assert engine.handoff.reserve(b) is None          # nothing reserved for it
+    assert engine.handoff.reserve(same) == 0
+    engine.add_request(request=engine.inputs.make_request([5, 6, 7], GREEDY, lora_id="qv"), prompt=None)
+    assert engine.scheduler.schedule().chunks == []  # the queued "qv" request waits for a slot
 
 
 def test_a_workers_prefill_speed_leaves_out_its_adapter_loads(adapters, monkeypatch):

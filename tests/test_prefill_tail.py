@@ -14,7 +14,7 @@ TAIL = BUDGET // TAIL_DIVISOR
 
 
 def _chunks(engine) -> dict[str, int]:
-    return {ch.request.request_id: ch.num_new_tokens for ch in engine.scheduler.schedule()}
+    return {ch.request.request_id: ch.num_new_tokens for ch in engine.scheduler.schedule().chunks}
 
 
 def _beside_a_decode(engine, prompt_len: int) -> dict[str, int]:

@@ -52,7 +52,7 @@ def _mixed_step_chunks(engine, long_prompt: list[int]) -> dict[str, int]:
         engine.step()
     engine.add_request(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True),
                        request_id="long")
-    chunks = engine.scheduler.schedule()
+    chunks = engine.scheduler.schedule().chunks
     return {ch.request.request_id: ch.num_new_tokens for ch in chunks}
 
 

@@ -114,7 +114,7 @@ class DecodeHost(EngineHost):
         request is prefilled right here instead (conditional disaggregation)."""
         with self._call_lock():
             if isinstance(request, RequestInput):
-                req = self.engine.make_request(request.prompt, request.sampling,
+                req = self.engine.inputs.make_request(request.prompt, request.sampling,
                                                request_id=request.worker_request_id,
                                                chat=request.chat, tenant=request.tenant,
                                                lora_id=request.lora_id)
@@ -124,8 +124,8 @@ class DecodeHost(EngineHost):
                                            request.deadline, request.tenant, request.lora_id)
             else:
                 admitted = request
-                req = self.engine.admitted_request(admitted)
-            hits = self.engine.match_prefix(req)     # matched once per admission
+                req = self.engine.handoff.admitted_request(admitted)
+            hits = self.engine.handoff.match_prefix(req)     # matched once per admission
             uncached = req.num_tokens - len(hits) * self.engine.cfg.block_size
             if uncached <= local_prefill_max_tokens:
                 self._open_stream(req)
@@ -137,11 +137,11 @@ class DecodeHost(EngineHost):
             plan = self.handoff.reserve(req, admitted, hits)
             if plan is None:
                 return Admission(admitted, self.worker_id, False,
-                                 free_blocks=self.engine.num_free_blocks)
+                                 free_blocks=self.engine.view.num_free_blocks)
             self._open_stream(req)
             return Admission(admitted, self.worker_id, True, decode_cached_blocks=plan.first_block,
-                             plan=plan, free_blocks=self.engine.num_free_blocks,
-                             reserved_blocks=len(self.engine.block_table(req.request_id)))
+                             plan=plan, free_blocks=self.engine.view.num_free_blocks,
+                             reserved_blocks=len(self.engine.handoff.block_table(req.request_id)))
 
     def _fill(self, result: PrefillResult, pages=None, sent_at: float | None = None) -> None:
         """Pull the staged pages into a private buffer, verify them (one checksum pass, outside
@@ -219,7 +219,7 @@ class DecodeHost(EngineHost):
         (its blocks stay held; its stream stays open until it is staged). None when it is not a
         running decode here (queued, prefilling, finished, unknown): nothing changed."""
         with self._call_lock():
-            req = self.engine.freeze(request_id)
+            req = self.engine.handoff.freeze(request_id)
             if req is None:
                 return None
             self._frozen_at[request_id] = time.monotonic()
@@ -232,7 +232,7 @@ class DecodeHost(EngineHost):
         """Source side: the move did not happen; the request decodes here again."""
         with self._call_lock():
             self._frozen_at.pop(request_id, None)
-            done = self.engine.unfreeze(request_id)
+            done = self.engine.handoff.unfreeze(request_id)
         self._work.set()
         return done
 
@@ -255,17 +255,17 @@ class DecodeHost(EngineHost):
         worker's own prefix hit) and plan the transfer of the rest from the source; or say no
         room now. Its stream opens here: the first post replays the output so far."""
         with self._call_lock():
-            req = self.engine.resumed_request(moved)
+            req = self.engine.handoff.resumed_request(moved)
             plan = self.handoff.reserve_migration(req, moved)
             if plan is None:
                 return Admission(moved.admitted, self.worker_id, False,
-                                 free_blocks=self.engine.num_free_blocks)
+                                 free_blocks=self.engine.view.num_free_blocks)
             self._open_stream(req)
             self._replay.add(req.request_id)
             return Admission(moved.admitted, self.worker_id, True,
                              decode_cached_blocks=plan.first_block, plan=plan,
-                             free_blocks=self.engine.num_free_blocks,
-                             reserved_blocks=len(self.engine.block_table(req.request_id)))
+                             free_blocks=self.engine.view.num_free_blocks,
+                             reserved_blocks=len(self.engine.handoff.block_table(req.request_id)))
 
     def _source(self) -> KVProducer:
         """Under the lock: this worker's producer for moves away (made once)."""

@@ -158,9 +158,9 @@ class EngineHost:
                     self._step_started = time.monotonic()
                     before = step_snapshot(self.engine)
                     try:
-                        loading_s = self.engine.lora_load_s_total()
+                        loading_s = self.engine.view.lora_load_s_total()
                         outputs = self._run_step()
-                        loading_s = self.engine.lora_load_s_total() - loading_s
+                        loading_s = self.engine.view.lora_load_s_total() - loading_s
                         # adapter loads are reported on their own (lora_load_s), not as
                         # prefill or decode speed
                         observe_step(self.rates, before,
@@ -169,7 +169,7 @@ class EngineHost:
                         outputs = self._fail_step(e)
                     finally:
                         self._step_started = None
-                    if self.engine.stalled:   # blocks held by reservations / leases:
+                    if self.engine.view.stalled:   # blocks held by reservations / leases:
                         self._work.clear()              # wait for new work, or 0.1 s
                     self._after_step(outputs)
                     self._publish()
@@ -259,19 +259,19 @@ class EngineHost:
         e = self.engine
         return {"worker_id": self.worker_id, "role": self.role,
                 "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "num_blocks": e.pool_counts()["total"], "block_size": e.cfg.block_size,
+                "num_blocks": e.view.pool_counts()["total"], "block_size": e.cfg.block_size,
                 "kv_bytes_per_token": e.kv_bytes_per_token, "model_id": e.info.model_id,
                 "vocab_size": e.info.vocab_size, "max_model_len": e.max_model_len,
                 "namespace": asdict(e.namespace), "transport": self.transport_name,
                 "device": e.device.type, "gpu": pool_device(e.device).gpu}
 
     def tokenize(self, prompt: Any, chat: bool = False) -> list[int]:
-        return self.engine.tokenize(prompt, chat)
+        return self.engine.inputs.tokenize(prompt, chat)
 
     def stats(self) -> dict:
         with self._lock:
             d = self.engine.get_stats()
-            d.update(self.engine.pool_counts())
+            d.update(self.engine.view.pool_counts())
             d.update(worker_id=self.worker_id, role=self.role, loop_error=self._loop_error,
                      step_failures=self._step_failures)
             return d
@@ -280,13 +280,13 @@ class EngineHost:
         """Assert the block ledger and return its counts."""
         with self._lock:
             self.engine.check_invariants()
-            return self.engine.pool_counts()
+            return self.engine.view.pool_counts()
 
     def block_holders(self) -> dict[str, str]:
         """Requests that reference blocks now: request id -> "<blocks> blocks, <state>"
         (what a leak report names)."""
         with self._lock:
-            return self.engine.block_holders()
+            return self.engine.view.block_holders()
 
     def _note_release(self, hold: Hold) -> None:
         with self._report_lock:
@@ -301,9 +301,9 @@ class EngineHost:
         """Under the engine lock: move KV events and a load snapshot to where `load_report`
         reads them, so a report never waits for an engine step (steps can take seconds)."""
         e = self.engine
-        events = e.take_kv_events()
-        waiting, running_reqs = e.waiting_requests(), e.running_requests()
-        used, cached, free, total = e.pool_usage()
+        events = e.view.take_kv_events()
+        waiting, running_reqs = e.view.waiting_requests(), e.view.running_requests()
+        used, cached, free, total = e.view.pool_usage()
         queued = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
         if self.role == "decode":
             running = sum(r.num_tokens for r in running_reqs)
@@ -329,7 +329,7 @@ class EngineHost:
                           kv_bytes_per_token=int(e.kv_bytes_per_token), kv=self._kv_counters(),
                           incarnation=self.incarnation, reported_at=time.monotonic(),
                           lora_slots=e.cfg.max_loras if e.cfg.lora_adapters else 0,
-                          **e.lora_load_report())
+                          **e.view.lora_load_report())
         with self._report_lock:
             self._events_out.extend(events)
             self._snapshot = snap
@@ -395,7 +395,7 @@ def prefilling(req: Any) -> bool:
 def step_snapshot(engine: LLMEngine) -> list[tuple[Any, int, bool]]:
     """Before a step: (request, num_computed_tokens, is_prefill) of every scheduled request."""
     return [(r, r.num_computed_tokens, prefilling(r))
-            for r in (*engine.running_requests(), *engine.waiting_requests())]
+            for r in (*engine.view.running_requests(), *engine.view.waiting_requests())]
 
 
 def observe_step(rates: StepRates, before: list[tuple[Any, int, bool]], seconds: float) -> None:

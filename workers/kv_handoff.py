@@ -145,10 +145,10 @@ class DecodeHandoff:
         """Reserve blocks for the whole prompt (taking D's own prefix hit, `hits` when the
         caller matched it already); return the plan of the blocks P must send, or None (nothing
         reserved) when there is no room now."""
-        d_hit = self.engine.reserve(req, hits)
+        d_hit = self.engine.handoff.reserve(req, hits)
         if d_hit is None:
             return None
-        blocks = self.engine.block_table(req.request_id)
+        blocks = self.engine.handoff.block_table(req.request_id)
         n = admitted.num_prompt_blocks
         hashes = list(admitted.block_hashes[d_hit:n])
         hashes += [0] * (n - d_hit - len(hashes))    # the trailing partial block
@@ -161,14 +161,14 @@ class DecodeHandoff:
 
     def reserve_migration(self, req: Request, m: MigratedRequest) -> TransferPlan | None:
         """Live migration, D2's side: reserve blocks for every token the source computed
-        (prompt + output but the last, `req` from engine.resumed_request), taking D2's own
+        (prompt + output but the last, `req` from engine.handoff.resumed_request), taking D2's own
         prefix hit over them; the plan names the source's blocks D2 lacks, the trailing partial
         block included. None (nothing reserved) when there is no room now."""
-        hits = self.engine.match_prefix(req)
-        d_hit = self.engine.reserve(req, hits, migrated=True)
+        hits = self.engine.handoff.match_prefix(req)
+        d_hit = self.engine.handoff.reserve(req, hits, migrated=True)
         if d_hit is None:
             return None
-        blocks = self.engine.block_table(req.request_id)
+        blocks = self.engine.handoff.block_table(req.request_id)
         n = -(-req.num_tokens // req.block_size)
         assert len(blocks) == n > d_hit, (len(blocks), n, d_hit)
         hashes = list(req.block_hashes[d_hit:n])
@@ -241,7 +241,7 @@ class DecodeHandoff:
         if res.migrated_from:      # a moved decode: its lifecycle so far came with it
             lc.migrations += 1
             lc.transferred_blocks += res.plan.num_blocks if pages is not None else 0
-            return self.engine.fill(res.request, res.plan.dest_block_ids, pages,
+            return self.engine.handoff.fill(res.request, res.plan.dest_block_ids, pages,
                                     result.first_token, result.sampler_state)
         lc.skipped_blocks = res.plan.first_block
         lc.prefill_worker = result.prefill_worker
@@ -249,7 +249,7 @@ class DecodeHandoff:
         lc.computed_tokens += result.computed_tokens
         if pages is not None:
             lc.transferred_blocks = res.plan.num_blocks
-        return self.engine.fill(res.request, res.plan.dest_block_ids, pages, result.first_token,
+        return self.engine.handoff.fill(res.request, res.plan.dest_block_ids, pages, result.first_token,
                                 result.sampler_state)
 
     # ---- give up ------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ class DecodeHandoff:
         del self.reservations[rid]
         self.ledger.release(self.worker_id, RESERVED, rid, FALLBACK_LOCAL)
         res.request.lifecycle.decode_worker = self.worker_id
-        self.engine.fallback(res.request)
+        self.engine.handoff.fallback(res.request)
         return True
 
     def cancel(self, rid: str, reason: str) -> bool:
@@ -271,7 +271,7 @@ class DecodeHandoff:
         if res is None:
             return False
         res.state = PullState.CANCELLED
-        self.engine.release(rid)
+        self.engine.handoff.release(rid)
         self.ledger.release(self.worker_id, RESERVED, rid, reason)
         return True
 
@@ -303,12 +303,12 @@ def stage_plan(engine: LLMEngine, producer, ledger: HandoffLedger, worker_id: st
     `corrupt` flips bytes of the staged copy after the checksums were taken (chaos)."""
     rid = req.request_id
     try:
-        blocks = engine.block_table(rid)
+        blocks = engine.handoff.block_table(rid)
         src = blocks[plan.first_block:plan.first_block + plan.num_blocks]
         if len(src) != plan.num_blocks:
             raise RequestError(f"plan for {rid} asks for blocks {plan.first_block}.."
                                f"{plan.first_block + plan.num_blocks} of {len(blocks)}")
-        pages = engine.read_pages(src)
+        pages = engine.handoff.read_pages(src)
         sums = page_checksums(pages)
         if corrupt:
             flat = pages.view(-1).view(torch.uint8)
@@ -324,10 +324,10 @@ def stage_plan(engine: LLMEngine, producer, ledger: HandoffLedger, worker_id: st
             raise
         staged_at = clock()
     finally:
-        engine.release(rid)
+        engine.handoff.release(rid)
     lc = req.lifecycle
     return PrefillResult(plan.request_id, plan.epoch, plan.digest, first_token, handle, sums,
                          staged_at, handle.lease_s, worker_id,
-                         sampler_state=engine.sampler_state(req),
+                         sampler_state=engine.handoff.sampler_state(req),
                          cached_tokens=lc.cached_tokens, computed_tokens=lc.computed_tokens,
                          ttft_s=lc.ttft_s)

@@ -212,6 +212,12 @@ class LoRAStats:
                 "lora_prompt_tokens": dict(self.prompt_tokens),
                 "lora_hit_tokens": dict(self.hit_tokens)}
 
+    def observe_request(self, name: str) -> None:
+        self.requests[name] = self.requests.get(name, 0) + 1
+
+    def observe_tokens(self, name: str, tokens: int) -> None:
+        self.tokens[name] = self.tokens.get(name, 0) + tokens
+
     def observe_finished(self, name: str, prompt_tokens: int, hit_tokens: int) -> None:
         self.prompt_tokens[name] = self.prompt_tokens.get(name, 0) + prompt_tokens
         self.hit_tokens[name] = self.hit_tokens.get(name, 0) + hit_tokens

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvcache.manager import cdiv
 from workers.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -31,16 +32,9 @@ from workers.device import PinnedStaging, pinned, synchronize
 from workers.kv_quant import QuantizedPool
 from workers.llama import CompactLlama, layer_windows
 from workers.lora import LoRABatch, LoRAManager, LoRASpec, fused_groups, stock_groups
-from workers.request import Request
+from workers.scheduler_output import ScheduledChunk, SchedulerOutput
 
 MODEL_IMPLS = ("auto", "compact", "stock")
-
-
-@dataclass
-class ScheduledChunk:
-    request: Request
-    num_new_tokens: int
-    block_table: list[int]
 
 
 @dataclass
@@ -179,11 +173,12 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
-        """Run the model on `chunks`. Returns logits [n, vocab] (float32, on the device) for the
-        chunks that end at their request's last known token, and those chunks' indices."""
-        input_ids, positions, meta, sample_rows, sample_chunks = self.prepare(chunks)
-        lora = self._lora_step(chunks)
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Run the model on the scheduled step. Returns logits [n, vocab] (float32, on the
+        device) for the chunks that end at their request's last known token, and those chunks'
+        indices in `sched.chunks`."""
+        input_ids, positions, meta, sample_rows, sample_chunks = self.prepare(sched)
+        lora = self._lora_step(sched)
         t0 = time.perf_counter()
         try:
             if self.graphs is not None and self.graphs.applies(meta, lora):
@@ -194,12 +189,12 @@ class ModelRunner:
             self.last_forward_s = time.perf_counter() - t0
             self._lora_batch = None
 
-    def _lora_step(self, chunks: list[ScheduledChunk]) -> LoRABatch | None:
+    def _lora_step(self, sched: SchedulerOutput) -> LoRABatch | None:
         """Each token's adapter, in the flat batch's order (decodes, then prefills)."""
         if self.lora is None:
             return None
-        decodes, prefills = self._step_order(chunks)
-        order = [chunks[i] for i in decodes + prefills]
+        decodes, prefills = sched.step_order()
+        order = [sched.chunks[i] for i in decodes + prefills]
         return self.lora.batch([ch.request.lora_name for ch in order],
                                [ch.num_new_tokens for ch in order])
 
@@ -236,13 +231,14 @@ class ModelRunner:
             return hidden.new_empty(0, 0)
         return head(hidden[sample_rows]).float()
 
-    def prepare(self, chunks: list[ScheduledChunk]):
+    def prepare(self, sched: SchedulerOutput):
         """(input_ids, positions, AttentionMetadata (with the slot mapping), sample_rows (a device
         index), sample_chunks) of a step: decodes first (shortest context first, so similar
         lengths share a group), then prefill chunks. Everything is built on the host, then
         moved in one copy (`StepUpload`)."""
         bs = self.block_size
-        decodes, prefills = self._step_order(chunks)
+        chunks: list[ScheduledChunk] = sched.chunks
+        decodes, prefills = sched.step_order()
         tokens: list[int] = []
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
@@ -265,7 +261,7 @@ class ModelRunner:
             q_start = len(tokens)
             tokens.extend(req.all_token_ids[start:start + n])
             pos = torch.arange(start, start + n)
-            table = torch.tensor(ch.block_table[:-(-(start + n) // bs)], dtype=torch.long)
+            table = torch.tensor(ch.block_table[:cdiv(start + n, bs)], dtype=torch.long)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             if start + n == req.num_tokens:
@@ -288,16 +284,6 @@ class ModelRunner:
                                  prefill_segs, self.kv_scales, self.kv_quant)
         return dev[i_tok], dev[i_pos], meta, dev[i_rows], sample_chunks
 
-    @staticmethod
-    def _step_order(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
-        """Chunk indices in the flat batch's order: decodes (shortest context first), then
-        prefill chunks."""
-        decodes = sorted((i for i, ch in enumerate(chunks) if ch.num_new_tokens == 1
-                          and ch.request.num_computed_tokens > 0),
-                         key=lambda i: chunks[i].request.num_computed_tokens)
-        dset = set(decodes)
-        return decodes, [i for i in range(len(chunks)) if i not in dset]
-
     def _decode_groups(self, tables: list[list[int]], positions: list[int]):
         """Decodes sorted by context length, split where the block count doubles (each group
         is one gather over its longest context, so padding stays under half of what it reads;
@@ -308,7 +294,7 @@ class ModelRunner:
         if not tables:
             return [], torch.empty(0, dtype=torch.long)
         lens = torch.tensor(positions, dtype=torch.long) + 1
-        nblocks = [-(-(p + 1) // bs) for p in positions]
+        nblocks = [cdiv(p + 1, bs) for p in positions]
         width = max(nblocks)
         # one array for all rows (numpy reads nested lists ~3x faster than torch.tensor)
         padded = torch.from_numpy(np.array([t[:nb] + [0] * (width - nb) for t, nb

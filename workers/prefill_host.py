@@ -48,7 +48,7 @@ class PrefillHost(EngineHost):
         next prompt's prefill step."""
         assert plan.request_id == admitted.request_id and plan.epoch == admitted.epoch
         with self._call_lock():
-            req = self.engine.admitted_request(admitted, max_tokens=1)
+            req = self.engine.handoff.admitted_request(admitted, max_tokens=1)
             req.hold_kv = True
             q = self._open_queue(req.request_id)
             self._plans[req.request_id] = plan
@@ -72,7 +72,7 @@ class PrefillHost(EngineHost):
             self._plans.pop(req.request_id, None)
         if result is None:        # aborted before the loop staged it
             with self._lock:
-                self.engine.release(req.request_id)
+                self.engine.handoff.release(req.request_id)
             raise RequestError(f"request {req.request_id} was aborted during prefill")
         timing = PrefillTiming.measure(req.arrival_time, req.first_scheduled_time,  # trace hook
                                        req.first_token_time, time.perf_counter())
@@ -105,7 +105,7 @@ class PrefillHost(EngineHost):
         with self._lock:
             self._plans.pop(request_id, None)     # the loop stages nothing for it from now
             self.engine.abort(request_id)
-            self.engine.release(request_id)
+            self.engine.handoff.release(request_id)
             while q is not None and not q.empty():
                 item = q.get_nowait()
                 if isinstance(item, PrefillResult) and item.handle is not None:

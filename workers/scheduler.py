@@ -9,6 +9,10 @@ A request left alone that still cannot grow waits (`stalled`) while blocks are h
 the running set (decode-side reservations awaiting their KV, prefill-side transfer leases):
 those come back on their own. Only when nothing else holds blocks is the pool its limit,
 and the engine ends it (`out_of_blocks`).
+
+The scheduler owns the requests' progress: `schedule()` returns the step as a `SchedulerOutput`
+(workers/scheduler_output.py), and `update_from_output()` applies what the step computed and
+sampled (computed tokens, appended tokens, blocks cached). Torch-free.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from dataclasses import dataclass
 
 from kvcache.manager import KVCacheManager
 from protocol.lifecycle import EngineStats
-from workers.model_runner import ScheduledChunk
 from workers.request import Request, RequestStatus
+from workers.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from workers.step_budget import StepBudget
 
 # A prefill whose rest after this step's chunk is at most budget / TAIL_DIVISOR tokens computes
@@ -54,7 +58,6 @@ class Scheduler:
         self.stats = stats
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.out_of_blocks: list[Request] = []  # running alone yet cannot grow: engine ends them
         self.stalled = False   # last step scheduled nothing: waiting for blocks held elsewhere
 
     def add(self, req: Request) -> None:
@@ -63,9 +66,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        out_of_blocks: list[Request] = []   # running alone yet cannot grow: engine ends them
         # 1) running requests, decodes before prefill chunks (the runner wants decodes first)
         self.running.sort(key=lambda r: r.is_prefill)
         preempted = False
@@ -92,14 +96,14 @@ class Scheduler:
                     if self._blocks_held_elsewhere():
                         stalled = True       # reservations / leases free them: wait
                     else:                    # the pool is its limit
-                        self.out_of_blocks.append(req)
+                        out_of_blocks.append(req)
                     break
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-            if req.status is not RequestStatus.RUNNING or req in self.out_of_blocks or stalled:
+            if req.status is not RequestStatus.RUNNING or req in out_of_blocks or stalled:
                 break
             if req.is_prefill:
                 prefill_left -= n
@@ -140,7 +144,46 @@ class Scheduler:
         self.stalled = stalled
         used = self.kv.pool.num_used_blocks
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
-        return chunks
+        return SchedulerOutput(chunks, out_of_blocks)
+
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
+                           now: float) -> list[Request]:
+        """Apply a step: every chunk's tokens are computed, each sampled chunk's request
+        gets its token, and the blocks now full are cached. Returns the requests that got a
+        token, in `result`'s order (the engine checks their stop rules)."""
+        self.stats.observe_utilization(*self.stored_tokens())
+        for ch in out.chunks:
+            ch.request.num_computed_tokens += ch.num_new_tokens
+            ch.request.lifecycle.computed_tokens += ch.num_new_tokens
+            self.stats.computed_tokens += ch.num_new_tokens
+        reqs = [out.chunks[i].request for i in result.sampled_chunks]
+        for req, tok in zip(reqs, result.token_ids, strict=True):
+            req.append_token(tok, now)
+        for ch in out.chunks:
+            self.cache_computed(ch.request)
+        return reqs
+
+    def cache_computed(self, req: Request) -> None:
+        """Cache the request's full computed blocks (prefix caching)."""
+        self.kv.cache_computed(req.request_id, req.namespace_root, req.block_hashes,
+                               req.all_token_ids, req.num_computed_tokens)
+
+    def add_running(self, req: Request) -> None:
+        """A request whose KV is already computed (landed from another worker, or unfrozen)
+        decodes from the next step on."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def pause(self, req: Request) -> bool:
+        """Take a running decode out of the batch, keeping its blocks (a live migration's
+        freeze); False (nothing changed) unless it is a running decode with a token."""
+        if req.status is not RequestStatus.RUNNING or req.is_prefill \
+                or not req.output_token_ids or req not in self.running:
+            return False
+        assert req.num_computed_tokens == req.num_tokens - 1, req
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        return True
 
     def _with_tail(self, left: int, n: int) -> int:
         """`n` prefill tokens of the `left` to compute, or all `left` when the rest would be a

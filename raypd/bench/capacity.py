@@ -103,9 +103,9 @@ def measure_tpot(model: str, loaded, kv_dtype: str, n: int, context: int, block_
         devices.add(engine.device.type)
     sp = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     for i in range(n):
-        req = engine.make_request([3 + (i + t) % 200 for t in range(context - 1)], sp)
-        assert engine.reserve(req) is not None
-        engine.fill(req, [], None, 3)   # placeholder KV: the reserved blocks as they are
+        req = engine.inputs.make_request([3 + (i + t) % 200 for t in range(context - 1)], sp)
+        assert engine.handoff.reserve(req) is not None
+        engine.handoff.fill(req, [], None, 3)   # placeholder KV: the reserved blocks as they are
     engine.step()                                     # warm-up
     times = []
     for _ in range(steps):

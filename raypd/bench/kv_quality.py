@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from kvcache.manager import cdiv
 from router.percentiles import percentile
 from workers.kv_gate import Deviation, GateThresholds, record_gate
 
@@ -63,10 +64,10 @@ def _text_logprobs(engine, ids: list[int], chunk: int) -> torch.Tensor:
     """[len(ids) - 1, vocab] float32 log-probabilities of each next token, the text prefilled
     through the engine's paged pool (blocks 0.. of a fresh engine): one token, then `chunk`-token
     pieces, each attending to its own keys as the pool stored them."""
-    from workers.model_runner import ScheduledChunk
+    from workers.scheduler_output import ScheduledChunk, SchedulerOutput
     runner = engine.runner
-    req = engine.make_request(ids, request_id=f"ppl-{len(ids)}")
-    table = list(range(-(-len(ids) // engine.cfg.block_size)))
+    req = engine.inputs.make_request(ids, request_id=f"ppl-{len(ids)}")
+    table = list(range(cdiv(len(ids), engine.cfg.block_size)))
     assert len(table) <= engine.kv.pool.num_blocks, "the text window must fit the pool"
     out = []
     starts = [0, *range(1, len(ids), chunk)]
@@ -74,7 +75,7 @@ def _text_logprobs(engine, ids: list[int], chunk: int) -> torch.Tensor:
         for start, end in zip(starts, [*starts[1:], len(ids)], strict=True):
             n = end - start
             req.num_computed_tokens = start
-            input_ids, positions, meta, _, _ = runner.prepare([ScheduledChunk(req, n, table)])
+            input_ids, positions, meta, _, _ = runner.prepare(SchedulerOutput([ScheduledChunk(req, n, table)]))
             logits = runner._forward(input_ids, positions, meta, list(range(n)))
             out.append(torch.log_softmax(logits.float(), dim=-1).cpu())
     return torch.cat(out)[:-1]
@@ -137,7 +138,7 @@ def run_kv_quality(model: str = "smollm2", kv_dtype: str = "int8", dtype: str = 
     targets = torch.tensor(text_ids[1:])
     stride = max(1, (len(ids) - prompt_tokens) // prompts)
     prompt_ids = [ids[i * stride:i * stride + prompt_tokens] for i in range(prompts)]
-    need = max(-(-window // block_size), prompts * -(-(prompt_tokens + max_tokens) // block_size))
+    need = max(cdiv(window, block_size), prompts * cdiv(prompt_tokens + max_tokens, block_size))
 
     def engine(kv: str, weights=loaded) -> LLMEngine:
         return LLMEngine(EngineConfig(model=model, dtype=weights[2].dtype, kv_dtype=kv,
