@@ -1,4 +1,4 @@
-"""The bf16 prefill attention (workers/attention_bf16.cpp: causal from the bottom right over a
+"""The bf16 prefill attention (workers/kernels/csrc/attention_bf16.cpp: causal from the bottom right over a
 cached prefix and the chunk itself, grouped-query heads, sliding windows on AVX512-BF16) on each
 path this CPU has (AMX-BF16; AVX512-BF16, forced by RAYPD_KERNEL_ISA=avx512bf16 where AMX is
 there too) against a float32 reference."""
@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import attention_reference, fused_qkv_slices
 
+from kvcache.manager import cdiv
 from workers import kernels
 
 BF16 = torch.bfloat16
@@ -117,7 +118,7 @@ def _paged(k: torch.Tensor, v: torch.Tensor, bs: int, seed: int, spare: int = 5)
     blocks no one uses between them): (k_pool, v_pool, block_table)."""
     g = torch.Generator().manual_seed(seed)
     s, h_kv, d = k.shape
-    need = -(-s // bs)
+    need = cdiv(s, bs)
     num_blocks = need + spare
     table = torch.randperm(num_blocks, generator=g)[:need]
     pools = []

@@ -1,4 +1,4 @@
-"""The float32 prefill attention (workers/attention_f32.cpp: AVX2 + FMA, causal from the bottom
+"""The float32 prefill attention (workers/kernels/csrc/attention_f32.cpp: AVX2 + FMA, causal from the bottom
 right over a cached prefix and the chunk itself, grouped-query heads, sliding windows) against a
 float64 reference."""
 

@@ -1,6 +1,6 @@
-"""The native paged decode attention (workers/paged_decode.cpp) against a plain float64 PyTorch
-reference: GQA ratios 1, 3, 4, 8; head_dim 64 and 128; context lengths around a block's edges
-and a few thousand; block tables that are not contiguous; sliding windows; one thread and two
+"""The native paged decode attention (workers/kernels/csrc/paged_decode.cpp) against a plain
+float64 PyTorch reference: GQA ratios 1, 3, 4, 8; head_dim 64 and 128; context lengths around a
+block's edges and a few thousand; block tables that are not contiguous; sliding windows; one thread and two
 (a long context is split between them); the widest path the CPU has (AMX scores for bf16
 pools where the CPU has AMX-BF16), the AVX512-BF16, AVX2 and portable ones forced."""
 
@@ -9,12 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcache.manager import cdiv
 from workers import kernels
+from workers.kernels import isa as kisa
 
 BS = 16
 LENS = [1, BS - 1, BS, BS + 1, 3000]
 
-pytestmark = pytest.mark.skipif(kernels._module() is None,
+pytestmark = pytest.mark.skipif(kernels.library() is None,
                                 reason="the native kernel could not be built (no C++ compiler)")
 
 
@@ -41,7 +43,7 @@ def reference(q, k_cache, v_cache, tables, lens, scale, window):
 
 def case(n_kv, group, head_dim, dtype, seed=0, bs=BS, lens=LENS):
     g = torch.Generator().manual_seed(seed)
-    width = -(-max(lens) // bs)
+    width = cdiv(max(lens), bs)
     num_blocks = len(lens) * width + 7
     k_cache = torch.randn(num_blocks, bs, n_kv, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, bs, n_kv, head_dim, generator=g).to(dtype)
@@ -53,15 +55,15 @@ def case(n_kv, group, head_dim, dtype, seed=0, bs=BS, lens=LENS):
 
 
 def has_avx2() -> bool:
-    return kernels._module().path(64, 0, 1) == 1
+    return bool(kernels.library().paths(64, 0) >> kisa.AVX2 & 1)
 
 
 def has_avx512_bf16() -> bool:
-    return kernels._module().path(64, 1, 2) == 2
+    return bool(kernels.library().paths(64, 1) >> kisa.AVX512_BF16 & 1)
 
 
 def has_amx() -> bool:
-    return kernels._module().path(64, 1, 3) == 3
+    return bool(kernels.library().paths(64, 1) >> kisa.AMX & 1)
 
 
 @pytest.mark.parametrize("isa", ["fast", "avx512bf16", "avx2", "portable"])
@@ -167,3 +169,38 @@ def test_fast_avx2_and_portable_paths_give_the_same_tokens(monkeypatch, dtype):
         monkeypatch.setenv("RAYPD_KERNEL_ISA", isa)
         tokens[isa] = [r.output_token_ids for r in make_engine(loaded).generate(prompts, greedy)]
     assert tokens[""] == tokens["avx512bf16"] == tokens["avx2"] == tokens["portable"]
+
+
+OLD_RULE_CAPS = {"portable": 0, "avx2": 1, "avx512bf16": 2, "": 3}
+
+
+@pytest.mark.parametrize("env", sorted(OLD_RULE_CAPS))
+def test_isa_picks_the_path_the_kernel_picked_itself_before(monkeypatch, env):
+    """isa.decode_attention gives, on this CPU, what paged_decode.cpp's raypd_decode_path(D,
+    dtype, cap) gave when the kernel decided itself (the rule kept here, from the CPU checks
+    the library reports: AMX-BF16 usable, AVX512-BF16, AVX2 + FMA)."""
+    lib = kernels.library()
+    monkeypatch.setenv("RAYPD_KERNEL_ISA", env)
+    cap = OLD_RULE_CAPS[env]
+    for d in (16, 48, 60, 64, 96, 128, 256, 512, 520, 544):
+        for dtype in (0, 1):
+            bf16_ok = dtype == 1 and d % 32 == 0 and d <= 512
+            want = 3 if cap >= 3 and bf16_ok and lib.amx_max > 0 else \
+                2 if cap >= 2 and bf16_ok and lib.small_m_max > 0 else \
+                1 if cap >= 1 and d % 8 == 0 and d <= 512 and lib.w16_max > 0 else 0
+            assert kisa.decode_attention(d, dtype) == want, (d, dtype)
+
+
+def test_the_kernel_refuses_a_path_this_cpu_or_shape_lacks():
+    """raypd_paged_decode runs the path it is given, and only one raypd_decode_paths allows
+    (returns 2, nothing computed): a wrong path is a refused call, not an illegal instruction."""
+    lib = kernels.library()
+    q, k_cache, v_cache, tables, lens = case(2, 2, 64, torch.bfloat16, bs=16, lens=[5])
+    for path in (*range(4), 4, -1):
+        out = torch.empty_like(q)
+        rc = lib.paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                              tables.data_ptr(), lens.data_ptr(), out.data_ptr(), 1, q.shape[1],
+                              64, 16, k_cache.shape[2], tables.shape[1], k_cache.shape[0], 0.1, 0,
+                              1, 1, path)
+        assert rc == (0 if 0 <= path < 4 and lib.paths(64, 1) >> path & 1 else 2), path
+    assert lib.paths(60, 1) >> kisa.AVX512_BF16 & 1 == 0      # D % 32: no bf16 path

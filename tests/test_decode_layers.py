@@ -1,4 +1,4 @@
-"""The compact model's decode layers in one native call (workers/decode_layers.cpp): a pure
+"""The compact model's decode layers in one native call (workers/kernels/csrc/decode_layers.cpp): a pure
 decode step gives the logits of the one call per operation path, bit for bit, for a float32
 model whose linears are held as bf16 and for a bf16 model on VNNI-packed linears (Llama, Qwen2
 with q/k/v biases, Mistral with a sliding window shorter than the context; one decode group and
@@ -19,10 +19,10 @@ from workers.request import SamplingParams
 # the dtypes whose linears the native kernels run here: float32 on bf16-held weights (AVX2 +
 # FMA), bf16 on VNNI-packed ones (AVX512-BF16 or AMX)
 DTYPES = [pytest.param(d, marks=pytest.mark.skipif(not ok, reason=why)) for d, ok, why in (
-    ("float32", kernels._module() is not None
+    ("float32", kernels.library() is not None
      and kernels.linear_w16_rows(torch.zeros(1, 1)) > 0,
      "needs the native kernels and AVX2 + FMA (the bf16-held linears)"),
-    ("bfloat16", kernels._module() is not None
+    ("bfloat16", kernels.library() is not None
      and (kernels.linear_small_m_rows(torch.zeros(1, 32, dtype=torch.bfloat16)) > 0
           or kernels.linear_amx_rows(torch.zeros(1, 32, dtype=torch.bfloat16)) > 0),
      "needs the native kernels and AVX512-BF16"))]

@@ -1,4 +1,4 @@
-"""The compact model's fused small ops (workers/fused_ops.cpp, bf16 and float32 on the CPU)
+"""The compact model's fused small ops (workers/kernels/csrc/fused_ops.cpp, bf16 and float32 on the CPU)
 against the torch ops they replace, and the whole bf16 engine with them against the engine
 without them (the float32 engine with them against transformers: tests/test_fast_engine.py)."""
 
@@ -10,7 +10,7 @@ import torch
 from workers import kernels
 from workers.layers import RotaryEmbedding, rms_norm, silu_and_mul
 
-pytestmark = pytest.mark.skipif(kernels._module() is None,
+pytestmark = pytest.mark.skipif(kernels.library() is None,
                                 reason="the native kernels could not be built (no C++ compiler)")
 BF16 = torch.bfloat16
 

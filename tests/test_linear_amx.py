@@ -1,4 +1,4 @@
-"""The AMX linear (workers/linear_amx.cpp: decode steps' linears of 1-16 rows, bf16, on a
+"""The AMX linear (workers/kernels/csrc/linear_amx.cpp: decode steps' linears of 1-16 rows, bf16, on a
 VNNI-packed weight) against a float32 reference, and the Linear layer's choice between it,
 the small-M kernel and oneDNN."""
 

@@ -1,4 +1,4 @@
-"""The small-M linear (workers/linear_small_m.cpp: decode steps' linears, bf16, AVX512-BF16)
+"""The small-M linear (workers/kernels/csrc/linear_small_m.cpp: decode steps' linears, bf16, AVX512-BF16)
 against a float32 reference, and the Linear layer's choice between it and oneDNN."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The float32 linear with bf16-held weights (workers/linear_w16.cpp: decode steps' linears of a
+"""The float32 linear with bf16-held weights (workers/kernels/csrc/linear_w16.cpp: decode steps' linears of a
 float32 model whose weights are bf16 values, AVX2 + FMA) against a float64 reference, and the
 Linear layer's choice between it and oneDNN."""
 

@@ -1,4 +1,4 @@
-"""The CUDA paged decode attention in Triton (workers/triton_decode.py) computes what the torch
+"""The CUDA paged decode attention in Triton (workers/kernels/triton_decode.py) computes what the torch
 gather path computes, reading the pool in place through random block tables (GPU tests, skipped
 without cuda and Triton); where Triton is missing the selection falls back to the torch path
 cleanly and says so (CPU tests)."""
@@ -10,9 +10,11 @@ import sys
 import pytest
 import torch
 
-from workers import attention, triton_decode
+from kvcache.manager import cdiv
+from workers import attention
 from workers import kernels as native
 from workers.attention import DecodeGroup, LayerKV, _decode_attention_torch
+from workers.kernels import triton_decode
 
 
 def _has_triton() -> bool:
@@ -40,7 +42,7 @@ def fresh_selection():
 # ---- CPU: selection and fallback ------------------------------------------------------------
 def test_without_triton_cuda_decode_falls_back_to_the_torch_path(fresh_selection, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)          # `import triton` raises
-    monkeypatch.setitem(sys.modules, "workers.triton_decode_kernels", None)
+    monkeypatch.setitem(sys.modules, "workers.kernels.triton_decode_kernels", None)
     monkeypatch.setattr(triton_decode, "_cuda", lambda: True)  # as if a GPU were here
     monkeypatch.delenv("RAYPD_TRITON_DECODE", raising=False)
     assert not triton_decode.available()
@@ -80,7 +82,7 @@ def _case(batch: int, group: int, lens: list[int], bs: int = 16, kv_heads: int =
     """q, a 3-layer pool (the kernel reads layer 1: a view at an offset), block tables of
     distinct random blocks, padded with block 0, and the rows' context lengths."""
     g = torch.Generator().manual_seed(seed)
-    need = [-(-n // bs) for n in lens]
+    need = [cdiv(n, bs) for n in lens]
     num_blocks = sum(need) + 3
     pool = torch.randn(3, 2, num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g)

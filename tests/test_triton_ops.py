@@ -1,4 +1,4 @@
-"""The compact model's fused ops on cuda (workers/triton_ops.py) against the torch ops they replace
+"""The compact model's fused ops on cuda (workers/kernels/triton_ops.py) against the torch ops they replace
 (transformers' own formulas). They run on a GPU with Triton, or on the CPU under Triton's
 interpreter (`TRITON_INTERPRET=1` set before the test process starts, Triton installed):
 skipped elsewhere. In bf16 the fused ops round where transformers' separate ops round, so they
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from workers import triton_ops
+from workers.kernels import triton_ops
 from workers.layers import RotaryEmbedding, silu_and_mul
 
 BF16 = torch.bfloat16
@@ -53,9 +53,9 @@ def test_cuda_runs_the_fused_ops_only_where_triton_imports_and_unless_switched_o
 
 def test_the_engine_reports_which_fused_ops_run(monkeypatch):
     from workers.engine import EngineConfig, LLMEngine
-    from workers.kernels import _module
+    from workers.kernels import library
     cfg = EngineConfig(model="tiny", dtype="float32", device="cpu", num_blocks=16, block_size=16)
-    want = "native-cpu" if _module() is not None else "off"
+    want = "native-cpu" if library() is not None else "off"
     assert LLMEngine(cfg).get_stats()["fused_ops"] == want
     monkeypatch.setenv("RAYPD_FUSED_OPS", "0")
     assert LLMEngine(cfg).get_stats()["fused_ops"] == "off"

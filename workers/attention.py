@@ -3,11 +3,12 @@ sequence's context through its block table.
 
 One flat batch of every scheduled token (no padding): decodes first, read in batched groups of
 similar context length (on the CPU a native kernel reading the pool in place, on cuda a Triton
-kernel reading it in place where Triton imports (workers/triton_decode.py), elsewhere a gather
-and two matmuls; softmax in float32 everywhere), then prefill
+kernel reading it in place where Triton imports (workers/kernels/triton_decode.py), elsewhere a
+gather and two matmuls; softmax in float32 everywhere), then prefill
 chunks, one attention call each (a chunk with no cached prefix attends to its own K/V without
-touching the pool): bf16 on a CPU with AMX or AVX512-BF16, workers/attention_bf16.cpp, float32
-on a CPU with AVX2 + FMA, workers/attention_f32.cpp (flash-style blocks, no mask tensor);
+touching the pool): bf16 on a CPU with AMX or AVX512-BF16, workers/kernels/csrc/attention_bf16.cpp,
+float32 on a CPU with AVX2 + FMA, workers/kernels/csrc/attention_f32.cpp (flash-style blocks, no
+mask tensor);
 elsewhere SDPA. Sliding-window layers mask keys older than the window. A quantized pool (int8 / fp8,
 workers/kv_quant.py) is written through `write_quantized` and read dequantized by the PyTorch
 path (the native kernel reads float pools only), and every prefill chunk reads its K/V back from
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from workers import kernels as native
-from workers import triton_decode
+from workers.kernels import triton_decode
 from workers.kv_quant import gather_dequantized, write_quantized
 
 ATTN_IMPL = "raypd_paged"
@@ -92,7 +93,7 @@ def decode_kernel_name(device: torch.device, dtype: torch.dtype | None = None,
                        head_dim: int = 64) -> str:
     """Which decode attention runs over a float pool of `dtype` on `device`: triton-cuda (cuda
     where Triton imports; `RAYPD_TRITON_DECODE=0` turns it off), native-cpu[-amx|-avx512bf16|
-    -avx2] (the CPU's native kernel, workers/kernels.py), or torch (the gather path). What
+    -avx2] (the CPU's native kernel, workers/kernels/attention.py), or torch (the gather path). What
     `_decode_attention` picks for that pool, so it is what the engine reports as
     `attention_kernel`."""
     if device.type == "cuda":
@@ -226,8 +227,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
     """q [T, H, D], k/v [T, Hkv, D] of this step's tokens -> [T, H, D].
 
     Writes k/v into layer `layer_idx` of the pool first (unless `kv_written`: the caller wrote
-    them, workers/kernels.py rope_and_cache), then attends; `window` (tokens) limits each query
-    to the most recent keys of a sliding-window layer."""
+    them, workers/kernels/fused.py rope_and_cache), then attends; `window` (tokens) limits each
+    query to the most recent keys of a sliding-window layer."""
     k_cache, v_cache = meta.kv_cache[layer_idx]              # [num_blocks, bs, Hkv, D] each
     if kv_written:
         assert meta.kv_scales is None, "a quantized pool is written here, never by the caller"

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers import kernels, triton_ops
+from workers import kernels
 from workers.attention import AttentionMetadata, paged_attention
+from workers.kernels import triton_ops
 from workers.layers import Linear, RotaryEmbedding, rms_norm, silu_and_mul
 from workers.lora import LoRABatch
 
@@ -59,7 +60,7 @@ class _Layer(nn.Module):
         self.eps = hf_layer.input_layernorm.variance_epsilon
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.ops = ops   # the fused ops' module for `device` (workers/kernels or triton_ops)
+        self.ops = ops   # the fused ops' module for `device` (workers.kernels or its triton_ops)
 
     def _proj(self, name: str, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = getattr(self, name).forward(x)   # no module hooks here: nn.Module's call costs ~5 us
@@ -68,10 +69,10 @@ class _Layer(nn.Module):
     def forward_fused(self, h: torch.Tensor, delta: torch.Tensor | None,
                       cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                       lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer with the fused ops (`ops`: workers/fused_ops.cpp on the CPU, bf16 and
-        float32; workers/triton_ops.py on cuda): `h` is the residual stream and `delta` the
-        previous layer's output still to be added to it (added here, in the same pass as this
-        layer's first RMSNorm). Returns (h, this layer's delta)."""
+        """The same layer with the fused ops (`ops`: workers/kernels/csrc/fused_ops.cpp on the
+        CPU, bf16 and float32; workers/kernels/triton_ops.py on cuda): `h` is the residual stream
+        and `delta` the previous layer's output still to be added to it (added here, in the same
+        pass as this layer's first RMSNorm). Returns (h, this layer's delta)."""
         ops = self.ops
         t = h.shape[0]
         x = ops.add_rms_norm(h, delta, self.ln1, self.eps)
@@ -137,8 +138,9 @@ class CompactLlama(nn.Module):
         self.lm_head = Linear(self.embed if head is w else head.detach().to(device))
         self.rope = RotaryEmbedding(config, self.layers[0].head_dim, max_positions, w.dtype,
                                     device)
-        # the small ops are fused: on the CPU by workers/fused_ops.cpp, bf16 and float32 (a
-        # few float32 ulps from transformers'), on cuda by workers/triton_ops.py;
+        # the small ops are fused: on the CPU by workers/kernels/csrc/fused_ops.cpp, bf16 and
+        # float32 (a few float32 ulps from transformers'), on cuda by
+        # workers/kernels/triton_ops.py;
         # RAYPD_FUSED_OPS=0 keeps torch's own ops
         self.fused = triton_ops.applies(w.dtype, device, config.hidden_size,
                                         self.layers[0].head_dim) if device.type == "cuda" \
@@ -146,10 +148,11 @@ class CompactLlama(nn.Module):
         # what the engine reports as `fused_ops`
         self.fused_ops = ("triton-cuda" if device.type == "cuda" else "native-cpu") \
             if self.fused else "off"
-        # a pure decode step runs every layer in one native call (workers/decode_layers.cpp:
-        # the same kernels, bit for bit, without the Python between them) where the native
-        # kernels run all of them: float32 activations on bf16-held linears, or bf16 on
-        # VNNI-packed ones; up to `one_call_rows` rows; False: one call per operation
+        # a pure decode step runs every layer in one native call
+        # (workers/kernels/csrc/decode_layers.cpp: the same kernels, bit for bit, without the
+        # Python between them) where the native kernels run all of them: float32 activations on
+        # bf16-held linears, or bf16 on VNNI-packed ones; up to `one_call_rows` rows; False: one
+        # call per operation
         self.one_call_rows, self.one_call_amx = self._one_call_rows() \
             if self.fused and device.type == "cpu" else (0, False)
         self.one_call_decode = self.one_call_rows > 0

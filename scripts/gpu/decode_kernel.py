@@ -1,5 +1,5 @@
 """First-contact step (d), before the engine bench: the Triton paged decode attention
-(workers/triton_decode.py, reading the pool in place) against the torch gather path
+(workers/kernels/triton_decode.py, reading the pool in place) against the torch gather path
 (workers/attention.py `_decode_attention_torch`, what cuda ran before) on one Llama-3-8B-shaped
 layer: 32 query heads over 8 KV heads, head_dim 128, bfloat16 pool of 16-token blocks, random
 block tables, rows of slightly different lengths (none a multiple of the block size but the
@@ -52,8 +52,8 @@ def timed_ms(fn, dev: torch.device) -> float:
 
 
 def main() -> dict:
-    from workers import triton_decode
     from workers.attention import DecodeGroup, LayerKV, _decode_attention_torch
+    from workers.kernels import triton_decode
     dev = torch.device(device())
     heads, kv_heads, head_dim = (HEADS, KV_HEADS, HEAD_DIM) if not dry_run() else (8, 2, 64)
     batches, contexts = (BATCHES, CONTEXTS) if not dry_run() else ((1, 4), (64, 200))

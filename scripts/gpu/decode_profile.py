@@ -9,7 +9,7 @@ and torch.profiler's kernel time per step in groups (gemm, attention, norm, elem
 kernel table and a cProfile of the host side go to stdout. Prompts of 512 random tokens, steps
 5-35 of decoding. On the H200 (2026-12-04, random:llama3-8b bf16, graphs on, its first version)
 it gave at batch 64: step 8.6 ms, replay 7.25, gemm 4.4, attention 1.3, norm + elementwise 1.4;
-with the Triton fused ops (workers/triton_ops.py), on another machine: step 7.7 ms against 10.6
+with the Triton fused ops (workers/kernels/triton_ops.py), on another machine: step 7.7 ms against 10.6
 with `RAYPD_FUSED_OPS=0`, norm + elementwise 0.36 ms against 1.4.
 
 Invariant: it only reads the engine (no setting is changed); labels say `gpu-measured` only when

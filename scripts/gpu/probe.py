@@ -31,8 +31,8 @@ PACKAGES = ("torch", "transformers", "ray", "fastapi", "starlette", "uvicorn", "
 SDPA_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 # repo modules that import a package only the GPU machine has (the dry run skips them where it
 # is missing; on the GPU machine they must import)
-GPU_MACHINE_ONLY = {"workers.triton_decode_kernels": "triton",
-                    "workers.triton_ops_kernels": "triton"}
+GPU_MACHINE_ONLY = {"workers.kernels.triton_decode_kernels": "triton",
+                    "workers.kernels.triton_ops_kernels": "triton"}
 
 
 def versions() -> dict[str, str | None]:

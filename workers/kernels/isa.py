@@ -49,7 +49,7 @@ def decode_attention(head_dim: int, dtype_code: int) -> int:
     the widest the cap allows of those the library can take here (raypd_decode_paths)."""
     lib = bindings.library()
     paths = lib.paths(head_dim, dtype_code) if lib is not None else 1
-    return max(p for p in range(cap() + 1) if paths >> p & 1)   # bit 0 (portable): always
+    return (paths & ((2 << cap()) - 1)).bit_length() - 1     # the highest bit <= cap (0: always)
 
 
 def linear_amx() -> bool:

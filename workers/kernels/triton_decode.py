@@ -1,6 +1,6 @@
 """CUDA paged decode attention in Triton: each sequence's K/V read in place from the pool through
 its block table (no gather), all query heads of a KV head in one program, split over long
-contexts with a reduction pass (workers/triton_decode_kernels.py holds the kernels).
+contexts with a reduction pass (workers/kernels/triton_decode_kernels.py holds the kernels).
 
 Triton is imported lazily, on the first question asked here: where it is missing, where there is
 no CUDA, or with `RAYPD_TRITON_DECODE=0`, `available()` is False and workers/attention.py keeps
@@ -17,6 +17,8 @@ import os
 from types import ModuleType
 
 import torch
+
+from kvcache.manager import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +37,10 @@ def _enabled() -> bool:
 
 
 def import_kernels(module: str, what: str) -> ModuleType | None:
-    """`workers.<module>` (Triton kernels), or None where Triton cannot be imported: logged
+    """`workers.kernels.<module>` (Triton kernels), or None where Triton cannot be imported: logged
     once per caller (each caches its answer), `what` naming what then runs instead."""
     try:
-        return importlib.import_module(f"workers.{module}")
+        return importlib.import_module(f"workers.kernels.{module}")
     except Exception as e:  # noqa: BLE001 - ImportError, or a Triton that fails to initialise
         log.info("Triton kernels %s unavailable (%s: %s); %s", module, type(e).__name__, e,
                  what)
@@ -47,7 +49,7 @@ def import_kernels(module: str, what: str) -> ModuleType | None:
 
 @functools.cache
 def _kernels() -> ModuleType | None:
-    """workers/triton_decode_kernels.py, or None where Triton cannot be imported."""
+    """workers/kernels/triton_decode_kernels.py, or None where Triton cannot be imported."""
     return import_kernels("triton_decode_kernels", "the torch path runs")
 
 
@@ -105,12 +107,12 @@ def split_plan(batch: int, kv_heads: int, max_context_len: int, block_n: int,
     """(num_splits, partition): enough programs to fill the GPU (about two per multiprocessor)
     without splits shorter than MIN_SPLIT_TOKENS or more than MAX_SPLITS; `partition` is a
     multiple of `block_n` and num_splits * partition >= max_context_len."""
-    wanted = -(-2 * num_sms // max(1, batch * kv_heads))
-    by_length = -(-max_context_len // MIN_SPLIT_TOKENS)
+    wanted = cdiv(2 * num_sms, max(1, batch * kv_heads))
+    by_length = cdiv(max_context_len, MIN_SPLIT_TOKENS)
     splits = max(1, min(wanted, by_length, MAX_SPLITS))
-    partition = -(-max_context_len // splits)
-    partition = -(-partition // block_n) * block_n
-    return -(-max_context_len // partition), partition
+    partition = cdiv(max_context_len, splits)
+    partition = cdiv(partition, block_n) * block_n
+    return cdiv(max_context_len, partition), partition
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,5 +1,5 @@
 """The Triton kernels of CUDA paged decode attention (imported only where Triton is installed;
-workers/triton_decode.py is the host side, the one module that imports this one).
+workers/kernels/triton_decode.py is the host side, the one module that imports this one).
 
 Split pass, one program per (sequence b, KV head, split): the split's tokens
 [split * partition, (split + 1) * partition) cut to the row's visible keys [lo, context_len),

@@ -1,6 +1,7 @@
-"""The compact model's small fused ops on cuda, in Triton (kernels: workers/triton_ops_kernels.py):
-the residual add with RMSNorm, rotary embedding with the K/V write into the pool, SiLU-and-mul.
-The same three calls, with the same contracts, as workers/kernels.py's C++ ones on the CPU, so
+"""The compact model's small fused ops on cuda, in Triton (kernels:
+workers/kernels/triton_ops_kernels.py): the residual add with RMSNorm, rotary embedding with the
+K/V write into the pool, SiLU-and-mul.
+The same three calls, with the same contracts, as workers/kernels' C++ ones on the CPU, so
 `CompactLlama` runs one layer body on either device (workers/llama.py picks the module).
 
 Unfused, a layer of a decode step launches ~13 small kernels (two norms, two residual adds, five
@@ -22,7 +23,8 @@ from types import ModuleType
 
 import torch
 
-from workers.triton_decode import import_kernels
+from kvcache.manager import cdiv
+from workers.kernels.triton_decode import import_kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 16384          # one program holds a whole row
@@ -35,7 +37,7 @@ def _enabled() -> bool:
 
 @functools.cache
 def _kernels() -> ModuleType | None:
-    """workers/triton_ops_kernels.py, or None where Triton cannot be imported."""
+    """workers/kernels/triton_ops_kernels.py, or None where Triton cannot be imported."""
     return import_kernels("triton_ops_kernels", "torch's ops run")
 
 
@@ -107,6 +109,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = two_i // 2
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     if t:
-        _kernels().silu_mul[(t, -(-inter // SILU_BLOCK))](out, gate_up, inter, BLOCK=SILU_BLOCK,
+        _kernels().silu_mul[(t, cdiv(inter, SILU_BLOCK))](out, gate_up, inter, BLOCK=SILU_BLOCK,
                                                           num_warps=4)
     return out

@@ -1,5 +1,5 @@
 """The Triton kernels of the compact model's small fused ops on cuda (imported only where Triton is
-installed; workers/triton_ops.py is the host side, the one module that imports this one).
+installed; workers/kernels/triton_ops.py is the host side, the one module that imports this one).
 
 Each computes what transformers' ops compute, rounding where they round: an op on bf16 tensors
 is computed in float32 and rounded to bf16 at each point where transformers' separate bf16 ops

@@ -41,7 +41,7 @@ int raypd_paged_decode(const void* q, const void* k_cache, const void* v_cache,
                        const int64_t* block_tables, const int64_t* context_lens, void* out,
                        int64_t B, int64_t H, int64_t D, int64_t bs, int64_t Hkv, int64_t W,
                        int64_t num_blocks, double scale, int64_t window, int dtype, int nthreads,
-                       int cap);
+                       int path);
 }
 
 namespace {
@@ -70,6 +70,7 @@ template <typename E> struct Kernels {
 };
 
 // dims: T (rows), hidden, H, Hkv, D, I (intermediate), bs, num_blocks (pool blocks per layer).
+// path: the decode attention's, raypd_paged_decode's argument (workers/kernels/isa.py's choice).
 // h [T, hidden]: the residual stream (in place); delta [T, hidden]: the last layer's output,
 // still to be added to h (the caller's final norm adds it). cos, sin [T, D]; slots [T].
 // Returns 0, or 1 when a slot or a block table entry is outside the pool (the step is then
@@ -78,7 +79,7 @@ template <typename E>
 int decode_layers(const Kernels<E>& k, const int64_t* layers, int64_t L, const int64_t* groups,
                   int64_t num_groups, E* h, E* delta, const int64_t* dims, double eps,
                   double scale, const E* cos, const E* sin, const int64_t* slots, int nthreads,
-                  int cap) {
+                  int path) {
   const int64_t T = dims[0], hidden = dims[1], H = dims[2], Hkv = dims[3], D = dims[4],
                 I = dims[5], bs = dims[6], num_blocks = dims[7];
   const int64_t heads = H + 2 * Hkv, num_slots = num_blocks * bs;
@@ -103,7 +104,7 @@ int decode_layers(const Kernels<E>& k, const int64_t* layers, int64_t L, const i
       if (raypd_paged_decode(q.data() + start * H * D, k_cache, v_cache,
                              at<const int64_t>(gw, TABLES), at<const int64_t>(gw, LENS),
                              attn.data() + start * H * D, gw[COUNT], H, D, bs, Hkv, gw[WIDTH],
-                             num_blocks, scale, w[WINDOW], k.dtype, nthreads, cap))
+                             num_blocks, scale, w[WINDOW], k.dtype, nthreads, path))
         return 1;
     }
     k.linear(o.data(), attn.data(), at<const uint16_t>(w, O), at<const E>(w, O_BIAS), T, hidden,
@@ -124,11 +125,11 @@ extern "C" int raypd_decode_layers_f32(const int64_t* layers, int64_t L, const i
                                        int64_t num_groups, float* h, float* delta,
                                        const int64_t* dims, double eps, double scale,
                                        const float* cos, const float* sin, const int64_t* slots,
-                                       int nthreads, int cap) {
+                                       int nthreads, int path) {
   static const Kernels<float> k{raypd_add_rms_norm_f32, raypd_rope_and_cache_f32,
                                 raypd_silu_mul_f32, raypd_linear_w16, 0};
   return decode_layers(k, layers, L, groups, num_groups, h, delta, dims, eps, scale, cos, sin,
-                       slots, nthreads, cap);
+                       slots, nthreads, path);
 }
 
 // bf16 activations and pool, linears by linear_amx (amx != 0) or linear_small_m
@@ -136,11 +137,11 @@ extern "C" int raypd_decode_layers_bf16(const int64_t* layers, int64_t L,
                                         const int64_t* groups, int64_t num_groups, uint16_t* h,
                                         uint16_t* delta, const int64_t* dims, double eps,
                                         double scale, const uint16_t* cos, const uint16_t* sin,
-                                        const int64_t* slots, int nthreads, int cap, int amx) {
+                                        const int64_t* slots, int nthreads, int path, int amx) {
   static const Kernels<uint16_t> small_m{raypd_add_rms_norm, raypd_rope_and_cache,
                                          raypd_silu_mul, raypd_linear_small_m, 1};
   static const Kernels<uint16_t> with_amx{raypd_add_rms_norm, raypd_rope_and_cache,
                                           raypd_silu_mul, raypd_linear_amx, 1};
   return decode_layers(amx ? with_amx : small_m, layers, L, groups, num_groups, h, delta, dims,
-                       eps, scale, cos, sin, slots, nthreads, cap);
+                       eps, scale, cos, sin, slots, nthreads, path);
 }

@@ -4,7 +4,8 @@
 //
 // W is kept packed in the layout AMX's B tiles read (VNNI): blocks of 16 output columns, each
 // block K/2 rows of 16 columns x 2 consecutive k (64 bytes), wp[nb][kp][n][2] = W[16 nb + n]
-// [2 kp + {0, 1}], N padded to a multiple of 16 with zero rows (pack_vnni in kernels.py).
+// [2 kp + {0, 1}], N padded to a multiple of 16 with zero rows (pack_vnni in
+// workers/kernels/linears.py).
 // A block of 16 k-pairs is one contiguous 1 KB B tile, and a thread's blocks are one stream.
 //
 // At 1-16 rows a linear only streams its weights (2 N K bytes), so the point is to stream them

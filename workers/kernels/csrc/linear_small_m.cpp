@@ -2,8 +2,8 @@
 // x [M, K] @ W [N, K]^T (+ bias [N]), float32 sums rounded once to bf16 (round to nearest even,
 // as oneDNN's bf16 GEMM; only the summation order differs).
 //
-// W is read in the VNNI layout linear_amx.cpp reads (pack_vnni in kernels.py): blocks of 16
-// output columns, each K/2 k-pairs x 16 columns x 2 bf16 (64 bytes, one cache line and one
+// W is read in the VNNI layout linear_amx.cpp reads (pack_vnni in workers/kernels/linears.py):
+// blocks of 16 output columns, each K/2 k-pairs x 16 columns x 2 bf16 (64 bytes, one cache line and one
 // zmm), N padded to a multiple of 16 with zero rows. A register tile is MC x NB accumulators
 // (MC x rows, NB blocks of 16 columns, float32): per k-pair it loads NB lines of W and, for
 // each x row, broadcasts the row's k-pair and runs NB vdpbf16ps. No horizontal sums (each

@@ -7,17 +7,17 @@
 // until the AVX512 path read a tile for all heads at once: each token's heads x D are
 // contiguous, so a block is one run of memory. SmolLM2, batch 16 x 570 tokens, 2 threads:
 // 0.59 -> 0.56 ms a layer with every layer's pool cold; 15.5 -> 13.9 ms of a decode step.)
-// Dot products, chosen at run time (raypd_decode_path): for bf16 pools, on a CPU with AMX-BF16
-// the scores of a 16-token tile by tdpbf16ps (K rows straight from the block against the
-// query heads' Q^T, packed once an item) and P.V by vdpbf16ps (SmolLM2, batch 16 x 1,100
-// tokens, 2 threads, every layer cold: 0.89 -> 0.76 ms a layer); AVX512-BF16 alone
+// Dot products, chosen at run time (the path workers/kernels/isa.py passes): for bf16 pools, on
+// a CPU with AMX-BF16 the scores of a 16-token tile by tdpbf16ps (K rows straight from the
+// block against the query heads' Q^T, packed once an item) and P.V by vdpbf16ps (SmolLM2,
+// batch 16 x 1,100 tokens, 2 threads, every layer cold: 0.89 -> 0.76 ms a layer); AVX512-BF16 alone
 // (vdpbf16ps: bf16 pairs into float32) for both where there is no AMX; else AVX2 + FMA on
 // rows widened to float32 (float32 pools, and bf16 pools on CPUs such as Zen 3); else (or the
 // portable path forced) plain loops the compiler vectorizes, rows converted to float32 first.
 // Invariants: k_cache and v_cache are [num_blocks, block_size, kv_heads, head_dim] contiguous;
 // block_tables[b] covers context_lens[b] tokens; window > 0 keeps only the last `window` keys.
-// Plain C++ with a C ABI (no torch headers; workers/kernels.py loads it with ctypes and hands it
-// the tensors' data pointers). bf16 is carried as its raw 16 bits; float -> bf16 rounds to
+// Plain C++ with a C ABI (no torch headers; workers/kernels/bindings.py loads it with ctypes and
+// hands it the tensors' data pointers). bf16 is carried as its raw 16 bits; float -> bf16 rounds to
 // nearest even, as torch does.
 #include <immintrin.h>
 #include <omp.h>
@@ -692,39 +692,41 @@ static bool in_bounds(const int64_t* tp, const int64_t* lp, int64_t B, int64_t b
   return true;
 }
 
-// Which path a pool of this head_dim and dtype (0 float32, 1 bfloat16) takes: 3 AMX scores
-// and AVX512-BF16 values (bf16 pools), 2 AVX512-BF16, 1 AVX2 + FMA, 0 the portable loops. cap:
-// 3 any, 2 no AMX (RAYPD_KERNEL_ISA=avx512bf16), 1 at most AVX2 (RAYPD_KERNEL_ISA=avx2), 0
-// portable (RAYPD_KERNEL_ISA=portable).
+// The paths a pool of this head_dim and dtype (0 float32, 1 bfloat16) can take on this CPU, bit
+// p set where path p runs: 3 AMX scores and AVX512-BF16 values (bf16 pools), 2 AVX512-BF16 (bf16
+// pools), 1 AVX2 + FMA, 0 the portable loops (always). Which one runs is not decided here:
+// workers/kernels/isa.py picks the widest one RAYPD_KERNEL_ISA allows and passes it.
 extern "C" int64_t raypd_linear_amx_max();   // linear_amx.cpp: > 0 where AMX-BF16 is usable
-extern "C" int raypd_decode_path(int64_t D, int dtype, int cap) {
-  if (cap >= 3 && dtype == 1 && D % 32 == 0 && D <= MAX_D && raypd_linear_amx_max() > 0)
-    return 3;
-  if (cap >= 2 && dtype == 1 && D % 32 == 0 && D <= MAX_D && raypd_bf16::cpu_has_avx512_bf16())
-    return 2;
-  if (cap >= 1 && D % 8 == 0 && D <= MAX_D && cpu_has_avx2_fma()) return 1;
-  return 0;
+extern "C" int raypd_decode_paths(int64_t D, int dtype) {
+  int paths = 1;
+  if (cpu_has_avx2_fma() && D % 8 == 0 && D <= MAX_D) paths |= 1 << 1;
+  if (dtype == 1 && D % 32 == 0 && D <= MAX_D && raypd_bf16::cpu_has_avx512_bf16())
+    paths |= 1 << 2;
+  if (dtype == 1 && D % 32 == 0 && D <= MAX_D && raypd_linear_amx_max() > 0) paths |= 1 << 3;
+  return paths;
 }
 
-// dtype: 0 float32, 1 bfloat16; cap as raypd_decode_path's. The caller (workers/kernels.py)
-// checks shapes, contiguity and dtypes; head_dim <= 512, H a multiple of Hkv, H / Hkv <= 16,
-// Hkv <= 256. Returns 0, or 1 (nothing computed) when a context length or a block it reads is
-// outside its table or the pool.
+// dtype: 0 float32, 1 bfloat16; path: the one workers/kernels/isa.py chose among
+// raypd_decode_paths(D, dtype). The caller (workers/kernels/attention.py) checks shapes,
+// contiguity and dtypes; head_dim <= 512, H a multiple of Hkv, H / Hkv <= 16, Hkv <= 256.
+// Returns 0; 1 (nothing computed) when a context length or a block it reads is outside its
+// table or the pool; 2 (nothing computed) when `path` is not one of raypd_decode_paths'.
 extern "C" int raypd_paged_decode(const void* q, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, const int64_t* context_lens,
                                   void* out, int64_t B, int64_t H, int64_t D, int64_t bs,
                                   int64_t Hkv, int64_t W, int64_t num_blocks, double scale,
-                                  int64_t window, int dtype, int nthreads, int cap) {
+                                  int64_t window, int dtype, int nthreads, int path) {
+  if (path < 0 || path > 3 || !((raypd_decode_paths(D, dtype) >> path) & 1)) return 2;
   if (!in_bounds(block_tables, context_lens, B, bs, W, num_blocks)) return 1;
   const Shape s{H, D, bs, Hkv, W, H / Hkv, Hkv * D, static_cast<float>(scale)};
   nthreads = std::max(1, nthreads);
   if (dtype == 1)
     run(static_cast<const bf16*>(q), static_cast<const bf16*>(k_cache),
         static_cast<const bf16*>(v_cache), block_tables, context_lens, static_cast<bf16*>(out),
-        B, s, window, nthreads, raypd_decode_path(D, 1, cap));
+        B, s, window, nthreads, path);
   else
     run(static_cast<const float*>(q), static_cast<const float*>(k_cache),
         static_cast<const float*>(v_cache), block_tables, context_lens,
-        static_cast<float*>(out), B, s, window, nthreads, raypd_decode_path(D, 0, cap));
+        static_cast<float*>(out), B, s, window, nthreads, path);
   return 0;
 }
