@@ -1,4 +1,4 @@
-"""The live autoscaler: every `interval_s`, the router's own view -> router/autoscale.py's
+"""The live autoscaler: every `interval_s`, the router's own view -> router/autoscale_decision.py's
 Controller (the code `raypd simulate --autoscale` runs) -> the cluster's scale().
 
 What it observes is only what the router has: the fleet's WorkerStates (built from the load
@@ -11,7 +11,7 @@ their KV (live migration) and whose prefills finish, before it is removed. With 
 each evaluation also moves running decodes from the busiest decode worker to the idlest when
 their batches are far apart (a worker that joined takes its share at once, not only new
 requests: Orchestrator.rebalance_decodes). Every decision is
-logged with its inputs (router/autoscale.py), kept for `raypd status`, and exported as metrics.
+logged with its inputs (router/autoscale_decision.py), kept for `raypd status`, and exported as metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from router.autoscale import AutoscaleConfig, Controller, Decision, RequestWindow, observe
+from router.autoscale_decision import AutoscaleConfig, Controller, Decision, RequestWindow, observe
 
 log = logging.getLogger(__name__)
 

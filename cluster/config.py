@@ -4,8 +4,16 @@ its key path; unknown keys are errors), then turned into the PDConfig the cluste
     cfg = load_config("configs/local.yaml", overrides={"model.name": "tiny"})
     cluster = PDCluster(cfg.to_pd_config())
 
-A missing file section, or a missing key, takes the dataclass default below; those defaults are
+A missing file section, or a missing key, takes the section's default; those defaults are
 `configs/local.yaml` (one laptop: smollm2, 1 prefill + 1 decode over shm, 127.0.0.1:8000).
+
+Every default is stated once. A key that the serving side also has takes its default from that
+serving dataclass (`_from(EngineConfig, "block_size", ...)`: workers/engine_config.py,
+router/flow_config.py, cluster/pd_config.py, router/autoscale_decision.py, ingress/core.py,
+ingress/limits.py, ingress/request_checks.py), and only its validation rules are written here;
+a YAML-only key (served_model_name, policy_options, slo, server.*, ray.*) keeps its one default
+here. `raypd serve`, `raypd generate` and the benches all read this chain: `load_config(path,
+overrides)`, the command line's flags over the file, the file over these defaults.
 """
 
 from __future__ import annotations
@@ -20,16 +28,16 @@ from typing import Any
 
 import yaml
 
-from cluster.pd import PDConfig
+from cluster.pd_config import PDConfig
+from ingress.core import IngressSettings
 from ingress.limits import IngressLimits
 from ingress.request_checks import RequestLimits
-from router.autoscale import AutoscaleConfig, AutoscaleConfigError
-from router.orchestrator import FlowConfig
+from router.autoscale_decision import AutoscaleConfig, AutoscaleConfigError
+from router.flow_config import FAILURE_POLICIES, INDEX_MODES, FlowConfig
+from workers.engine_config import DTYPES, KV_DTYPES, EngineConfig
 from workers.kv_gate import MAX_PPL_DELTA_PCT, NOISE_FLOOR_MULTIPLE
 
-BUILTIN_MODELS = ("smollm2", "tiny")
-DTYPES = ("auto", "float32", "bfloat16")
-KV_DTYPES = (*DTYPES, "int8", "fp8")        # int8 / fp8: quantized pool (workers/kv_quant.py)
+SERVING = "serving"     # field metadata: (serving dataclass, its field) the default comes from
 
 
 class ConfigError(ValueError):
@@ -37,69 +45,98 @@ class ConfigError(ValueError):
 
 
 def _opt(default: Any = MISSING, **rules: Any) -> Any:
-    """A field with validation rules: min / max (inclusive), gt (exclusive), choices, pow2."""
+    """A YAML-only field (its one default is here) with validation rules: min / max
+    (inclusive), gt (exclusive), choices, pow2."""
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata=rules)
     return field(default=default, metadata=rules)
 
 
+def default_of(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name` (a fresh one for a default_factory)."""
+    f = cls.__dataclass_fields__[name]
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    if f.default is MISSING:
+        raise TypeError(f"{cls.__name__}.{name} has no default")
+    return f.default
+
+
+def _from(cls: type, name: str, **rules: Any) -> Any:
+    """A field whose default is serving dataclass `cls`'s field `name` (stated there only),
+    with validation rules as `_opt`'s."""
+    f = cls.__dataclass_fields__[name]
+    meta = {**rules, SERVING: (cls, name)}
+    if f.default_factory is not MISSING:
+        return field(default_factory=f.default_factory, metadata=meta)
+    default_of(cls, name)                       # (a default is required)
+    return field(default=f.default, metadata=meta)
+
+
 @dataclass
 class ModelSection:
-    name: str = "smollm2"                       # smollm2, tiny, or a local HF folder
-    dtype: str = _opt("auto", choices=DTYPES)
-    kv_dtype: str = _opt("auto", choices=KV_DTYPES)
+    name: str = _from(EngineConfig, "model")   # smollm2, tiny, or a local HF folder
+    dtype: str = _from(EngineConfig, "dtype", choices=DTYPES)
+    kv_dtype: str = _from(EngineConfig, "kv_dtype", choices=KV_DTYPES)
     # `raypd serve` serves a quantized kv_dtype only when its recorded `bench kv-quality` gate
     # (this revision, these weights) passes these (workers/kv_gate.py says why the defaults)
     kv_gate_max_ppl_delta_pct: float = _opt(MAX_PPL_DELTA_PCT, min=0)
     kv_gate_noise_floor_multiple: float = _opt(NOISE_FLOOR_MULTIPLE, min=1)
     served_model_name: str | None = None        # the name clients send (default: `name`)
-    max_model_len: int | None = _opt(None, min=1)   # default: the model's context
-    lora_adapters: dict[str, str] = _opt({})    # LoRA name -> PEFT folder; each is a model id
+    max_model_len: int | None = _from(EngineConfig, "max_model_len", min=1)  # None: the model's
+    lora_adapters: dict[str, str] = _from(EngineConfig, "lora_adapters")  # LoRA name -> folder
 
 
 @dataclass
 class EngineSection:
-    block_size: int = _opt(16, min=1, pow2=True)
-    kv_cache_gb: float = _opt(1.0, gt=0)       # KV pool budget per worker
-    num_blocks: int | None = _opt(None, min=1)  # overrides kv_cache_gb
-    kv_tier2_gb: float = _opt(0.0, min=0)      # host tier for evicted blocks per worker (0: off)
-    kv_tier2_dir: str | None = None             # its mmap file's folder (CPU pools; temp dir)
-    max_num_batched_tokens: int | None = _opt(None, min=1)   # None: 512 on CPU, 2048 on GPU
-    max_step_ms: float | None = _opt(None, gt=0)   # mixed steps' prefill sized to stay under it
-    max_num_seqs: int = _opt(64, min=1)
-    enable_prefix_caching: bool = True
-    threads_per_worker: int = _opt(1, min=1)   # torch threads in each worker actor
-    share_idle_threads: bool = True            # ... plus idle workers' on the same machine
-    model_impl: str = _opt("auto", choices=("auto", "compact", "stock"))  # see workers/llama.py
-    max_loras: int = _opt(4, min=1)            # LoRA adapters resident per worker (then LRU)
-    device: str = _opt("auto", choices=("auto", "cpu", "cuda"))   # auto: cuda if the worker
-                                                                    # holds a GPU (num_gpus)
-    cuda_graphs: bool = True                   # cuda: decode steps replay CUDA graphs
+    block_size: int = _from(EngineConfig, "block_size", min=1, pow2=True)
+    kv_cache_gb: float = _from(EngineConfig, "kv_cache_gb", gt=0)   # KV pool per worker
+    num_blocks: int | None = _from(EngineConfig, "num_blocks", min=1)   # overrides kv_cache_gb
+    kv_tier2_gb: float = _from(EngineConfig, "kv_tier2_gb", min=0)  # host tier (0: off)
+    kv_tier2_dir: str | None = _from(EngineConfig, "kv_tier2_dir")  # its mmap file's folder
+    max_num_batched_tokens: int | None = _from(EngineConfig, "max_num_batched_tokens", min=1)
+    max_step_ms: float | None = _from(EngineConfig, "max_step_ms", gt=0)   # TPOT target
+    max_num_seqs: int = _from(EngineConfig, "max_num_seqs", min=1)
+    enable_prefix_caching: bool = _from(EngineConfig, "enable_prefix_caching")
+    threads_per_worker: int = _from(PDConfig, "threads_per_actor", min=1)  # torch threads
+    share_idle_threads: bool = _from(PDConfig, "share_idle_threads")  # + idle workers' threads
+    model_impl: str = _from(EngineConfig, "model_impl", choices=("auto", "compact", "stock"))
+    max_loras: int = _from(EngineConfig, "max_loras", min=1)   # resident per worker (LRU)
+    device: str = _from(EngineConfig, "device", choices=("auto", "cpu", "cuda"))  # auto: cuda
+                                                    # if the worker holds a GPU (num_gpus)
+    cuda_graphs: bool = _from(EngineConfig, "cuda_graphs")   # cuda: decode replays CUDA graphs
 
 
 @dataclass
-class RoleSection:
-    count: int = _opt(1, min=0)
-    resources: dict[str, float] = _opt({})      # Ray custom resources, e.g. {prefill: 1}
+class PrefillSection:
+    count: int = _from(PDConfig, "num_prefill", min=0)   # 0: colocated (decode prefills)
+    resources: dict[str, float] = _from(PDConfig, "prefill_resources")   # e.g. {prefill: 1}
+
+
+@dataclass
+class DecodeSection:
+    count: int = _from(PDConfig, "num_decode", min=0)
+    resources: dict[str, float] = _from(PDConfig, "decode_resources")   # Ray custom resources
+
 
 
 @dataclass
 class WorkersSection:
-    prefill: RoleSection = field(default_factory=RoleSection)
-    decode: RoleSection = field(default_factory=RoleSection)
-    num_gpus: float = _opt(0.0, min=0)          # per worker, both roles
-    max_restarts: int = _opt(3, min=0)          # Ray restarts a dead worker actor this often
+    prefill: PrefillSection = field(default_factory=PrefillSection)
+    decode: DecodeSection = field(default_factory=DecodeSection)
+    num_gpus: float = _from(PDConfig, "num_gpus_per_worker", min=0)   # per worker, both roles
+    max_restarts: int = _from(PDConfig, "max_restarts", min=0)   # Ray restarts a dead worker
 
 
 @dataclass
 class TransferSection:
-    transport: str = "shm"                      # one of kvtransfer.base.TRANSPORT_NAMES
-    options: dict[str, Any] = _opt({})          # transport keyword arguments
-    lease_s: float = _opt(30.0, gt=0)
-    failure_policy: str = _opt("recompute", choices=("recompute", "fail"))
-    local_prefill_max_tokens: int = _opt(0, min=0)   # D prefills itself when it lacks <= this
-    local_prefill_when_backlogged: bool = True   # ... or when the prefill pool's backlog
-                                                 # is longer (router/local_prefill.py)
+    transport: str = _from(FlowConfig, "transport")   # one of kvtransfer.base.TRANSPORT_NAMES
+    options: dict[str, Any] = _from(PDConfig, "transport_cfg")   # transport keyword arguments
+    lease_s: float = _from(PDConfig, "lease_s", gt=0)
+    failure_policy: str = _from(FlowConfig, "failure_policy", choices=FAILURE_POLICIES)
+    local_prefill_max_tokens: int = _from(FlowConfig, "local_prefill_max_tokens", min=0)
+    local_prefill_when_backlogged: bool = _from(FlowConfig, "local_prefill_when_backlogged")
+                                                # (router/local_prefill.py)
 
 
 @dataclass
@@ -109,19 +146,19 @@ class SLOSection:
 
 @dataclass
 class RouterSection:
-    policy: str = "locality"                    # one of router.policies.POLICIES
+    policy: str = _from(FlowConfig, "policy")   # one of router.policies.POLICIES
     policy_options: dict[str, Any] = _opt({})   # keyword arguments of the policy
-    index_mode: str = _opt("precise", choices=("precise", "approx"))
+    index_mode: str = _from(FlowConfig, "index_mode", choices=INDEX_MODES)
     slo: SLOSection = field(default_factory=SLOSection)
-    max_inflight: int = _opt(256, min=1)        # ingress: more in flight -> 429 + Retry-After
-    admit_timeout_s: float = _opt(120.0, gt=0)  # wait for decode capacity, then 429
-    request_timeout_s: float = _opt(600.0, gt=0)
-    max_retries: int = _opt(2, min=0)           # re-runs of a request whose worker died
-    report_interval_s: float = _opt(0.1, gt=0)  # the router reads every worker's load this often
-    health_timeout_s: float = _opt(10.0, gt=0)  # a worker whose report takes longer: unhealthy
-    hang_timeout_s: float = _opt(300.0, gt=0)   # an engine step running longer: unhealthy
-    migrate_on_kv_pressure: bool = False        # move a running decode off a full decode worker
-    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)   # router/autoscale.py
+    max_inflight: int = _from(IngressSettings, "max_inflight", min=1)   # more -> 429
+    admit_timeout_s: float = _from(FlowConfig, "admit_timeout_s", gt=0)
+    request_timeout_s: float = _from(FlowConfig, "request_timeout_s", gt=0)
+    max_retries: int = _from(FlowConfig, "max_retries", min=0)   # re-runs after a worker died
+    report_interval_s: float = _from(FlowConfig, "report_interval_s", gt=0)
+    health_timeout_s: float = _from(FlowConfig, "health_timeout_s", gt=0)
+    hang_timeout_s: float = _from(FlowConfig, "hang_timeout_s", gt=0)
+    migrate_on_kv_pressure: bool = _from(FlowConfig, "migrate_on_kv_pressure")
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)   # router/autoscale_decision.py
 
 
 @dataclass
@@ -131,7 +168,7 @@ class ServerSection:
     grpc_port: int | None = _opt(None, min=0, max=65535)
     api_key: str | None = None                  # one bearer token with every scope
     api_keys_file: str | None = None            # keys -> tenant, scopes (ingress/auth.py)
-    protect_metrics: bool = True                # /metrics needs an admin key when keys are set
+    protect_metrics: bool = _from(IngressSettings, "protect_metrics")  # /metrics: admin key
     limits: IngressLimits = field(default_factory=IngressLimits)
     request_limits: RequestLimits = field(default_factory=RequestLimits)
 
@@ -158,7 +195,7 @@ class RaypdConfig:
         return self.model.served_model_name or self.model.name
 
     def engine_config(self) -> dict:
-        """EngineConfig fields (workers/engine.py) shared by every worker."""
+        """EngineConfig fields (workers/engine_config.py) shared by every worker."""
         m, e = self.model, self.engine
         return dict(model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, block_size=e.block_size,
                     num_blocks=e.num_blocks, kv_cache_gb=e.kv_cache_gb,
@@ -207,12 +244,20 @@ class RaypdConfig:
         from dataclasses import asdict
         return asdict(self)
 
+    def to_yaml(self) -> str:
+        """The whole config as YAML that `load_config` reads back equal (--print-config)."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
 
 # ---- loading -----------------------------------------------------------------------------------
 def load_config(path: str | Path | None = None,
-                overrides: dict[str, Any] | None = None) -> RaypdConfig:
+                overrides: dict[str, Any] | None = None, *,
+                in_process: bool = False) -> RaypdConfig:
     """Read `path` (None: the defaults), apply `overrides` ({"workers.prefill.count": 2, ...};
-    None values are skipped), validate, and return the typed config. Raises ConfigError."""
+    None values are skipped), validate, and return the typed config. Raises ConfigError.
+    `in_process`: the engine runs in this process (`raypd generate`, `raypd bench engine`), not
+    in worker actors, so the workers' placement is not checked (engine.device cuda without
+    workers.num_gpus)."""
     source = str(path) if path is not None else "defaults"
     raw: Any = {}
     if path is not None:
@@ -237,7 +282,7 @@ def load_config(path: str | Path | None = None,
         cli.add(key)
     v = _Validator(source, cli)
     cfg = v.build(RaypdConfig, raw, "")
-    v.cross_checks(cfg)
+    v.cross_checks(cfg, in_process)
     return cfg
 
 
@@ -321,10 +366,12 @@ class _Validator:
             self.fail(key, f"must be {want}, got {value!r}")
         return float(value) if hint is float else value
 
-    def cross_checks(self, cfg: RaypdConfig) -> None:
+    def cross_checks(self, cfg: RaypdConfig, in_process: bool = False) -> None:
         """Checks that need another module's names or more than one key."""
-        from kvtransfer.base import TRANSPORT_NAMES, transport_options
+        from kvtransfer.base import TRANSPORT_NAMES, transport_options  # (imports torch)
         from router.policies import POLICIES, make_policy
+        from workers.model_loader import BUILTIN_MODELS
+        from workers.random_model import is_random
         w, r = cfg.workers, cfg.router
         if w.decode.count < 1:
             self.fail("workers.decode.count", f"must be an integer >= 1 (0 prefill workers is "
@@ -354,7 +401,8 @@ class _Validator:
         except TypeError as e:
             self.fail("router.policy_options", f"not accepted by policy {r.policy!r}: {e}")
         m = cfg.model.name
-        if m not in BUILTIN_MODELS and cfg.ray.address is None and not Path(m).is_dir():
+        if m not in BUILTIN_MODELS and cfg.ray.address is None and not Path(m).is_dir() \
+                and not is_random(m):
             self.fail("model.name", f"must be {' or '.join(BUILTIN_MODELS)} or a local model "
                       f"folder; {m!r} is neither")
         for name, path in cfg.model.lora_adapters.items():
@@ -369,7 +417,7 @@ class _Validator:
                 validate_adapters(m, cfg.model.lora_adapters)
             except LoRAError as e:
                 self.fail(f"model.lora_adapters.{e.name}", str(e))
-        if cfg.engine.device == "cuda" and w.num_gpus == 0:
+        if cfg.engine.device == "cuda" and w.num_gpus == 0 and not in_process:
             self.fail("engine.device", "cuda needs GPUs for the workers: set workers.num_gpus "
                       "(e.g. 0.5 puts a prefill and a decode worker on one GPU)")
         if cfg.server.grpc_port is not None and cfg.server.grpc_port == cfg.server.port != 0:

@@ -10,50 +10,14 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
+from cluster.pd_config import PDConfig  # noqa: F401  (re-exported)
 from ingress.backend import RouterView
-from kvtransfer.base import TRANSPORT_NAMES
-from router.autoscale import AutoscaleConfig
 from router.kv_timeline import HIT_WINDOW_S
-from router.orchestrator import FlowConfig, Orchestrator
-
-
-@dataclass
-class PDConfig:
-    """What a PDCluster launches (workers, placement, transport options) and, in `flow`, how
-    requests flow through them (policy, transport, timeouts, retries: the router's FlowConfig,
-    held here, never copied)."""
-
-    engine: dict = field(default_factory=dict)   # EngineConfig fields for every worker
-    num_prefill: int = 1
-    num_decode: int = 1
-    transport_cfg: dict = field(default_factory=dict)
-    lease_s: float = 30.0
-    threads_per_actor: int = 1            # torch threads in each worker
-    share_idle_threads: bool = True       # ... plus those of idle workers on the same machine
-    prefill_resources: dict = field(default_factory=dict)   # e.g. {"prefill": 1}
-    decode_resources: dict = field(default_factory=dict)    # e.g. {"decode": 1}
-    num_gpus_per_worker: float = 0.0
-    max_restarts: int = 3                 # Ray restarts a dead worker actor this many times
-    fault_injection: bool = False         # workers/faults.py hosts (chaos bench, tests)
-    flow: FlowConfig = field(default_factory=FlowConfig)
-    autoscale: AutoscaleConfig | None = None   # enabled: the live autoscaler sizes the pools
-
-    def validate(self) -> None:
-        if self.flow.transport not in TRANSPORT_NAMES:
-            raise ValueError(f"unknown KV transport {self.flow.transport!r}; valid names: "
-                             f"{', '.join(TRANSPORT_NAMES)}")
-        if self.num_prefill < 0 or self.num_decode < 1:
-            raise ValueError("need at least one decode worker and no negative prefill count")
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        self.flow.validate()
-        if self.autoscale is not None:
-            self.autoscale.validate()
+from router.orchestrator import FlowConfig, Orchestrator  # noqa: F401  (FlowConfig: re-exported)
 
 
 class PDCluster:
@@ -119,7 +83,7 @@ class PDCluster:
         self.abort = self.orchestrator.abort
         self.autoscaler = None
         if cfg.autoscale is not None and cfg.autoscale.enabled:
-            from cluster.autoscaler import LiveAutoscaler
+            from cluster.autoscale_loop import LiveAutoscaler
             self.autoscaler = LiveAutoscaler(self, cfg.autoscale, metrics=metrics)
             self.orchestrator.request_window = self.autoscaler.window
             self.autoscaler.start()

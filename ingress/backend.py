@@ -42,7 +42,7 @@ class RouterView:
     draining: frozenset[str] = frozenset()                     # worker ids
     unhealthy: frozenset[str] = frozenset()                    # worker ids
     migrations: dict[str, int] = field(default_factory=dict)   # live moves by outcome
-    autoscale: dict | None = None      # the autoscaler's state (None: off; cluster/autoscaler.py)
+    autoscale: dict | None = None      # the autoscaler's state (None: off; cluster/autoscale_loop.py)
 
 
 @runtime_checkable

@@ -10,13 +10,16 @@ from __future__ import annotations
 import ipaddress
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ingress.auth import ANONYMOUS, KeyRing, Principal, authenticate, tenant_of
+from ingress.backend import Backend
 from ingress.errors import IngressError
 from ingress.limits import IngressLimits
 from ingress.request_checks import ModelLimits, RequestLimits
+from protocol.messages import RequestResult, TokenDelta
 from protocol.sampling import SamplingParams
 
 
@@ -63,7 +66,7 @@ class SubRequest:
 
 
 class IngressCore:
-    def __init__(self, backend: Any, settings: IngressSettings) -> None:
+    def __init__(self, backend: Backend, settings: IngressSettings) -> None:
         self.backend = backend
         self.settings = settings
         self.model_name = settings.model_name
@@ -152,7 +155,8 @@ class IngressCore:
         return base, subs
 
     # ---- the backend ----
-    def run(self, sub: SubRequest, tenant: str, lora: str, on_delta=None) -> dict:
+    def run(self, sub: SubRequest, tenant: str, lora: str,
+            on_delta: Callable[[TokenDelta], None] | None = None) -> RequestResult:
         """Run one sub-request (blocking). A chat prompt travels as its message list: the
         worker applies the chat template to it."""
         return self.backend.run_request(sub.prompt, sub.sampling, chat=False, tenant=tenant,

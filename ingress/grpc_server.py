@@ -21,6 +21,7 @@ import grpc
 from ingress import raypd_pb2 as pb
 from ingress import raypd_pb2_grpc as pb_grpc
 from ingress.auth import Principal
+from ingress.backend import Backend
 from ingress.core import GenerationRequest, IngressCore, IngressSettings, SubRequest
 from ingress.errors import IngressError, classify
 from ingress.request_checks import (
@@ -230,7 +231,7 @@ class GrpcServer:
         self.server.wait_for_termination()
 
 
-def start_grpc_server(backend: Any, host: str = "127.0.0.1", port: int = 0,
+def start_grpc_server(backend: Backend, host: str = "127.0.0.1", port: int = 0,
                       settings: IngressSettings | None = None,
                       core: IngressCore | None = None) -> GrpcServer:
     """Serve `backend` on host:port (0: any free port) in background threads; `core` shares

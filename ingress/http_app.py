@@ -20,7 +20,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress import http_answers
 from ingress.auth import Principal
-from ingress.backend import OperatedBackend
+from ingress.backend import Backend, OperatedBackend
 from ingress.core import GenerationRequest, IngressCore, IngressSettings
 from ingress.errors import IngressError
 from ingress.http_answers import error_response
@@ -71,7 +70,7 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
 class HttpIngress:
     """The app's state: the shared core, metrics, the request threads, operations."""
 
-    def __init__(self, backend: Any, settings: IngressSettings,
+    def __init__(self, backend: Backend, settings: IngressSettings,
                  metrics: IngressMetrics | None, core: IngressCore | None = None) -> None:
         self.core = core or IngressCore(backend, settings)
         self.settings = settings
@@ -192,7 +191,7 @@ class HttpIngress:
         self.ops.close()
 
 
-def build_app(backend: Any, settings: IngressSettings, *,
+def build_app(backend: Backend, settings: IngressSettings, *,
               metrics: IngressMetrics | None = None, core: IngressCore | None = None) -> FastAPI:
     """The FastAPI app serving `backend`. `app.state.ingress` holds the HttpIngress (its
     `inflight` count, `metrics`, `close()`); pass the gRPC server's `core` to share capacity."""

@@ -3,12 +3,10 @@ rows of /api/stats (one per actor, each asked on its own so a dead worker loses 
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ingress.backend import OperatedBackend
+from ingress.backend import Backend, OperatedBackend
 from router.percentiles import percentile
 
 STATS_TIMEOUT_S = 5.0          # a worker that does not answer stats() by then shows unhealthy
@@ -18,7 +16,7 @@ class IngressMetrics:
     """Prometheus metrics of one ingress, in their own registry: request counts by status,
     client-side latency histograms, and (at scrape time) every worker's KV gauges."""
 
-    def __init__(self, backend: Any = None) -> None:
+    def __init__(self, backend: Backend | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("raypd_http_requests", "HTTP requests by endpoint and status",
@@ -67,7 +65,7 @@ class _WorkerCollector:
                 ("raypd_preemptions", "preemptions", "requests preempted (recomputed)"),
                 ("raypd_worker_computed_tokens", "computed_tokens", "tokens computed")]
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
     def describe(self) -> list:
@@ -102,7 +100,7 @@ _ACTOR_FIELDS = ("waiting", "running", "blocks_used", "blocks_cached", "free", "
                  "block_utilization", "loop_error")
 
 
-def worker_stats(backend: Any) -> tuple[list[dict], str | None]:
+def worker_stats(backend: Backend) -> tuple[list[dict], str | None]:
     """Every worker's stats() row, and what went wrong with those that did not answer (the
     backend asks each worker on its own: one that is dead, hung or just removed by a scale-in
     only loses its own row)."""

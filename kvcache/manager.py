@@ -17,6 +17,8 @@ from kvcache.tier2 import ReloadCostModel, Tier2Index
 
 
 def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in exact integer arithmetic (no float rounding): the one place the
+    `-(-a // b)` idiom lives; import this rather than spelling it out."""
     return -(-a // b)
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvcache.manager import cdiv
 from kvtransfer.base import (
     KVTransport,
     TransferError,
@@ -174,7 +175,7 @@ class ShmTransport(KVTransport):
                 best = min(fits, key=lambda s: s.capacity)
                 self._free.remove(best)
                 return best
-        capacity = -(-nbytes // SEGMENT_ALIGN) * SEGMENT_ALIGN
+        capacity = cdiv(nbytes, SEGMENT_ALIGN) * SEGMENT_ALIGN
         path = os.path.join(self.directory, f"{PREFIX}-{os.getpid()}-free{next(self._names)}")
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

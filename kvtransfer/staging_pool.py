@@ -23,13 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.manager import cdiv
+
 ALIGN = 512                      # bytes: every range starts here (any dtype's alignment)
 DEFAULT_SEGMENT_BYTES = 64 << 20
 _IDS = itertools.count()
 
 
 def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
+    return cdiv(n, to) * to
 
 
 @dataclass

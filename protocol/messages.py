@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcache.events import KVEvent
+from kvcache.manager import cdiv
 from protocol.lifecycle import RequestLifecycle
 from protocol.request_trace import PrefillTiming
 from protocol.sampling import SamplingParams
@@ -130,7 +131,7 @@ class AdmittedRequest:
 
     @property
     def num_prompt_blocks(self) -> int:
-        return -(-len(self.prompt_token_ids) // self.block_size)
+        return cdiv(len(self.prompt_token_ids), self.block_size)
 
 
 @dataclass(frozen=True)

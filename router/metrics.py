@@ -62,7 +62,7 @@ class RouterMetrics:
                                            ).set_default_tags(tags)
 
     def record_autoscale(self, decision: Any) -> None:
-        """One autoscaler evaluation (router/autoscale.py Decision): each pool's live,
+        """One autoscaler evaluation (router/autoscale_decision.py Decision): each pool's live,
         starting, draining and target sizes, and the direction it took per role."""
         obs = decision.observation
         for r in decision.roles:

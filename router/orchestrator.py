@@ -32,7 +32,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -80,6 +80,7 @@ from router.flight import (
     HandoffReleases,
     MoveSignal,
 )
+from router.flow_config import FAILURE_POLICIES, FlowConfig  # noqa: F401  (re-exported)
 from router.local_prefill import NO_LIMIT, local_prefill_limit
 from router.policies import (
     Locality,
@@ -92,9 +93,8 @@ from router.prefix_index import ApproxPrefixIndex
 from router.request_traces import TraceStore  # trace hook
 from router.streams import DeltaStreams, WorkerGone
 from router.transfer_rates import TransferRates
-from router.worker_view import REPORT_INTERVAL_S, note_decode, note_prefill
+from router.worker_view import note_decode, note_prefill
 
-FAILURE_POLICIES = ("recompute", "fail")
 MOVED = object()            # a request's item stream: its decode moved to another worker
 LOCAL = object()            # the prefill choice: the decode worker prefills it itself
 MAX_MOVE_FALLBACKS = 8      # re-prefills after failed moves, per request
@@ -109,39 +109,6 @@ REBALANCE_MIN_GAP = 4       # rebalance: decode batches this far apart (and the 
 
 class MoveFailed(Exception):
     """A live move failed after its source froze the decode: the request re-prefills."""
-
-
-@dataclass
-class FlowConfig:
-    """How requests flow through the workers (the config's router.* and transfer.* keys)."""
-
-    policy: str = "locality"
-    policy_cfg: dict | None = None
-    index_mode: str = "precise"            # precise (KV events) | approx (own decisions + TTL)
-    local_prefill_max_tokens: int = 0      # D prefills itself when it lacks <= this many tokens
-    local_prefill_when_backlogged: bool = False   # ... or when the prefill pool's wait is
-                                           # longer than it takes on D, (1 + D's decode batch)
-                                           # times over (router/local_prefill.py)
-    failure_policy: str = "recompute"      # on a failed transfer: recompute on D, or fail
-    transport: str = "object_store"
-    rdt_backend: str = "gloo"
-    admit_timeout_s: float = 120.0
-    request_timeout_s: float = 600.0
-    report_interval_s: float = REPORT_INTERVAL_S
-    health_timeout_s: float = 10.0         # a worker whose report takes this long is unhealthy
-    hang_timeout_s: float = 300.0          # one engine step running this long: the worker hangs
-    max_retries: int = 2                   # re-runs of a request whose worker died
-    migrate_on_kv_pressure: bool = False   # move a running decode off a full D (no preemption)
-
-    def validate(self) -> None:
-        if self.failure_policy not in FAILURE_POLICIES:
-            raise ValueError(f"failure_policy must be one of {FAILURE_POLICIES}, "
-                             f"got {self.failure_policy!r}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.index_mode not in ("precise", "approx"):
-            raise ValueError(f"index_mode must be precise or approx, got {self.index_mode!r}")
-        make_policy(self.policy, **(self.policy_cfg or {}))   # unknown name -> ValueError
 
 
 class Orchestrator:

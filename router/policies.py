@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from kvcache.hashing import BlockHash
+from kvcache.manager import cdiv
 from protocol.errors import RoutingRejected, SLOUnmeetable
 from protocol.messages import LoadReport
 from protocol.step_rates import DecodeFit, PrefillFit
@@ -173,7 +174,7 @@ class BasePolicy:
         """Among decode workers with room for the request, the lowest cost
         transfer_weight x blocks to pull (those it lacks) + (running + queued) tokens / block_size:
         a worker that already holds the prefix pulls less; ties go to the most free blocks."""
-        out_blocks = -(-(req.num_tokens + req.output_tokens) // req.block_size)
+        out_blocks = cdiv(req.num_tokens + req.output_tokens, req.block_size)
         best: tuple[float, int] | None = None
         choice: RoutingDecision | None = None
         for w in _available(decode_workers):

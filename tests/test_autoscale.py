@@ -1,4 +1,4 @@
-"""The autoscaler (router/autoscale.py): its inputs are a function of the load reports and the
+"""The autoscaler (router/autoscale_decision.py): its inputs are a function of the load reports and the
 router's request window only; its decisions respect min/max, cooldowns and one-at-a-time
 scale-down, hold without fits, follow the load; and the simulator's autoscaled run
 (raypd/sim/autoscale_sim.py, `raypd simulate --autoscale`) uses fewer worker-seconds than
@@ -14,7 +14,7 @@ from protocol.step_rates import DecodeFit, PrefillFit
 from raypd.sim.cluster_sim import ClusterConfig, DecodeSim, _Seq
 from raypd.sim.cost_model import gpu_cost_model
 from raypd.sim.routing_sim import SimRequest
-from router.autoscale import (
+from router.autoscale_decision import (
     AutoscaleConfig,
     AutoscaleConfigError,
     Controller,

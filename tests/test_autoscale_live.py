@@ -1,4 +1,4 @@
-"""The live autoscaler (cluster/autoscaler.py): the controller's decisions applied to a running
+"""The live autoscaler (cluster/autoscale_loop.py): the controller's decisions applied to a running
 cluster; a scale-down drains a worker whose running decodes move away with their KV."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 from conftest import hf_greedy, random_prompt, start_streaming
 
-from cluster.autoscaler import LiveAutoscaler
+from cluster.autoscale_loop import LiveAutoscaler
 from cluster.pd import PDCluster, PDConfig
 from raypd.cli.ops import format_status
-from router.autoscale import AutoscaleConfig
+from router.autoscale_decision import AutoscaleConfig
 from router.orchestrator import FlowConfig
 from router.policies import WorkerState
 from workers.request import SamplingParams

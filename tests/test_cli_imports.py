@@ -56,6 +56,14 @@ def test_bench_engine_runs_without_ray_or_the_http_stack():
     assert abs(out["decode_compute_bound_ms_b16"] / out["decode_compute_bound_ms_b1"] - 16) < 1e-6
 
 
+def test_print_config_runs_without_ray_or_the_http_stack():
+    """--print-config resolves the config chain (cluster/config.py) without Ray or torch."""
+    for argv in (("generate", "--print-config"), ("bench", "engine", "--print-config")):
+        proc = run_blocked(*argv)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "transport: shm" in proc.stdout and "block_size: 16" in proc.stdout
+
+
 def test_every_command_is_listed_without_ray():
     proc = run_blocked("--help")
     assert proc.returncode == 0, proc.stderr[-3000:]

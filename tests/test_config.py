@@ -179,3 +179,206 @@ def test_a_transport_option_the_transport_does_not_take_is_refused_at_load_namin
         load_config(str(path))
     with pytest.raises(ConfigError, match="'worker_id' not taken"):   # the worker sets it
         load_config(None, {"transfer.options": {"worker_id": "x"}})
+
+
+# ---- every default stated once -------------------------------------------------------------
+def _section_fields(cls: type, prefix: str = ""):
+    """(dotted key, dataclass field) of every config key, sections recursed into."""
+    import typing
+    from dataclasses import fields, is_dataclass
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        if is_dataclass(hints[f.name]):
+            yield from _section_fields(hints[f.name], key + ".")
+        else:
+            yield key, f
+
+
+# the keys whose default is a serving dataclass's (its field there)
+SERVING_KEYS = {
+    **{f"model.{k}": ("EngineConfig", v) for k, v in (
+        ("name", "model"), ("dtype", "dtype"), ("kv_dtype", "kv_dtype"),
+        ("max_model_len", "max_model_len"), ("lora_adapters", "lora_adapters"))},
+    **{f"engine.{k}": ("EngineConfig", k) for k in (
+        "block_size", "kv_cache_gb", "num_blocks", "kv_tier2_gb", "kv_tier2_dir",
+        "max_num_batched_tokens", "max_step_ms", "max_num_seqs", "enable_prefix_caching",
+        "model_impl", "max_loras", "device", "cuda_graphs")},
+    "engine.threads_per_worker": ("PDConfig", "threads_per_actor"),
+    "engine.share_idle_threads": ("PDConfig", "share_idle_threads"),
+    "workers.prefill.count": ("PDConfig", "num_prefill"),
+    "workers.prefill.resources": ("PDConfig", "prefill_resources"),
+    "workers.decode.count": ("PDConfig", "num_decode"),
+    "workers.decode.resources": ("PDConfig", "decode_resources"),
+    "workers.num_gpus": ("PDConfig", "num_gpus_per_worker"),
+    "workers.max_restarts": ("PDConfig", "max_restarts"),
+    "transfer.options": ("PDConfig", "transport_cfg"),
+    "transfer.lease_s": ("PDConfig", "lease_s"),
+    **{f"transfer.{k}": ("FlowConfig", k) for k in (
+        "transport", "failure_policy", "local_prefill_max_tokens",
+        "local_prefill_when_backlogged")},
+    **{f"router.{k}": ("FlowConfig", k) for k in (
+        "policy", "index_mode", "admit_timeout_s", "request_timeout_s", "max_retries",
+        "report_interval_s", "health_timeout_s", "hang_timeout_s", "migrate_on_kv_pressure")},
+    "router.max_inflight": ("IngressSettings", "max_inflight"),
+    "server.protect_metrics": ("IngressSettings", "protect_metrics"),
+}
+
+
+def test_every_key_with_a_serving_counterpart_reads_its_default_from_there():
+    """A key the serving side also has is declared `_from(ServingClass, "field")`: its default
+    is that field's own object (or default factory), not a second literal that could drift."""
+    from dataclasses import MISSING
+
+    from cluster.config import SERVING, default_of
+    sourced = {key: f for key, f in _section_fields(RaypdConfig) if SERVING in f.metadata}
+    assert {k: (c.__name__, n) for k, (c, n) in
+            ((k, f.metadata[SERVING]) for k, f in sourced.items())} == SERVING_KEYS
+    for key, f in sourced.items():
+        cls, name = f.metadata[SERVING]
+        theirs = cls.__dataclass_fields__[name]
+        if theirs.default_factory is not MISSING:
+            assert f.default_factory is theirs.default_factory, key
+        else:
+            assert f.default is theirs.default, key
+        assert _get(RaypdConfig(), key) == default_of(cls, name), key
+
+
+def _get(obj, key: str):
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_the_default_config_is_the_serving_defaults():
+    """Behaviourally: the defaults' PDConfig is PDConfig(), its flow FlowConfig(), its engine
+    EngineConfig()'s fields, its ingress IngressSettings()'s: whatever a key's declaration, a
+    default that drifts from the serving side's fails here."""
+    from dataclasses import asdict, replace
+
+    from cluster.pd_config import PDConfig
+    from ingress.core import IngressSettings
+    from router.flow_config import FlowConfig
+    from workers.engine_config import EngineConfig
+    cfg = RaypdConfig()
+    pd = cfg.to_pd_config()
+    engine = asdict(EngineConfig())
+    assert pd.engine == {k: engine[k] for k in pd.engine}
+    assert set(engine) - set(pd.engine) == {"num_threads", "seed"}   # not config keys
+    assert pd.flow.policy_cfg == {}                     # router.policy_options (YAML-only)
+    assert replace(pd.flow, policy_cfg=None) == FlowConfig()
+    assert replace(pd, engine={}, flow=FlowConfig()) == PDConfig()
+    ingress = IngressSettings()
+    assert (cfg.router.max_inflight, cfg.server.protect_metrics, cfg.server.limits,
+            cfg.server.request_limits) == (ingress.max_inflight, ingress.protect_metrics,
+                                           ingress.limits, ingress.request_limits)
+
+
+def test_the_two_old_disagreements_are_serves_values():
+    from router.flow_config import FlowConfig
+    assert FlowConfig().transport == "shm" == RaypdConfig().transfer.transport
+    assert FlowConfig().local_prefill_when_backlogged is True
+    assert RaypdConfig().transfer.local_prefill_when_backlogged is True
+
+
+def test_local_yaml_states_every_key():
+    """configs/local.yaml is the defaults (above) and lists every key, so it documents them."""
+    import yaml
+    opaque = {"options", "policy_options", "lora_adapters", "resources"}   # free-form maps
+
+    def keys(tree: dict, prefix: str = "") -> set[str]:
+        out = set()
+        for k, v in tree.items():
+            out.add(prefix + k)
+            if isinstance(v, dict) and k not in opaque:
+                out |= keys(v, f"{prefix}{k}.")
+        return out
+    assert keys(yaml.safe_load(LOCAL.read_text())) == keys(RaypdConfig().to_dict())
+
+
+def test_one_dtype_list_and_one_model_list():
+    from raypd.cli import build_parser
+    from workers.device import DTYPES as TORCH_DTYPES
+    from workers.engine_config import DTYPES, KV_DTYPES, QUANTIZED_KV_DTYPES, WEIGHT_DTYPES
+    from workers.kv_quant import QUANT_FORMATS
+    assert tuple(TORCH_DTYPES) == WEIGHT_DTYPES and DTYPES == ("auto", *WEIGHT_DTYPES)
+    assert tuple(QUANT_FORMATS) == QUANTIZED_KV_DTYPES
+    assert KV_DTYPES == (*DTYPES, *QUANTIZED_KV_DTYPES)
+    from cluster.config import EngineSection, ModelSection  # noqa: F401
+    assert ModelSection.__dataclass_fields__["dtype"].metadata["choices"] is DTYPES
+    assert ModelSection.__dataclass_fields__["kv_dtype"].metadata["choices"] is KV_DTYPES
+    parser = build_parser()
+    for argv in (["serve"], ["generate"], ["bench", "engine"]):
+        sub = parser
+        for word in argv:
+            sub = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)
+                       ).choices[word]
+        by_dest = {a.dest: a for a in sub._actions}
+        assert tuple(by_dest["dtype"].choices) == DTYPES, argv
+        if "kv_dtype" in by_dest:
+            assert tuple(by_dest["kv_dtype"].choices) == KV_DTYPES, argv
+    import cluster.config as config_module
+    assert not hasattr(config_module, "BUILTIN_MODELS")   # workers/model_loader.py's only
+
+
+def test_the_config_loader_imports_neither_torch_nor_ray():
+    import subprocess
+    import sys
+    code = ("import sys, cluster.config, raypd.cli.common; "
+            "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=LOCAL.parents[1], text=True,
+                         capture_output=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---- generate and the benches read serve's chain ---------------------------------------------
+def _parse(*argv: str) -> argparse.Namespace:
+    from raypd.cli import build_parser
+    return build_parser().parse_args(list(argv))
+
+
+def test_generate_reads_the_config_file_then_the_flags(tmp_path):
+    from raypd.cli.common import config_from_args, engine_config_from_args
+    path = write(tmp_path, "model: {name: tiny, dtype: float32}\n"
+                 "engine: {block_size: 32, num_blocks: 99, max_num_seqs: 8}\n")
+    args = _parse("generate", "--prompt", "x", "--config", str(path), "--max-num-seqs", "4",
+                  "--no-prefix-caching", "--kv-dtype", "int8")
+    ec = engine_config_from_args(args)
+    assert (ec.model, ec.dtype, ec.block_size, ec.num_blocks) == ("tiny", "float32", 32, 99)
+    assert (ec.max_num_seqs, ec.enable_prefix_caching, ec.kv_dtype) == (4, False, "int8")
+    assert ec.num_threads is None                       # --threads not given: torch's own
+    bare = engine_config_from_args(_parse("generate", "--prompt", "x"))
+    from workers.engine_config import EngineConfig
+    assert bare == EngineConfig()                       # no file, no flags: the defaults
+    disagg = config_from_args(_parse("generate", "--prompt", "x", "--disagg", "--prefill", "2",
+                                     "--decode", "3", "--model", "tiny", "--threads", "2"),
+                              {"workers.prefill.count": 2, "workers.decode.count": 3})
+    pd = disagg.to_pd_config()
+    assert (pd.num_prefill, pd.num_decode, pd.threads_per_actor) == (2, 3, 2)
+    assert pd.flow.transport == "shm"                   # serve's, no longer object_store
+
+
+def test_a_bad_generate_flag_is_a_config_error_naming_the_key():
+    from raypd.cli.common import config_from_args
+    with pytest.raises(ConfigError, match="command line: engine.block_size: must be a power"):
+        config_from_args(_parse("generate", "--prompt", "x", "--block-size", "12"))
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate"], ["generate", "--model", "tiny", "--transport", "grpc", "--decode", "2"],
+    ["bench", "engine", "--model", "tiny"], ["bench", "chaos"], ["bench", "autoscale"],
+    ["bench", "disagg"], ["bench", "transfer"], ["serve", "--port", "0"],
+])
+def test_print_config_prints_the_resolved_config_and_exits_0(argv, capsys, tmp_path):
+    import yaml
+
+    from raypd.cli import main
+    path = write(tmp_path, "engine: {max_num_seqs: 7}\n")
+    assert main([*argv, "--config", str(path), "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    again = load_config(write(tmp_path, yaml.safe_dump(printed)))
+    assert again.to_dict() == printed and again.engine.max_num_seqs == 7
+    if "--model" in argv:
+        assert again.model.name == "tiny"
+    if "grpc" in argv:
+        assert (again.transfer.transport, again.workers.decode.count) == ("grpc", 2)

@@ -9,6 +9,7 @@ import ray
 from conftest import hf_greedy, random_prompt
 
 from cluster.pd import PDCluster, PDConfig
+from kvcache.manager import cdiv
 from protocol.messages import RequestInput
 from router.orchestrator import FlowConfig
 from workers.request import SamplingParams
@@ -229,7 +230,7 @@ def test_disagg_matches_transformers_generate_for_every_transport(reference, sha
     assert [r.token_ids for r in results] == reference(PROMPTS)
     for r, p in zip(results, PROMPTS, strict=True):
         lc = r.lifecycle
-        assert lc.transferred_blocks == -(-len(p) // 16) - lc.skipped_blocks
+        assert lc.transferred_blocks == cdiv(len(p), 16) - lc.skipped_blocks
         assert lc.transfer_bytes > 0 and lc.transfer_s > 0
         assert lc.prefill_worker == "prefill-0" and lc.decode_worker == "decode-0"
         assert lc.handoff_round_trips == 3      # admit, prefill, stream (pull + decode)

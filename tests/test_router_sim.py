@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcache.manager import cdiv
 from raypd.bench.routing import TUNING_SEEDS, UNSEEN_SEEDS, run_routing_bench, targets
 from raypd.replay.mooncake import default_trace_path, load_trace
 from raypd.sim.routing_sim import SimConfig, Simulator, ceiling_hit_rate, simulate, trace_hashes
@@ -228,8 +229,8 @@ def test_a_prefill_ends_once_staged_and_the_next_step_pays_for_the_pages_it_send
         w = SimWorker("p0", 1000, cost, max_loras=1, block_tokens=16)
         w.host_at = lambda t: HostSlowdown(1, send_s_per_token=send)
         for tag, n, at in (("a", 100, 0.0), ("b", 300, 0.0), ("c", 200, third_at)):
-            w.serve([hash((tag, i)) for i in range(-(-n // 16))], root,
-                    list(range(-(-n // 16))), n, at, 16, tag=tag)
+            w.serve([hash((tag, i)) for i in range(cdiv(n, 16))], root,
+                    list(range(cdiv(n, 16))), n, at, 16, tag=tag)
         return {t: f for f, t in w.advance(float("inf"))}
     plain = finishes(0.0, 0.0, 0.05)
     assert plain == pytest.approx({"a": 0.4, "b": 0.4, "c": 0.6})

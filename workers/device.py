@@ -22,7 +22,10 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}   # names accepted for weights/KV
+from workers.engine_config import WEIGHT_DTYPES
+
+# names accepted for weights/KV (the one list: workers/engine_config.WEIGHT_DTYPES) -> torch
+DTYPES = {name: getattr(torch, name) for name in WEIGHT_DTYPES}
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -119,7 +122,7 @@ def auto_dtype(checkpoint_dtype: str, device: torch.device) -> str:
         return "bfloat16"
     if device.type == "cpu":
         return "float32"
-    return checkpoint_dtype if checkpoint_dtype in ("float32", "bfloat16") else "float32"
+    return checkpoint_dtype if checkpoint_dtype in DTYPES else "float32"
 
 
 def load_dtype(requested: str, model: str, device: torch.device) -> str:

@@ -14,7 +14,7 @@ worker still shares the same 2 cores (a heavier burst overloads the machine what
 split: then the static runs miss too); other models take other values.
 
 Autoscaled run: the cluster starts at `initial` (P, D), as a deployment starts at its
-configured size; cluster/autoscaler.py sizes it from what the router sees from then on. Its peak size (live + starting, sampled every 0.25 s) is
+configured size; cluster/autoscale_loop.py sizes it from what the router sees from then on. Its peak size (live + starting, sampled every 0.25 s) is
 the static runs' size: every split of that many workers with at least one of each role (at
 most `max_statics`, the autoscaled peak's split first), each on a fresh cluster; the best is the
 one with the highest SLO attainment (fewer worker-seconds on a tie).
@@ -39,7 +39,7 @@ import ray
 from cluster.pd import PDCluster, PDConfig
 from protocol.errors import RaypdError
 from raypd.bench.chaos import references
-from router.autoscale import AutoscaleConfig
+from router.autoscale_decision import AutoscaleConfig
 from router.orchestrator import FlowConfig
 from router.percentiles import percentiles
 from workers.request import SamplingParams
@@ -224,7 +224,10 @@ def run_autoscale_bench(model: str = "tiny", quiet_rps: float = 1.5, burst_rps: 
                         slo_ttft_s: float = 0.25, slo_tpot_s: float = 0.012,
                         max_prefill: int = 2, max_decode: int = 3, deadline_s: float = 120.0,
                         max_statics: int = 2, seed: int = 0, initial: tuple[int, int] = (1, 2),
-                        autoscale: AutoscaleConfig | None = None) -> dict:
+                        autoscale: AutoscaleConfig | None = None,
+                        engine: dict | None = None) -> dict:
+    """`engine`: EngineConfig fields (the config chain's; `model` and the pool are this
+    bench's). The flow is as recorded: object_store, every prefill on the prefill pool."""
     from workers.model_loader import load_model
     if not (quiet_rps >= 0 and burst_rps > 0 and min(quiet_s, burst_s, tail_s) >= 0):
         raise ValueError("rates must be >= 0 (burst > 0) and phase lengths >= 0")
@@ -248,8 +251,9 @@ def run_autoscale_bench(model: str = "tiny", quiet_rps: float = 1.5, burst_rps: 
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(include_dashboard=False, log_to_driver=False)
-    engine = dict(model=model, num_blocks=1024)
-    flow = FlowConfig(request_timeout_s=deadline_s, report_interval_s=0.1)
+    engine = {**(engine or {}), "model": model, "num_blocks": 1024}
+    flow = FlowConfig(request_timeout_s=deadline_s, report_interval_s=0.1,
+                      transport="object_store", local_prefill_when_backlogged=False)
     slo = (slo_ttft_s, slo_tpot_s)
     try:
         auto = _run(PDConfig(engine=engine, num_prefill=initial[0], num_decode=initial[1],

@@ -341,7 +341,10 @@ def _corrupt_until_pulled(cluster: PDCluster, replay: _Replay, lease_s: float, l
 def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: str = "tiny",
                     requests: int = 100, max_tokens: int = 32, seed: int = 0,
                     deadline_s: float = 120.0, transport: str = "object_store",
-                    lease_s: float = 2.0, concurrency: int = 12) -> dict:
+                    lease_s: float = 2.0, concurrency: int = 12,
+                    engine: dict | None = None) -> dict:
+    """`engine`: EngineConfig fields (the config chain's; `model` and the pool are this
+    bench's). Transfers always go to the prefill pool (no backlog rule), as recorded."""
     unknown = set(faults) - set(FAULT_KINDS)
     if unknown:
         raise ValueError(f"unknown fault kinds {sorted(unknown)}; valid: {', '.join(FAULT_KINDS)}")
@@ -354,7 +357,12 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(include_dashboard=False, log_to_driver=False)
-    cluster = PDCluster(PDConfig(engine=dict(model=model, num_blocks=512), num_prefill=2, num_decode=2, lease_s=lease_s, max_restarts=kills + 2, fault_injection=True, flow=FlowConfig(transport=transport, max_retries=3, request_timeout_s=deadline_s)))
+    cluster = PDCluster(PDConfig(engine={**(engine or {}), "model": model, "num_blocks": 512},
+                                 num_prefill=2, num_decode=2, lease_s=lease_s,
+                                 max_restarts=kills + 2, fault_injection=True,
+                                 flow=FlowConfig(transport=transport, max_retries=3,
+                                                 request_timeout_s=deadline_s,
+                                                 local_prefill_when_backlogged=False)))
     rng = random.Random(seed + 1)
     events = [k for k in faults for _ in range(kills)]
     rng.shuffle(events)

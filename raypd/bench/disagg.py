@@ -288,8 +288,12 @@ def run_bench_disagg(quick: bool = False, model: str = "smollm2",
     jobs = make_jobs(w, seed)
     eng = {"model": model, **(engine or {})}
     setups = {
-        "disagg": PDConfig(engine=eng, num_prefill=1, num_decode=1, threads_per_actor=1, flow=FlowConfig(transport="shm", policy="round_robin")),
-        "coloc": PDConfig(engine=eng, num_prefill=0, num_decode=2, threads_per_actor=1, flow=FlowConfig(policy="round_robin")),
+        # every disagg prefill on the prefill worker (no backlog rule), as recorded
+        "disagg": PDConfig(engine=eng, num_prefill=1, num_decode=1, threads_per_actor=1,
+                           flow=FlowConfig(transport="shm", policy="round_robin",
+                                           local_prefill_when_backlogged=False)),
+        "coloc": PDConfig(engine=eng, num_prefill=0, num_decode=2, threads_per_actor=1,
+                          flow=FlowConfig(transport="object_store", policy="round_robin")),
     }
     names = list(setups)
     order = [n for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]

@@ -38,6 +38,7 @@ import threading
 import time
 from dataclasses import asdict
 
+from kvcache.manager import cdiv
 from raypd.sim.cluster_sim import ClusterConfig, ClusterSim
 from raypd.sim.cost_model import CostModel, HostSlowdown, SharedHost, cpu_cost_model
 from raypd.sim.routing_sim import SimRequest
@@ -329,11 +330,18 @@ def _warm_up(cluster, lens, rng: random.Random) -> None:
                             SamplingParams(max_tokens=4, ignore_eos=True))
 
 
+def _flow():
+    """The real cluster's flow, as the simulator models it and as recorded: object_store, every
+    prefill on the prefill worker (the simulator has no backlog rule)."""
+    from router.flow_config import FlowConfig
+    return FlowConfig(transport="object_store", local_prefill_when_backlogged=False)
+
+
 def run_probe(engine: dict, cost: CostModel) -> dict:
     """The shared-host and handoff probe on a 1P+1D cluster of its own (started, warmed up at
     the probe's lengths, probed, shut down): calibration figures the replay never sees."""
     from cluster.pd import PDCluster, PDConfig
-    cluster = PDCluster(PDConfig(engine=engine, num_prefill=1, num_decode=1))
+    cluster = PDCluster(PDConfig(engine=engine, num_prefill=1, num_decode=1, flow=_flow()))
     try:
         rng = random.Random(1)
         _warm_up(cluster, (PROBE_CONTEXT, PROBE_PREFILL), rng)
@@ -358,7 +366,7 @@ def run_real(replays: dict[str, list], max_tokens: int, engine: dict, rounds: in
     pool every round's requests, `rounds` gives each round's and `round_spread` how far they
     differ; `failed` counts requests that ended with an error."""
     from cluster.pd import PDCluster, PDConfig
-    cluster = PDCluster(PDConfig(engine=engine, num_prefill=1, num_decode=1))
+    cluster = PDCluster(PDConfig(engine=engine, num_prefill=1, num_decode=1, flow=_flow()))
     out = {}
     try:
         _warm_up(cluster, [len(p) for r in replays.values() for _, p in r], random.Random(2))
@@ -442,7 +450,7 @@ def _summary(per: dict[int, tuple[float, float | None]], errors: list[str] | Non
 
 def run_sim(replay, max_tokens: int, cost: CostModel, block_tokens: int) -> dict:
     reqs = [SimRequest(at, len(p), max_tokens,
-                       tuple(10_000 * j + i for i in range(-(-len(p) // block_tokens))))
+                       tuple(10_000 * j + i for i in range(cdiv(len(p), block_tokens))))
             for j, (at, p) in enumerate(replay)]
     sim = ClusterSim(cost, ClusterConfig(num_prefill=1, num_decode=1, policy="locality",
                                          max_tokens=max_tokens,

@@ -32,6 +32,7 @@ from typing import Any
 import ray
 
 from cluster.pd import PDCluster, PDConfig
+from kvcache.manager import cdiv
 from raypd.bench.transport_bandwidth import run_transfer_bench
 from router.orchestrator import FlowConfig
 from workers.request import SamplingParams
@@ -71,7 +72,7 @@ def _delta_saving(cluster: PDCluster, prompt: list[int]) -> dict[str, Any]:
     cluster.run_request(prompt[:half], ONE_TOKEN)
     ray.get([p.reset_prefix_cache.remote() for p in cluster.prefill])
     lc = cluster.run_request(prompt, ONE_TOKEN).lifecycle.to_dict()
-    blocks = -(-len(prompt) // bs)
+    blocks = cdiv(len(prompt), bs)
     full_bytes = blocks * bs * per_token
     return {"delta_bytes_saved_ratio": 1 - lc["transfer_bytes"] / full_bytes,
             "delta_prompt_tokens": len(prompt), "delta_held_tokens": half,
@@ -109,7 +110,10 @@ def run_bench_transfer(quick: bool = False, model: str = "smollm2",
         errors: dict[str, str] = {}
         devices: set[str] = set()
         for i, transport in enumerate(order):
-            cluster = PDCluster(PDConfig(engine={"model": model, **(engine or {})}, num_prefill=1, num_decode=1, flow=FlowConfig(transport=transport, policy="round_robin")))
+            cluster = PDCluster(PDConfig(
+                engine={**(engine or {}), "model": model}, num_prefill=1, num_decode=1,
+                flow=FlowConfig(transport=transport, policy="round_robin",
+                                local_prefill_when_backlogged=False)))   # every prefill on P
             try:
                 devices.update(i.get("device", "cpu") for i in cluster.info)
                 warmup, prompt = (random_prompt(rng, ttft_prompt_tokens) for _ in range(2))
@@ -274,9 +278,10 @@ def run_gpu_transfer_bench(model: str = "random:llama3-8b", ttft_prompt_tokens: 
                           "kv_cache + stream sync; pull_phases_ms splits it: map, copy, "
                           "release, checks); device copy: copy_ of the same bytes")
         bs = 16
-        num_blocks = 3 * -(-(ttft_prompt_tokens + 2) // bs) + 16
+        num_blocks = 3 * cdiv(ttft_prompt_tokens + 2, bs) + 16
         cluster = PDCluster(PDConfig(engine={"model": model, "device": "cuda", "num_blocks": num_blocks,
-                    "max_num_batched_tokens": ttft_prompt_tokens, "max_num_seqs": 8}, num_prefill=1, num_decode=1, num_gpus_per_worker=0.5, flow=FlowConfig(transport="cuda_ipc", policy="round_robin")))
+                    "max_num_batched_tokens": ttft_prompt_tokens, "max_num_seqs": 8}, num_prefill=1, num_decode=1, num_gpus_per_worker=0.5, flow=FlowConfig(transport="cuda_ipc", policy="round_robin",
+                                    local_prefill_when_backlogged=False)))
         try:
             rng = random.Random(seed)
             warmup, prompt = (random_prompt(rng, ttft_prompt_tokens) for _ in range(2))

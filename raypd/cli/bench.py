@@ -1,6 +1,11 @@
 """`raypd bench ...`: every benchmark's flags and handler (the benchmarks themselves live in
 raypd/bench/, imported only when their command runs). Each prints JSON and writes it with --json;
-the keys are the benchmark's."""
+the keys are the benchmark's.
+
+The benchmarks that build an engine or a cluster (engine, chaos, autoscale, disagg, transfer)
+start from the config chain `raypd serve` reads (--config FILE, default configs/local.yaml's
+values; their engine flags over it; --print-config prints it and exits), then set what their
+measurement fixes (pool sizes, worker counts, policy, transport), as each bench's doc says."""
 
 from __future__ import annotations
 
@@ -9,20 +14,24 @@ import json
 import sys
 from pathlib import Path
 
-from raypd.cli.common import add_device_args, emit
+from raypd.cli.common import add_config_args, add_device_args, config_from_args, emit, print_config
 from raypd.cli.simulate import add_bench_routing_parser
+from workers.engine_config import DTYPES, KV_DTYPES, QUANTIZED_KV_DTYPES
 
 
 def register(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (JSON output)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     be = bsub.add_parser("engine", help="paged engine vs transformers generate(), side by side")
-    be.add_argument("--model", default="smollm2",
-                    help="smollm2, tiny, a local folder, or random:llama3-8b (random weights "
-                    "of that shape; only the engine's own figures)")
+    add_config_args(be)
+    be.add_argument("--model", default=None,
+                    help="model.name (default smollm2): smollm2, tiny, a local folder, or "
+                    "random:llama3-8b (random weights of that shape; only the engine's own "
+                    "figures)")
     be.add_argument("--quick", action="store_true")
     be.add_argument("--threads", type=int, default=None)
-    be.add_argument("--dtype", default="auto", help="weights: auto | float32 | bfloat16")
+    be.add_argument("--dtype", default=None, choices=DTYPES,
+                    help="model.dtype: the weights' (default auto)")
     be.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
     be.add_argument("--lora", type=int, default=0, metavar="N",
                     help="also compare a batch spread over the base and N random LoRA adapters "
@@ -46,10 +55,12 @@ def register(sub) -> None:
                     help="comma-separated: kill,corrupt,delay,drop_ack,abort")
     bc.add_argument("--deadline-s", type=float, default=120.0,
                     help="every request must have ended by this many seconds after it started")
-    bc.add_argument("--model", default="tiny")
+    add_config_args(bc)
+    bc.add_argument("--model", default="tiny", help="model.name (this bench's default: tiny)")
     bc.add_argument("--requests", type=int, default=100)
     bc.add_argument("--max-tokens", type=int, default=32)
-    bc.add_argument("--transport", default="object_store")
+    bc.add_argument("--transport", default="object_store",
+                    help="KV transport (this bench's default: object_store, as recorded)")
     bc.add_argument("--seed", type=int, default=0)
     bc.add_argument("--json", metavar="PATH")
     bc.set_defaults(func=cmd_bench_chaos)
@@ -58,7 +69,8 @@ def register(sub) -> None:
                          "quiet) against the best static P:D of its peak size (exit 1 unless: "
                          "0 lost, 0 leaked, 0 mismatches, a scale-down that migrated, SLO "
                          "attainment within 5 points of static with fewer worker-seconds)")
-    ba.add_argument("--model", default="tiny")
+    add_config_args(ba)
+    ba.add_argument("--model", default="tiny", help="model.name (this bench's default: tiny)")
     ba.add_argument("--quiet-rps", type=float, default=1.5)
     ba.add_argument("--burst-rps", type=float, default=18.0)
     ba.add_argument("--quiet-s", type=float, default=10.0, help="the first quiet phase")
@@ -88,24 +100,40 @@ def register(sub) -> None:
     add_bench_capacity_parser(bsub)
 
 
+def _bench_config(args: argparse.Namespace, in_process: bool = False,
+                  overrides: dict | None = None):
+    """The config chain of a bench (--config, its engine flags and `overrides` over it); None
+    after --print-config printed it (the command then exits 0)."""
+    cfg = config_from_args(args, overrides, in_process=in_process)
+    return None if print_config(cfg, args) else cfg
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
+    """model, dtype, device and cuda_graphs come from the chain; the pools are the bench's."""
+    cfg = _bench_config(args, in_process=True)
+    if cfg is None:
+        return 0
     from raypd.bench.engine import run_calibration, run_engine_bench
+    model, dtype, device = cfg.model.name, cfg.model.dtype, cfg.engine.device
     if args.calibration:
-        return emit(run_calibration(model=args.model, threads=args.threads, dtype=args.dtype,
-                                     repeats=args.repeats, device=args.device or "auto"), args)
-    return emit(run_engine_bench(model=args.model, quick=args.quick, threads=args.threads,
-                                  dtype=args.dtype, repeats=args.repeats, lora=args.lora,
-                                  lora_only=args.lora_only, device=args.device or "auto",
-                                  cuda_graphs=not args.no_cuda_graphs), args)
+        return emit(run_calibration(model=model, threads=args.threads, dtype=dtype,
+                                     repeats=args.repeats, device=device), args)
+    return emit(run_engine_bench(model=model, quick=args.quick, threads=args.threads,
+                                  dtype=dtype, repeats=args.repeats, lora=args.lora,
+                                  lora_only=args.lora_only, device=device,
+                                  cuda_graphs=cfg.engine.cuda_graphs), args)
 
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
+    cfg = _bench_config(args)
+    if cfg is None:
+        return 0
     from raypd.bench.chaos import run_chaos_bench
     faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
     result = run_chaos_bench(kills=args.kills, faults=faults, model=args.model,
                              requests=args.requests, max_tokens=args.max_tokens,
                              transport=args.transport, seed=args.seed,
-                             deadline_s=args.deadline_s)
+                             deadline_s=args.deadline_s, engine=cfg.engine_config())
     emit(result, args)
     for why in result["failures"]:
         print(f"chaos: FAILED: {why}", file=sys.stderr)
@@ -125,8 +153,11 @@ def _sizes(text: str) -> tuple[int, int]:
 
 
 def cmd_bench_autoscale(args: argparse.Namespace) -> int:
+    cfg = _bench_config(args)
+    if cfg is None:
+        return 0
     from raypd.bench.autoscale import run_autoscale_bench, summary_text
-    result = run_autoscale_bench(
+    result = run_autoscale_bench(engine=cfg.engine_config(),
         model=args.model, quiet_rps=args.quiet_rps, burst_rps=args.burst_rps,
         quiet_s=args.quiet_s, burst_s=args.burst_s, tail_s=args.tail_s,
         max_tokens=args.max_tokens, long_share=args.long_share, long_tokens=args.long_tokens,
@@ -171,8 +202,8 @@ def add_bench_kv_quality_parser(bsub) -> None:
                         "(agreement, mean / p99 KL, perplexity) against the noise floor of a "
                         "bf16 pool; records the gate `raypd serve` enforces; exit 1: gate failed")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--kv-dtype", default="int8", choices=["int8", "fp8"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--kv-dtype", default="int8", choices=QUANTIZED_KV_DTYPES)
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the weights' dtype (the gate is recorded per weights dtype)")
     p.add_argument("--text-tokens", type=int, default=2048,
                    help="tokens of the text scored teacher-forced (capped by the context)")
@@ -206,11 +237,10 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
 
 
 def add_bench_capacity_parser(bsub) -> None:
-    from kvcache.kv_sizing import KV_DTYPE_BYTES
     p = bsub.add_parser("capacity", help="KV growth vs context and concurrency: plain cache, "
                         "paged pool, paged + prefix sharing; max concurrency in a budget")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", *KV_DTYPE_BYTES])
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
     p.add_argument("--budget-gb", type=float, default=1.0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--shared-frac", type=float, default=0.5,
@@ -250,14 +280,20 @@ def cmd_bench_badinput(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_disagg(args: argparse.Namespace) -> int:
+    cfg = _bench_config(args)
+    if cfg is None:
+        return 0
     from raypd.bench.disagg import run_bench_disagg
-    return emit(run_bench_disagg(quick=args.quick, model=args.model), args)
+    return emit(run_bench_disagg(quick=args.quick, model=args.model,
+                                 engine=cfg.engine_config()), args)
 
 
 def add_bench_disagg_parser(bsub) -> argparse.ArgumentParser:
     """Register `bench disagg` on the `bench` subparsers."""
     p = bsub.add_parser("disagg", help="mixed load: 1 prefill + 1 decode vs 2 colocated workers")
-    p.add_argument("--model", default="smollm2")
+    add_config_args(p)
+    p.add_argument("--model", default="smollm2", help="model.name (this bench's default: "
+                   "smollm2)")
     p.add_argument("--quick", action="store_true", help="a shorter, lighter load (~2 min)")
     p.add_argument("--json", metavar="PATH", help="also write the JSON here")
     p.set_defaults(func=cmd_bench_disagg)
@@ -287,6 +323,12 @@ def _sizes_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    """The CPU clusters' engine comes from the chain (--model: its model.name, default
+    smollm2); --device cuda builds its own GPU cluster (see raypd/bench/transfer.py), so
+    --device is this bench's choice, not engine.device."""
+    cfg = _bench_config(args, overrides={"engine.device": None})
+    if cfg is None:
+        return 0
     from raypd.bench.transfer import run_bench_transfer, run_gpu_transfer_bench
     if args.device == "cuda":
         if args.transports or args.sizes_mib:
@@ -296,15 +338,17 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
                                         ttft_prompt_tokens=args.ttft_prompt_tokens or 4096)
         emit(result, args)
         return 1 if "error" in result else 0
-    return emit(run_bench_transfer(quick=args.quick, model=args.model or "smollm2",
+    return emit(run_bench_transfer(quick=args.quick, model=cfg.model.name,
                                     ttft_prompt_tokens=args.ttft_prompt_tokens or 2048,
-                                    transports=args.transports, sizes_mib=args.sizes_mib), args)
+                                    transports=args.transports, sizes_mib=args.sizes_mib,
+                                    engine=cfg.engine_config()), args)
 
 
 def add_bench_transfer_parser(bsub) -> argparse.ArgumentParser:
     """Register `bench transfer` on the `bench` subparsers."""
     p = bsub.add_parser("transfer", help="KV transport GB/s vs memcpy; transfer share of TTFT; "
                                          "bytes a decode-side prefix hit saves")
+    add_config_args(p)
     p.add_argument("--model", default=None, help="model of the TTFT / delta clusters "
                    "(default smollm2; with --device cuda: random:llama3-8b)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],

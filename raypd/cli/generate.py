@@ -1,18 +1,25 @@
 """`raypd generate`: one prompt through one engine in this process, or with --disagg through N
-prefill + M decode worker actors on a local Ray."""
+prefill + M decode worker actors on a local Ray. The engine (and with --disagg the cluster) is
+the config chain `raypd serve` reads: --config FILE (default: configs/local.yaml's values), the
+flags given over it; --print-config prints it and exits."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from raypd.cli.common import add_engine_args, engine_config_from_args, engine_fields
+from raypd.cli.common import (
+    add_engine_args,
+    config_from_args,
+    engine_config_from_args,
+    print_config,
+)
 
 
 def register(sub) -> None:
     gen = sub.add_parser("generate", help="generate text for one prompt")
     add_engine_args(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", help="the prompt (required unless --print-config)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -25,9 +32,12 @@ def register(sub) -> None:
     gen.add_argument("--lora-name", metavar="NAME", default=None,
                      help="run the prompt under the LoRA adapter NAME (given with --lora)")
     gen.add_argument("--disagg", action="store_true", help="prefill/decode on separate Ray actors")
-    gen.add_argument("--prefill", type=int, default=1, help="prefill workers (--disagg)")
-    gen.add_argument("--decode", type=int, default=1, help="decode workers (--disagg)")
-    gen.add_argument("--transport", default="object_store", help="KV transport (--disagg)")
+    gen.add_argument("--prefill", type=int, metavar="N",
+                     help="workers.prefill.count (--disagg; default 1)")
+    gen.add_argument("--decode", type=int, metavar="M",
+                     help="workers.decode.count (--disagg; default 1)")
+    gen.add_argument("--transport", help="transfer.transport: KV transport (--disagg; "
+                     "default shm)")
     gen.set_defaults(func=cmd_generate)
 
 
@@ -39,12 +49,20 @@ def _sampling_from_args(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    disagg = getattr(args, "disagg", False)
+    cfg = config_from_args(args, {"workers.prefill.count": args.prefill,
+                                  "workers.decode.count": args.decode,
+                                  "transfer.transport": args.transport}, in_process=not disagg)
+    if print_config(cfg, args):
+        return 0
+    if args.prompt is None:
+        raise SystemExit("raypd generate: error: the following arguments are required: --prompt")
     from workers.engine import LLMEngine
     sampling = _sampling_from_args(args)
-    if getattr(args, "disagg", False):
-        result = run_disagg_generate(args, sampling)
+    if disagg:
+        result = run_disagg_generate(args, sampling, cfg)
     else:
-        engine = LLMEngine(engine_config_from_args(args))
+        engine = LLMEngine(engine_config_from_args(args, cfg))
         req = engine.add_request(args.prompt, sampling, chat=args.chat,
                                  lora_id=args.lora_name or "")
         while engine.has_unfinished():
@@ -59,15 +77,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_disagg_generate(args: argparse.Namespace, sampling) -> dict:
+def run_disagg_generate(args: argparse.Namespace, sampling, cfg=None) -> dict:
+    """`cfg`: the RaypdConfig (default: the chain of `args`); its ray.* keys start Ray."""
     import ray
 
-    from cluster.pd import PDCluster, PDConfig
-    from router.orchestrator import FlowConfig
-    cfg = PDConfig(engine=engine_fields(args), num_prefill=args.prefill, num_decode=args.decode, threads_per_actor=args.threads or 1, flow=FlowConfig(transport=args.transport))
-    cfg.validate()   # a bad transport name fails before Ray starts
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    cluster = PDCluster(cfg)
+    from cluster.pd import PDCluster
+    if cfg is None:
+        cfg = config_from_args(args, {"workers.prefill.count": getattr(args, "prefill", None),
+                                      "workers.decode.count": getattr(args, "decode", None),
+                                      "transfer.transport": getattr(args, "transport", None)})
+    pd = cfg.to_pd_config()
+    pd.validate()   # a bad transport name fails before Ray starts
+    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus,
+             include_dashboard=cfg.ray.include_dashboard, log_to_driver=False,
+             configure_logging=False)
+    cluster = PDCluster(pd)
     try:
         result = cluster.run_request(args.prompt, sampling, chat=args.chat,
                                      lora_id=args.lora_name or "")

@@ -8,7 +8,14 @@ import ast
 import importlib.util
 from pathlib import Path
 
-from raypd.cli.common import add_device_args, add_lora_arg, lora_adapters_from_args
+from raypd.cli.common import (
+    add_config_args,
+    add_device_args,
+    add_lora_arg,
+    lora_adapters_from_args,
+    print_config,
+)
+from workers.engine_config import DTYPES, KV_DTYPES
 
 API_KEY_ENV = "RAYPD_API_KEY"
 
@@ -30,15 +37,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model over OpenAI-compatible HTTP",
                               description=_module_doc("cluster.serve"),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE",
-                   help="YAML config (default: built-in defaults = configs/local.yaml)")
+    add_config_args(p)
     p.add_argument("--model", help="model.name: smollm2, tiny or a local HF folder")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--dtype", choices=DTYPES,
                    help="model.dtype: the weights' dtype (auto: bfloat16 where the hardware "
                    "multiplies it natively, as AVX512-BF16/AMX CPUs and GPUs from Ampere on "
                    "do; float32 on other CPUs; else the checkpoint's own)")
-    p.add_argument("--kv-dtype", help="model.kv_dtype: auto, float32, bfloat16, int8, fp8 "
-                   "(a quantized dtype must have passed its recorded kv-quality gate)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, help="model.kv_dtype (a quantized dtype "
+                   "must have passed its recorded kv-quality gate)")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     add_lora_arg(p)
     p.add_argument("--address", help="ray.address: auto or host:port joins a running cluster "
@@ -86,5 +92,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from cluster.config import load_config
+    cfg = load_config(args.config, overrides_from_args(args))
+    if print_config(cfg, args):
+        return 0
     from cluster.serve import serve_forever
-    return serve_forever(load_config(args.config, overrides_from_args(args)), args.log_level)
+    return serve_forever(cfg, args.log_level)

@@ -215,7 +215,7 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                    help="--validate: the replay's prompt lengths (default 200,450,900); none "
                         "the calibration or the probe measures (128, 512, 1024, 2048)")
     p.add_argument("--autoscale", action="store_true",
-                   help="the autoscaler (router/autoscale.py) sizing P and D during the replay, "
+                   help="the autoscaler (router/autoscale_decision.py) sizing P and D during the replay, "
                         "up to --gpus in all, against every static P:D split of --gpus on the "
                         "same requests (the trace scaled to the size as --plan does): "
                         "worker-seconds and SLO attainment")
@@ -269,7 +269,7 @@ def _autoscale(args: argparse.Namespace, cost: CostModel) -> int:
     from raypd.sim.autoscale_sim import compare, compare_text
     from raypd.sim.cluster_sim import ClusterConfig
     from raypd.sim.planner import parse_gpus
-    from router.autoscale import AutoscaleConfig
+    from router.autoscale_decision import AutoscaleConfig
     initial = None
     if args.initial is not None:
         try:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvcache.hashing import BlockHash, CacheNamespace, hash_block
+from kvcache.manager import cdiv
 
 TRACE_BLOCK_TOKENS = 512  # the block size the trace's hash_ids were made with
 TRACE_MODEL_ID = "mooncake-trace"
@@ -129,4 +130,4 @@ def scaled_tokens(input_length: int, block_tokens: int,
                   trace_block_tokens: int = TRACE_BLOCK_TOKENS) -> int:
     """A prompt length when each trace block stands for `block_tokens` tokens (rounded up, so
     the request keeps the same number of blocks)."""
-    return -(-input_length * block_tokens // trace_block_tokens)
+    return cdiv(input_length * block_tokens, trace_block_tokens)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcache.manager import cdiv
 from raypd.replay.report import summary_lines
 
 
@@ -98,7 +99,7 @@ def _pairs(d: dict, columns: int = 3) -> str:
     items = list(d.items())
     if not items:
         return "<p>(none)</p>"
-    per = -(-len(items) // columns)
+    per = cdiv(len(items), columns)
 
     def cell(v: Any) -> str:
         if isinstance(v, float):

@@ -29,6 +29,7 @@ from ingress.request_checks import (
     check_messages,
     check_prompt,
 )
+from kvcache.manager import cdiv
 from raypd.replay.mooncake import WorkloadError, load_trace, scaled_tokens
 
 DEFAULT_VOCAB_SIZE = 49152      # SmolLM2
@@ -284,7 +285,7 @@ def synth_trace(cfg: SynthConfig | None = None) -> list[dict]:
         body = " ".join(_sentence(rng, 8, 16) for _ in range(cfg.system_words // 12 + 1))
         words = body.split()[:cfg.system_words]
         systems.append(f"You are assistant #{k} for {domain}. " + " ".join(words))
-    num_sessions = -(-cfg.requests // cfg.turns)
+    num_sessions = cdiv(cfg.requests, cfg.turns)
     order = [s for s in range(num_sessions) for _ in range(cfg.turns)]
     rng.shuffle(order)
     order = order[:cfg.requests]

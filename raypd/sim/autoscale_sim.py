@@ -1,4 +1,4 @@
-"""The autoscaler in the cluster simulator: the live controller (router/autoscale.py) sizes the
+"""The autoscaler in the cluster simulator: the live controller (router/autoscale_decision.py) sizes the
 prefill and decode pools of a ClusterSim replay every `interval_s` of simulated time, and the
 run is compared with the best static P:D of the same peak size on the same requests.
 
@@ -35,7 +35,7 @@ from raypd.sim.cluster_sim import ClusterConfig, ClusterSim, DecodeSim, RunHooks
 from raypd.sim.cost_model import CostModel
 from raypd.sim.planner import configs_for, plan_workload
 from raypd.sim.routing_sim import SimRequest, trace_hashes
-from router.autoscale import AutoscaleConfig, Controller, Decision, RequestWindow, observe
+from router.autoscale_decision import AutoscaleConfig, Controller, Decision, RequestWindow, observe
 from router.policies import RoutingRequest
 from router.worker_view import note_decode
 

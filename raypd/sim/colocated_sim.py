@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from kvcache.block_pool import BlockPool, KVBlock
 from kvcache.hashing import BlockHash
+from kvcache.manager import cdiv
 from protocol.messages import LoadReport
 from protocol.step_rates import StepRates
 from raypd.sim.cost_model import CostModel
@@ -143,7 +144,7 @@ class ColocatedGPU:
         job.uncached = job.num_tokens - job.pos
 
     def _prompt_blocks(self, job: _Request) -> int:
-        return min(len(job.hashes), -(-job.num_tokens // self.block_tokens))
+        return min(len(job.hashes), cdiv(job.num_tokens, self.block_tokens))
 
     def _cache_computed(self, job: _Request) -> None:
         """Its blocks computed so far enter the pool (held by it) and the prefix cache."""
