@@ -26,12 +26,12 @@ class Linear(nn.Module):
     decode batch sizes, same results. A bf16 step of few rows (decode) streams the weights
     from a second copy near the memory's rate, where oneDNN reaches about 60% of it:
     - on a CPU with AMX-BF16 (and K a multiple of 32), up to `amx_m` (16) rows run
-      workers/linear_amx.cpp on a VNNI-packed copy (`vnni`);
+      workers/kernels/csrc/linear_amx.cpp on a VNNI-packed copy (`vnni`);
     - else on a CPU with AVX512-BF16 (and K even), up to `small_m` (64) rows run
-      workers/linear_small_m.cpp on the same VNNI-packed copy.
+      workers/kernels/csrc/linear_small_m.cpp on the same VNNI-packed copy.
     A float32 step of few rows whose weights are all bf16 values (a float32 model of a bf16
     checkpoint, as on a CPU without native bf16) streams them as bf16 through
-    workers/linear_w16.cpp (AVX2 + FMA): exact, half the bytes, up to `w16_m` (16) rows.
+    workers/kernels/csrc/linear_w16.cpp (AVX2 + FMA): exact, half the bytes, up to `w16_m` (16) rows.
     Elsewhere (cuda) it is `F.linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,

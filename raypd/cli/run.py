@@ -10,7 +10,13 @@ from pathlib import Path
 from raypd.cli.common import add_device_args, add_lora_arg, lora_adapters_from_args
 from raypd.cli.replay import add_replay_options
 from raypd.replay.mooncake import WorkloadError
-from raypd.replay.run_job import DEFAULT_OUT_DIR, DEFAULT_RATE, DEFAULT_REQUESTS, run_job
+from raypd.replay.run_job import (
+    DEFAULT_NUM_BLOCKS,
+    DEFAULT_OUT_DIR,
+    DEFAULT_RATE,
+    DEFAULT_REQUESTS,
+    run_job,
+)
 from raypd.replay.submit import SubmitOptions, write_reports
 from raypd.replay.workload import SynthConfig, load_workload, synth_trace, write_jsonl
 
@@ -32,6 +38,10 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=None, metavar="M", help="decode workers (1)")
     p.add_argument("--policy", default=None, help="routing policy (locality)")
     p.add_argument("--transport", default=None, help="KV transport (shm)")
+    p.add_argument("--num-blocks", type=int, default=None, metavar="N",
+                   help="KV pool per worker in blocks (engine.num_blocks); default: "
+                   f"{DEFAULT_NUM_BLOCKS} without --config (a pool the built-in trace fills, so "
+                   "the report shows the capacity boundary), the config's pool with it")
     add_lora_arg(p)
     p.add_argument("--trace", type=Path, default=None,
                    help="replay this trace instead of the built-in synthetic one")
@@ -55,6 +65,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides = {"model.name": args.model, "workers.prefill.count": args.prefill,
                      "workers.decode.count": args.decode, "router.policy": args.policy,
                      "transfer.transport": args.transport,
+                     "engine.num_blocks": args.num_blocks if args.num_blocks is not None
+                     else None if args.config else DEFAULT_NUM_BLOCKS,
                      "model.lora_adapters": lora_adapters_from_args(args),
                      "engine.device": getattr(args, "device", None),
                      "engine.cuda_graphs": False if getattr(args, "no_cuda_graphs", None)
