@@ -58,3 +58,21 @@ def test_run_with_a_bad_trace_starts_nothing(tmp_path, capsys):
     assert code == 2
     assert capsys.readouterr().err.startswith(f"error: {trace}:2: 'session' must be a string")
     assert ray.is_initialized() == had_ray and not (tmp_path / "r").exists()
+
+
+def test_the_main_jobs_pool_is_sized_for_its_trace_unless_a_config_or_flag_says(tmp_path):
+    """`raypd run` alone: DEFAULT_NUM_BLOCKS per worker (the built-in trace fills it: the report
+    shows the boundary); --num-blocks wins; --config keeps its own pool; a pool of 0 is refused."""
+    from cluster.config import ConfigError
+    from raypd.cli.run import run_config
+    from raypd.replay.run_job import DEFAULT_NUM_BLOCKS
+
+    parser = argparse.ArgumentParser()
+    add_run_parser(parser.add_subparsers())
+    assert run_config(parser.parse_args(["run"])).engine.num_blocks == DEFAULT_NUM_BLOCKS
+    assert run_config(parser.parse_args(["run", "--num-blocks", "96"])).engine.num_blocks == 96
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(CONFIG)
+    assert run_config(parser.parse_args(["run", "--config", str(cfg)])).engine.num_blocks == 256
+    with pytest.raises(ConfigError, match="num_blocks"):
+        run_config(parser.parse_args(["run", "--num-blocks", "0"]))

@@ -57,21 +57,27 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def run_config(args: argparse.Namespace):
+    """The main job's RaypdConfig: --config (or the defaults), then the flags over it; without
+    --config the pool is DEFAULT_NUM_BLOCKS blocks unless --num-blocks says otherwise."""
     from cluster.config import load_config
+    overrides = {"model.name": args.model, "workers.prefill.count": args.prefill,
+                 "workers.decode.count": args.decode, "router.policy": args.policy,
+                 "transfer.transport": args.transport,
+                 "engine.num_blocks": args.num_blocks if args.num_blocks is not None
+                 else None if args.config else DEFAULT_NUM_BLOCKS,
+                 "model.lora_adapters": lora_adapters_from_args(args),
+                 "engine.device": getattr(args, "device", None),
+                 "engine.cuda_graphs": False if getattr(args, "no_cuda_graphs", None)
+                 else None}
+    return load_config(args.config, overrides)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     out_dir: Path = args.out_dir
     try:
-        overrides = {"model.name": args.model, "workers.prefill.count": args.prefill,
-                     "workers.decode.count": args.decode, "router.policy": args.policy,
-                     "transfer.transport": args.transport,
-                     "engine.num_blocks": args.num_blocks if args.num_blocks is not None
-                     else None if args.config else DEFAULT_NUM_BLOCKS,
-                     "model.lora_adapters": lora_adapters_from_args(args),
-                     "engine.device": getattr(args, "device", None),
-                     "engine.cuda_graphs": False if getattr(args, "no_cuda_graphs", None)
-                     else None}
-        cfg = load_config(args.config, overrides)
+        cfg = run_config(args)
         if args.trace is not None:
             trace_path = args.trace
         else:

@@ -22,7 +22,7 @@ DEFAULT_RATE = 1.0              # arrivals / s of the built-in trace
 # built-in trace's running requests fill the decode worker's pool, so the report shows growth to
 # the boundary, evictions, recomputed tokens and the capacity action. configs/local.yaml's 1 GiB
 # (~2,900 blocks of SmolLM2) peaks at ~2% with this trace.
-DEFAULT_NUM_BLOCKS = 64
+DEFAULT_NUM_BLOCKS = 40
 DEFAULT_OUT_DIR = Path("raypd-report")
 REPORT_TIMELINE_POINTS = 400    # per worker in report.json's kv_timeline
 REPORT_TIMELINE_LEAD_S = 2.0    # the timeline starts this long before the replay (the baseline)
