@@ -77,16 +77,22 @@ def test_serving_folders_hold_no_benchmark_simulator_or_cli():
     ("ingress", ("torch",)), ("raypd.cli", ("torch", "ray", "fastapi", "uvicorn"))])
 def test_a_layer_loads_without_what_it_must_not_need(package, absent):
     """Every module of the package imported in a fresh interpreter: none of `absent` loaded."""
-    code = (f"import importlib, pkgutil, sys\n"
+    code = (f"import importlib, pkgutil\n"
             f"import {package} as pkg\n"
             f"for m in pkgutil.iter_modules(pkg.__path__):\n"
             f"    if m.name != '__main__':\n"
-            f"        importlib.import_module('{package}.' + m.name)\n"
-            f"print(','.join(sorted(n for n in {absent!r} if n in sys.modules)))\n")
+            f"        importlib.import_module('{package}.' + m.name)\n")
+    got = loaded_by(code, absent)
+    assert got == "", f"{package} loaded {got}"
+
+
+def loaded_by(code: str, watched: tuple[str, ...]) -> str:
+    """Which of `watched` (comma-separated) `code` loads, run in a fresh interpreter here."""
+    code += f"import sys\nprint(','.join(sorted(n for n in {watched!r} if n in sys.modules)))\n"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "", f"{package} loaded {out.stdout.strip()}"
+    return out.stdout.strip()
 
 
 def test_production_hosts_carry_no_fault_injection():
@@ -117,12 +123,8 @@ def test_the_engine_cores_torch_free_modules_load_without_torch(module):
     """The scheduler and the step it hands the runner (vLLM v1's SchedulerOutput) are plain
     Python: they load, in a fresh interpreter, without torch or Ray; so do the config chain and
     the engine's settings."""
-    code = (f"import sys, importlib\nimportlib.import_module({module!r})\n"
-            f"print(','.join(n for n in ('torch', 'ray') if n in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "", f"{module} loaded {out.stdout.strip()}"
+    got = loaded_by(f"import importlib\nimportlib.import_module({module!r})\n", ("torch", "ray"))
+    assert got == "", f"{module} loaded {got}"
 
 
 def test_no_engine_class_holds_more_than_about_twenty_methods():
