@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -18,6 +19,20 @@ from cluster.pd_config import PDConfig  # noqa: F401  (re-exported)
 from ingress.backend import RouterView
 from router.kv_timeline import HIT_WINDOW_S
 from router.orchestrator import FlowConfig, Orchestrator  # noqa: F401  (FlowConfig: re-exported)
+
+
+@dataclass(frozen=True)
+class LeakCount:
+    """Blocks held once nothing is in flight, on the workers that could be counted; `unknown`:
+    worker id -> why it could not be (its invariant check raised, or it did not answer)."""
+
+    blocks: int
+    unknown: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def leaked(self) -> int | None:
+        """The count, or None when any worker is unknown (never read as 0)."""
+        return None if self.unknown else self.blocks
 
 
 class PDCluster:
@@ -251,24 +266,36 @@ class PDCluster:
         """Ledger counts of every worker (each asserts free + cached + referenced == total)."""
         return ray.get([w.check_invariants.remote() for w in self.workers])
 
-    def leaked_blocks(self, timeout_s: float = 10.0) -> int:
+    def leak_count(self, timeout_s: float = 10.0) -> LeakCount:
         """Blocks still held once nothing is in flight: per worker, the larger of the router
         ledger's open handoff holds (these count for workers that died too: nobody closed
-        them) and the blocks the live worker still references."""
+        them) and the blocks the live worker still references. Fails closed: a live worker
+        whose invariant check raises (a lost block, say) or that does not answer in
+        `timeout_s` is `unknown`, with its error, never 0."""
         with self._lock:
             workers = list(self.workers)
         referenced: dict[str, int] = {}
+        unknown: dict[str, str] = {}
         refs = [w.check_invariants.remote() for w in workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         for w, ref in zip(workers, refs, strict=True):
+            wid = self.orchestrator.fleet.worker_id(w)
             try:
-                if ref in ready:
-                    referenced[self.orchestrator.fleet.worker_id(w)] = ray.get(ref)["referenced"]
-            except Exception:
-                pass
+                if ref not in ready:
+                    raise TimeoutError(f"no answer in {timeout_s:.0f} s")
+                referenced[wid] = ray.get(ref)["referenced"]
+            except Exception as e:   # noqa: BLE001 - whatever it is, the count is unknown
+                cause = getattr(e, "cause", None) or e    # a RayTaskError: the worker's own
+                unknown[wid] = f"{type(cause).__name__}: {cause}"[:500]
         ledger = self.orchestrator.ledger
-        wids = set(referenced) | {h.worker_id for h in ledger.open_holds()}
-        return sum(max(ledger.held_blocks(wid), referenced.get(wid, 0)) for wid in wids)
+        wids = (set(referenced) | {h.worker_id for h in ledger.open_holds()}) - set(unknown)
+        return LeakCount(sum(max(ledger.held_blocks(wid), referenced.get(wid, 0))
+                             for wid in wids), unknown)
+
+    def leaked_blocks(self, timeout_s: float = 10.0) -> int | None:
+        """`leak_count`'s blocks, or None (unknown) when any live worker could not be counted:
+        a verdict `leaked == 0` then fails."""
+        return self.leak_count(timeout_s).leaked
 
     def expire_leases(self) -> list[list[str]]:
         return ray.get([p.expire_leases.remote() for p in self.prefill])

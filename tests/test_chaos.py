@@ -42,7 +42,8 @@ def test_verdict_fails_a_run_that_exercised_no_corruption_or_stalled():
     stalled = verdict(**(clean | {"stalled_at": 4, "not_injected": ["kill", "delay"]}))
     assert stalled == ["progress stalled after 4 of 10 requests",
                        "faults not injected: delay, kill"]
-    assert verdict(**(clean | {"leaked": None})) == ["leaked blocks: None"]
+    assert verdict(**(clean | {"leaked": None})) == [
+        "leaked blocks: unknown (a worker could not be counted: leak_unknown)"]
 
 
 def test_unknown_fault_kind_is_a_clear_error():

@@ -7,6 +7,8 @@ Faults, and where they apply:
     stall_next_step(s)         the next engine step hangs s seconds (hung-worker detection)
     fail_next_steps(n)         the next n engine steps raise (only their requests fail)
     crash_loop()               the engine loop breaks: the process exits, Ray restarts it
+    lose_block()               a free block leaves the free list (refcount 0, no hash): the
+                               pool's invariant check fails (a leak count must not read 0)
     inject_fault("corrupt", n) P flips bytes of its next n staged copies, after checksumming
     arm_corruption()           the same for the next staging, with an id to follow it by
     inject_fault("drop_ack", n) P ignores its next n acks (the lease has to end them)
@@ -53,6 +55,13 @@ class EngineFaults:
         """Break the engine loop (to test that the actor restarts)."""
         self._crash_loop = True
         self._work.set()
+
+    def lose_block(self) -> int:
+        """Lose one free block: off the free list with refcount 0 and no hash, so the pool's
+        invariant check raises from now on. Returns its id."""
+        with self._lock:
+            pool = self.engine.kv.pool
+            return pool._free.pop()
 
     def _before_step(self) -> None:
         if self._crash_loop:

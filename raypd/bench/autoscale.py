@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import ray
 
-from cluster.pd import PDCluster, PDConfig
+from cluster.pd import LeakCount, PDCluster, PDConfig
 from protocol.errors import RaypdError
 from raypd.bench.chaos import references
 from router.autoscale_decision import AutoscaleConfig
@@ -154,7 +154,7 @@ def _run(cfg: PDConfig, requests: list, reference: list, deadline_s: float,
             auto.stop(wait_s=10)
         for t in list(cluster._reapers):
             t.join(60)
-        leaked = cluster.leaked_blocks()
+        leaked = cluster.leak_count()
         return _figures(label, replay.out, reference, slo, worker_seconds, leaked, peak,
                         cluster, t_end - t_start, t_start)
     finally:
@@ -163,7 +163,7 @@ def _run(cfg: PDConfig, requests: list, reference: list, deadline_s: float,
 
 
 def _figures(label: str, out: list, reference: list, slo: tuple[float, float],
-             worker_seconds: float, leaked: int, peak: dict, cluster: PDCluster,
+             worker_seconds: float, leaked: LeakCount, peak: dict, cluster: PDCluster,
              span_s: float, t0: float) -> dict:
     ok = [i for i, o in enumerate(out) if o is not None and "tokens" in o]
     lost = sum(o is None for o in out)
@@ -187,7 +187,9 @@ def _figures(label: str, out: list, reference: list, slo: tuple[float, float],
         "requests_lost": lost, "requests_failed": len(failed),
         "failures": failed[:10], "undocumented_errors": sum(
             1 for o in out if o is not None and o.get("undocumented")),
-        "leaked_blocks": leaked, "greedy_mismatches": mismatches,
+        # None (unknown) when a worker could not be counted: `no_leaked` then fails
+        "leaked_blocks": leaked.leaked, "leak_unknown": leaked.unknown,
+        "greedy_mismatches": mismatches,
         "slo_attainment": met / len(out) if out else 0.0,
         "attainment_by_arrival_second": {k: v for k, v in sorted(by_second.items())},
         "worker_seconds": worker_seconds, "span_s": span_s, "peak": dict(peak),
@@ -307,6 +309,10 @@ def verdict(r: dict, statics: list[dict]) -> dict[str, bool]:
     }
 
 
+def _count(n: int | None) -> str:
+    return "unk" if n is None else str(n)
+
+
 def summary_text(r: dict) -> str:
     a = r["autoscaled"]
     lines = [f"bench autoscale ({r['label']}), model {r['model']}, {r['requests_total']} "
@@ -315,7 +321,7 @@ def summary_text(r: dict) -> str:
              f"{'attain':>7} {'worker-s':>9} {'peak P/D':>8} {'up/down':>7} {'moved':>5}"]
     for x in [a, *r["statics"]]:
         lines.append(f"{x['label']:<18} {x['requests_ok']:>4} {x['requests_lost']:>4} "
-                     f"{x['requests_failed']:>4} {x['leaked_blocks']:>4} "
+                     f"{x['requests_failed']:>4} {_count(x['leaked_blocks']):>4} "
                      f"{x['greedy_mismatches']:>4} {100 * x['slo_attainment']:>6.1f}% "
                      f"{x['worker_seconds']:>9.0f} "
                      f"{x['peak']['prefill']:>4}/{x['peak']['decode']:<3} "

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from cluster.pd import PDCluster, PDConfig
+from cluster.pd import LeakCount, PDCluster, PDConfig
 from protocol.errors import RequestError, RoutingRejected, TransferFailed, WorkerFailed
 from router.orchestrator import FlowConfig
 from router.percentiles import percentiles
@@ -428,7 +428,8 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
             lost.append(i)
     mismatches = sum(replay.results[i]["result"].token_ids != reference[i] for i in ok)
 
-    leaked = _drain(cluster, lease_s)
+    count = _drain(cluster, lease_s)
+    leaked = count.leaked
     orch = cluster.orchestrator
     pulled, detected = _corrupt_audit(cluster, log["corrupt_staged"])
     failures = verdict(faults, len(prompts), len(ok), len(lost), leaked, mismatches,
@@ -443,7 +444,8 @@ def run_chaos_bench(kills: int = 5, faults: tuple[str, ...] = ("kill",), model: 
            "corrupt_transfers_detected": len(detected),
            "corrupt_stagings": len(log["corrupt_staged"]),
            "corrupt_not_pulled": len(log["corrupt_staged"]) - len(pulled),
-           "leaked_blocks": leaked, "leak_holders": _holders(cluster) if leaked else {},
+           "leaked_blocks": leaked, "leak_unknown": count.unknown,
+           "leak_holders": _holders(cluster) if leaked else {},
            "greedy_mismatches": mismatches,
            "killed": log["killed"], "delays_applied": log["delays_applied"],
            "acks_dropped": log["acks_dropped"], "acks_lost_seen": orch.acks_lost, "client_aborts": log["client_aborts"],
@@ -483,7 +485,9 @@ def verdict(faults: tuple[str, ...], total: int, ok: int, lost: int, leaked: int
                    f"{corrupt_pulled}")
     if lost:
         out.append(f"requests lost: {lost}")
-    if leaked != 0:
+    if leaked is None:
+        out.append("leaked blocks: unknown (a worker could not be counted: leak_unknown)")
+    elif leaked:
         out.append(f"leaked blocks: {leaked}")
     if mismatches:
         out.append(f"greedy mismatches: {mismatches}")
@@ -532,18 +536,17 @@ def _holders(cluster: PDCluster) -> dict[str, dict[str, str]]:
     return out
 
 
-def _drain(cluster: PDCluster, lease_s: float, timeout_s: float = 60.0) -> int | None:
-    """Wait for leases to run out and reports to close the ledger; then count what is held."""
-    leaked = None
+def _drain(cluster: PDCluster, lease_s: float, timeout_s: float = 60.0) -> LeakCount:
+    """Wait for leases to run out and reports to close the ledger; then count what is held
+    (an unknown worker is not waited out: its invariant check failing stays failed)."""
     deadline = time.time() + max(timeout_s, 4 * lease_s)
-    while time.time() < deadline:
+    while True:
         try:
             cluster.expire_leases()
         except Exception:
             pass
         cluster.orchestrator.fleet.refresh()
-        leaked = cluster.leaked_blocks()
-        if leaked == 0:
-            break
+        count = cluster.leak_count()
+        if count.unknown or count.blocks == 0 or time.time() >= deadline:
+            return count
         time.sleep(0.5)
-    return leaked

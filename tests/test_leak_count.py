@@ -1,0 +1,60 @@
+"""The leak count fails closed: a worker whose pool invariant check raises (a lost block) or
+that does not answer is `unknown` with its error, never 0, and the chaos and autoscale verdicts
+that read the count fail on it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import ray
+from conftest import wait_until
+
+from cluster.pd import PDCluster, PDConfig
+from raypd.bench import autoscale, chaos
+from workers.request import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+ENGINE = dict(model="tiny", num_blocks=64, block_size=16)
+
+
+def test_a_lost_block_on_a_live_worker_is_unknown_and_fails_chaos_and_autoscale():
+    cluster = PDCluster(PDConfig(engine=ENGINE, fault_injection=True))
+    try:
+        cluster.generate([[5, 6, 7, 8] * 10], SamplingParams(max_tokens=4, ignore_eos=True))
+        cluster.expire_leases()
+        clean = cluster.leak_count()
+        assert clean.blocks == 0 and clean.unknown == {} and cluster.leaked_blocks() == 0
+        lost = ray.get(cluster.decode[0].lose_block.remote())
+        count = cluster.leak_count()
+        assert list(count.unknown) == ["decode-0"]
+        assert f"block {lost} lost" in count.unknown["decode-0"]
+        assert count.leaked is None and cluster.leaked_blocks() is None
+        failures = chaos.verdict((), 1, 1, 0, count.leaked, 0, 0, 0, [], None)
+        assert any("leaked blocks: unknown" in f for f in failures), failures
+        figures = {"requests_lost": 0, "leaked_blocks": count.leaked, "greedy_mismatches": 0,
+                   "scale_downs": 1, "migrations_by_cause": {"drain": 1},
+                   "slo_attainment": 1.0, "slo_attainment_static": 1.0,
+                   "worker_seconds": 1.0, "worker_seconds_static": 2.0}
+        targets = autoscale.verdict(figures, [{"requests_lost": 0, "leaked_blocks": 0}])
+        assert targets["no_leaked"] is False
+        assert [k for k, ok in targets.items() if not ok] == ["no_leaked"]
+    finally:
+        cluster.shutdown()
+
+
+def test_a_worker_that_does_not_answer_is_unknown():
+    cluster = PDCluster(PDConfig(engine=ENGINE, fault_injection=True))
+    try:
+        decode = cluster.decode[0]
+        ray.get(decode.stall_next_step.remote(4.0))     # its next step hangs, holding its lock
+        t = threading.Thread(target=cluster.generate, args=(
+            [[5, 6, 7, 8] * 10], SamplingParams(max_tokens=4, ignore_eos=True)), daemon=True)
+        t.start()
+        wait_until(lambda: ray.get(decode.load_report.remote()).busy_for_s > 0.2, 30)
+        count = cluster.leak_count(timeout_s=1.0)
+        assert "decode-0" in count.unknown and "TimeoutError" in count.unknown["decode-0"]
+        assert count.leaked is None
+        t.join(60)
+    finally:
+        cluster.shutdown()
