@@ -77,15 +77,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_disagg_generate(args: argparse.Namespace, sampling, cfg=None) -> dict:
-    """`cfg`: the RaypdConfig (default: the chain of `args`); its ray.* keys start Ray."""
+def run_disagg_generate(args: argparse.Namespace, sampling, cfg) -> dict:
+    """`cfg`: the RaypdConfig `cmd_generate` resolved; its ray.* keys start Ray."""
     import ray
 
     from cluster.pd import PDCluster
-    if cfg is None:
-        cfg = config_from_args(args, {"workers.prefill.count": getattr(args, "prefill", None),
-                                      "workers.decode.count": getattr(args, "decode", None),
-                                      "transfer.transport": getattr(args, "transport", None)})
     pd = cfg.to_pd_config()
     pd.validate()   # a bad transport name fails before Ray starts
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus,

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from raypd.cli.common import add_device_args, add_lora_arg, lora_adapters_from_args
+from raypd.cli.common import add_device_args, add_lora_arg, config_from_args
 from raypd.cli.replay import add_replay_options
 from raypd.replay.mooncake import WorkloadError
 from raypd.replay.run_job import (
@@ -60,17 +60,11 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
 def run_config(args: argparse.Namespace):
     """The main job's RaypdConfig: --config (or the defaults), then the flags over it; without
     --config the pool is DEFAULT_NUM_BLOCKS blocks unless --num-blocks says otherwise."""
-    from cluster.config import load_config
-    overrides = {"model.name": args.model, "workers.prefill.count": args.prefill,
-                 "workers.decode.count": args.decode, "router.policy": args.policy,
-                 "transfer.transport": args.transport,
-                 "engine.num_blocks": args.num_blocks if args.num_blocks is not None
-                 else None if args.config else DEFAULT_NUM_BLOCKS,
-                 "model.lora_adapters": lora_adapters_from_args(args),
-                 "engine.device": getattr(args, "device", None),
-                 "engine.cuda_graphs": False if getattr(args, "no_cuda_graphs", None)
-                 else None}
-    return load_config(args.config, overrides)
+    return config_from_args(args, {
+        "workers.prefill.count": args.prefill, "workers.decode.count": args.decode,
+        "router.policy": args.policy, "transfer.transport": args.transport,
+        "engine.num_blocks": args.num_blocks if args.num_blocks is not None
+        else None if args.config else DEFAULT_NUM_BLOCKS})
 
 
 def cmd_run(args: argparse.Namespace) -> int:
