@@ -325,19 +325,43 @@ HANDOFF_SOURCE = ("measured by `raypd simulate --validate`'s probe on the cpu-he
                   "0.05-0.13 s); not measured on a GPU host (the same RPCs run on its CPU, its "
                   "staging copy is a device copy)")
 
-# stated defaults for cpu-here when no `raypd bench engine` JSON is given (SmolLM2-135M, fp32,
-# one core here, measured once by hand; see the output's notes)
-CPU_DEFAULTS = {"prefill_tok_s": {"128": 900.0, "512": 1000.0, "2048": 700.0},
-                "decode_step_ms_b1": 14.0, "decode_step_ms_b16": 40.0,
-                "step_overhead_ms": 2.0}
+# stated defaults for cpu-here when no `raypd bench engine` JSON is given: one measurement of
+# today's workers, not a calibration of the machine the simulator runs on (give --engine-json,
+# or let `simulate --validate` calibrate, for that; nothing compares against these). Measured
+# 2026-12-07 by `simulate --validate`'s calibration on an AMD EPYC (family 26 model 2, Zen 5;
+# 2 cores, AVX512-BF16, no AMX) shared with other work: SmolLM2-135M in bfloat16 (KV too),
+# the workers' 512-token step budget (longer prompts in chunks), 2 torch threads (a busy
+# worker's with the other idle), in a Ray task placed as the workers are; medians of 3.
+CPU_DEFAULTS = {
+    "prefill_tok_s": {"128": 2327.5, "512": 2890.0, "1024": 2707.1, "2048": 2052.4},
+    "prefill_batch_s": [{"batch": 4, "tokens": 128, "step_s": 0.1845},
+                        {"batch": 2, "tokens": 256, "step_s": 0.1835}],
+    "decode_step_ms_grid": [{"batch": 1, "context": 128, "step_ms": 9.38},
+                            {"batch": 1, "context": 1024, "step_ms": 8.67},
+                            {"batch": 4, "context": 512, "step_ms": 12.36},
+                            {"batch": 16, "context": 128, "step_ms": 13.69},
+                            {"batch": 16, "context": 512, "step_ms": 17.31}],
+    "decode_step_ms_b1": 9.38, "decode_step_ms_b16": 13.69,
+    "dtype": "bfloat16", "kv_dtype": "bfloat16", "max_num_batched_tokens": 512, "threads": 2,
+    "cpu": "AMD EPYC family 26 model 2 (Zen 5), 2 cores"}
+
+
+def _chunked_row(n: int, budget: int) -> tuple[float, float, float, float]:
+    """The fit's terms (steps, tokens, attention u * (c + u / 2), step tokens^2) of one cold
+    n-token prompt prefilled in chunks of at most `budget` tokens."""
+    chunks = [(min(budget, n - done), done) for done in range(0, n, budget)]
+    return (float(len(chunks)), float(n), sum(u * (c + u / 2.0) for u, c in chunks),
+            float(sum(u * u for u, _ in chunks)))
 
 
 def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m",
                    kv_capacity_tokens: int = 65_536,
                    chunk_tokens: int = DEFAULT_BATCHED_TOKENS["cpu"]) -> CostModel:
     """This machine, from `raypd bench engine` JSON: prefill seconds fitted to its prefill
-    tok/s at each prompt length (overhead + linear + attention terms; one sequence's cost
-    from the measured table itself, `PrefillCost.solo_s`), decode step time fitted
+    tok/s at each prompt length (overhead + linear + attention terms, per chunk of the JSON's
+    own `max_num_batched_tokens` where it states one: a longer prompt ran in chunks; one
+    sequence's cost within one step from the measured table itself, `PrefillCost.solo_s`;
+    `chunk_tokens` is the simulated workers' step budget), decode step time fitted
     to its `decode_step_ms_grid` (`bench engine --calibration`: batch and context) or, from a
     plain bench, its batch-1 and batch-16 step times; without a JSON, CPU_DEFAULTS (said in the
     notes)."""
@@ -345,10 +369,13 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
     from protocol.step_rates import nnls
 
     src = bench_engine or CPU_DEFAULTS
+    # the calibration's own step budget (prompts past it ran in chunks: one row term per
+    # chunk, as PrefillCost.prefill_s charges them); a JSON that does not say: one step each
+    measured_budget = int(src.get("max_num_batched_tokens") or 0) or None
     rows, ys = [], []
     for n, tok_s in src["prefill_tok_s"].items():   # one sequence of n tokens
         n = int(n)
-        rows.append((1.0, n, n * n / 2.0, float(n * n)))
+        rows.append(_chunked_row(n, measured_budget or n))
         ys.append(n / float(tok_s))
     batched = src.get("prefill_batch_s") or []       # b sequences of n tokens, one step
     for p in batched:
@@ -373,8 +400,9 @@ def cpu_cost_model(bench_engine: dict | None = None, model: str = "smollm2-135m"
         base, per_ctx = max(t1 - per_seq, 0.0), 0.0
     m = MODELS[model]
     solo, top = [], c0     # one step each, made monotone (a noisy point never makes the
+    one_step = min(chunk_tokens, measured_budget or chunk_tokens)   # tokens after it cheaper
     for n, t in sorted((int(n), int(n) / float(v)) for n, v in src["prefill_tok_s"].items()
-                       if int(n) <= chunk_tokens):   # tokens after it cheaper than nothing)
+                       if int(n) <= one_step):                       # than nothing)
         top = max(top, t)
         solo.append((n, top))
     return CostModel(
