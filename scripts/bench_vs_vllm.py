@@ -1,38 +1,52 @@
-"""Helpers of scripts/bench-vs-vllm.sh: the text datasets it sends and the JSON it writes.
+"""Helpers of scripts/bench-vs-vllm.sh: its datasets, vLLM's sweep choice and the JSON it writes.
 
-  python scripts/bench_vs_vllm.py data HF_DIR WORK [--quick]
-      WORK/single_text.RUN.jsonl: 8 text prompts of 390-540 tokens (by the model's tokenizer),
-      cut from the docstrings of Python's standard library (natural English, on every machine);
-      WORK/chat_prefix.RUN.jsonl: one shared ~400-token system preamble, then 64 distinct
-      questions (vLLM's custom dataset format: {"prompt": ...} per line); one file of each per
-      RUN in warmup, 0, 1, 2 (RUN_SETS), none sharing a prompt or a preamble with another, so a
-      run never hits what an earlier run left in a server's prefix cache
-  python scripts/bench_vs_vllm.py summarize WORK OUT.json RUNS WORKLOAD...
-      medians and spread over RUNS runs of every (server, workload), ratios raypd / vLLM,
-      failed requests, each run's prompt tokens served from the server's prefix cache
-      (`prompt_cached_fraction`, from its /metrics before and after the run; null where the
-      server exports no such counters), and each target of issue 29 met or not
+  python scripts/bench_vs_vllm.py data HF_DIR WORK
+      the text datasets (scripts/bench_vs_vllm_data.py)
+  python scripts/bench_vs_vllm.py sweep-best WORK --sweep 512,1024,2048 [--unseen NAME] WORKLOAD...
+      the --max-num-batched-tokens vLLM serves the scored runs with: the sweep value whose
+      tuning pass (WORK/vllm_mbtV.WORKLOAD.tune.json) served the most (`sweep_table`)
+  python scripts/bench_vs_vllm.py summarize WORK OUT.json --runs R --sweep 512,... [--unseen NAME] WORKLOAD...
+      OUT.json: `cpu_model`; `vllm_sweep` (each value's tuning figures and the best);
+      `vllm_blocks` (vLLM's two blocks, the order being vLLM, raypd default, raypd colocated,
+      llama.cpp, vLLM again) and `drift` per workload ((block 2 - block 1) / block 1 of vLLM's
+      output tok/s; beyond DRIFT_LIMIT a workload says so and misses every target); per
+      workload and server medians over the runs with their spread, failed requests (null:
+      unknown), each run's problems (run_problems: completed == num_prompts, output tokens);
+      ratios raypd / vLLM against the mean of vLLM's two blocks' medians, vLLM's failures beside
+      them; `unseen_workloads` (a shape no tuning used: reported apart, no targets);
+      `cpu_s_per_output_token` per server and process (and the client); `targets_met`
+      (issue 29's targets, every one of a workload false where any check of it fails)
 """
 
 from __future__ import annotations
 
-import importlib
+import argparse
 import json
+import math
 import os
 import platform
-import random
-import statistics
+import subprocess
 import sys
 
-SERVERS = ("vllm", "default", "colocated", "llamacpp")
-KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
-        "request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
-        "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
-FIGURES = ("output_throughput", "median_ttft_ms", "p99_tpot_ms", "median_tpot_ms",
-           "prompt_cached_fraction")
-# Prometheus counters of prompt tokens and of those a prefix cache served: vLLM's, raypd's
-PROMPT_COUNTERS = ("vllm:prompt_tokens_total", "raypd_prompt_tokens_total")
-CACHED_COUNTERS = ("vllm:prompt_tokens_cached_total", "raypd_cached_prompt_tokens_total")
+from bench_vs_vllm_cpu import CpuTally
+from bench_vs_vllm_runs import (
+    NO_IGNORE_EOS,
+    Workload,
+    cpu_tally,
+    load_run,
+    load_server,
+    run_problems,
+    server_kind,
+)
+
+VLLM_BLOCKS = ("vllm1", "vllm2")      # file labels of vLLM's first and second block
+RAYPD = ("default", "colocated")
+ORDER = ["vllm1", "default", "colocated", "llamacpp", "vllm2"]
+# vLLM's own --max-num-batched-tokens for its API server on a CPU (0.32: 2048 x world size):
+# what it serves with when no sweep value ran clean
+VLLM_CPU_DEFAULT_MBT = 2048
+DRIFT_LIMIT = 0.10
+BASELINE_FIGURES = ("output_throughput", "median_ttft_ms", "p99_tpot_ms", "median_tpot_ms")
 # The workloads built to reuse a prefix; in every other one a prefix-cache hit is an accident of
 # the prompts (it once was: seeds shared across workloads), and a server that gets one does less
 # work than the workload names, so its figures are not the workload's: more than this fraction of
@@ -42,201 +56,254 @@ REUSE_WORKLOADS = ("prefix_repetition_c8", "shared_prefix_chat_c8")
 MAX_ACCIDENTAL_CACHED = 0.02
 
 
-def counter_sum(text: str, names: tuple[str, ...]) -> float | None:
-    """Sum of every sample of the named counters in a Prometheus text page (all label sets);
-    None when none of them is there, or the page does not parse."""
-    from prometheus_client.parser import text_string_to_metric_families
-    try:
-        values = [s.value for fam in text_string_to_metric_families(text)
-                  for s in fam.samples if s.name in names]
-    except ValueError:
-        return None
-    return sum(values) if values else None
-
-
-def cached_fraction(before: str, after: str) -> float | None:
-    """Prompt tokens served from the prefix cache / prompt tokens, between two scrapes."""
-    p0, p1 = counter_sum(before, PROMPT_COUNTERS), counter_sum(after, PROMPT_COUNTERS)
-    c0, c1 = counter_sum(before, CACHED_COUNTERS), counter_sum(after, CACHED_COUNTERS)
-    if None in (p0, p1, c0, c1) or p1 - p0 <= 0:
-        return None
-    return (c1 - c0) / (p1 - p0)
-
-
-def _read(path: str) -> str:
-    return open(path).read() if os.path.exists(path) else ""
-
-
-def _stdlib_text() -> list[str]:
-    """Paragraphs of the standard library's module docstrings, in a fixed order."""
-    paras = []
-    skip = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"}
-    for name in sorted(sys.stdlib_module_names):
-        if name.startswith("_") or name in skip:
-            continue
+def cpu_model(lscpu: str | None = None) -> str:
+    """The CPU's model name with its family, model and stepping numbers (a VM's model name
+    alone, "AMD EPYC", names no generation), from `lscpu` (or /proc/cpuinfo without it)."""
+    if lscpu is None:
         try:
-            doc = importlib.import_module(name).__doc__ or ""
-        except Exception:   # noqa: BLE001 - any module that does not import is skipped
-            continue
-        paras += [" ".join(p.split()) for p in doc.split("\n\n") if len(p) > 200]
-    return paras
+            lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True,
+                                   env={**os.environ, "LC_ALL": "C"}).stdout
+        except (OSError, subprocess.CalledProcessError):
+            lscpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    fields: dict[str, str] = {}
+    for line in lscpu.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip().lower(), value.strip())
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    ids = [f"{label} {fields[key]}" for label, key in
+           (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
+           if fields.get(key)]
+    return f"{name} ({', '.join(ids)})" if ids else name
 
 
-RUN_SETS = ("warmup", "0", "1", "2")
-SINGLE_PER_RUN = 8
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
-def make_data(hf_dir: str, work: str, quick: bool) -> None:
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(hf_dir)
-    rng = random.Random(0)
-    paras = _stdlib_text()
-    rng.shuffle(paras)
-    want = SINGLE_PER_RUN * len(RUN_SETS)
-    prompts, cur, used = [], "", 0
-    for p in paras:
-        used += 1
-        cur = f"{cur}\n\n{p}" if cur else p
-        n = len(tok(cur)["input_ids"])
-        if n > 540:
-            cur = ""
-        elif n >= 390:
-            prompts.append(cur + "\n\nSummarize the text above in plain words.")
-            cur = ""
-        if len(prompts) == want:
-            break
-    assert len(prompts) == want, \
-        f"{len(prompts)} single-stream prompts from the standard library's text, {want} wanted"
-    for i, run in enumerate(RUN_SETS):
-        with open(os.path.join(work, f"single_text.{run}.jsonl"), "w") as f:
-            for p in prompts[i * SINGLE_PER_RUN:(i + 1) * SINGLE_PER_RUN]:
-                f.write(json.dumps({"prompt": p}) + "\n")
-    questions = [f"Question {k}: in two sentences, what does the note about '{w}' say?"
-                 for k, w in enumerate(" ".join(paras[:40]).split()[::37][:64])]
-    spare = paras[used:][::-1]          # paragraphs no single-stream prompt took
-    for run in RUN_SETS:                # each run its own preamble
-        preamble = ""
-        while len(tok(preamble)["input_ids"]) < 400:
-            assert spare, "not enough standard-library text for the chat preambles"
-            preamble = f"{preamble} {spare.pop(0)}".strip()
-        preamble = ("You are a support assistant for a Python team. Reference notes follow; "
-                    "answer from them.\n\n" + preamble)
-        with open(os.path.join(work, f"chat_prefix.{run}.jsonl"), "w") as f:
-            for q in questions:
-                f.write(json.dumps({"prompt": f"{preamble}\n\n{q}"}) + "\n")
+def sweep_table(work: str, values: list[int], workloads: list[Workload]) -> dict:
+    """vLLM's tuning pass at each --max-num-batched-tokens: output tok/s per workload and their
+    geometric mean (each workload weighs alike); the best is the highest mean among the values
+    whose every tuning run is complete (run_problems), None when none is."""
+    figures, best, best_score = {}, None, -1.0
+    for v in values:
+        per, problems = {}, {}
+        for w in workloads:
+            run = load_run(work, f"vllm_mbt{v}", w.name, "tune")
+            per[w.name] = run.get("output_throughput")
+            problems[w.name] = run_problems(run, w.output_len)
+            if per[w.name] is None and not problems[w.name]:
+                problems[w.name] = ["no output_throughput in the result"]
+        clean = bool(workloads) and not any(problems.values())
+        score = _geomean(list(per.values())) if clean else None
+        figures[str(v)] = {"output_tok_s": per, "score": score, "complete": clean,
+                           "problems": {k: p for k, p in problems.items() if p}}
+        if score is not None and score > best_score:
+            best, best_score = v, score
+    return {"knob": "--max-num-batched-tokens", "values": values,
+            "tuning_pass": "each scored workload once, max(num_prompts // 2, concurrency) "
+                           "prompts of its own (seed 1000 w + 900, the `tune` text files), "
+                           "after a warm-up; the unseen workloads not at all",
+            "score": "geometric mean over the workloads of output tok/s",
+            "figures": figures, "best": best,
+            "served_with": best if best is not None else VLLM_CPU_DEFAULT_MBT}
 
 
-def _load(work: str, server: str, name: str, runs: int) -> list[dict] | None:
-    out = []
-    for r in range(runs):
-        p = os.path.join(work, f"{server}.{name}.{r}.json")
-        if os.path.exists(p):
-            d = json.load(open(p))
-            run = {k: d.get(k) for k in KEEP}
-            stem = p[:-len(".json")]
-            run["prompt_cached_fraction"] = cached_fraction(_read(stem + ".metrics.before"),
-                                                            _read(stem + ".metrics.after"))
-            out.append(run)
-        else:
-            out.append({"missing": True, "failed": None})
-    return out if any("missing" not in x for x in out) else None
+def relative_drift(first: float | None, second: float | None) -> float | None:
+    """(second - first) / first: how far vLLM's second block moved from its first."""
+    return (second - first) / first if first and second is not None else None
 
 
-def _stats(runs: list[dict] | None) -> dict | None:
-    if runs is None:
-        return None
-    ok = [r for r in runs if "missing" not in r]
-    s = {"runs": len(runs), "runs_missing": len(runs) - len(ok),
-         "failed_requests": sum(r["failed"] or 0 for r in ok),
-         "completed_requests": sum(r["completed"] or 0 for r in ok)}
-    for k in FIGURES:
-        vals = [r[k] for r in ok if r.get(k) is not None]
-        s[k] = statistics.median(vals) if vals else None
-        s[f"{k}_spread"] = [min(vals), max(vals)] if vals else None
-    s["per_run"] = runs
-    return s
+def _mean_known(xs: list[float | None]) -> float | None:
+    return sum(xs) / len(xs) if xs and None not in xs else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def summarize(work: str, out: str, runs: int, workloads: list[str]) -> dict:
-    from workers.device import cpu_model_name
-    result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "cpu": cpu_model_name()},
+def equal_output_tokens(stats: dict[str, dict | None], runs: int) -> bool:
+    """Every server that honours ignore_eos produced the same output tokens in run r as the
+    others, for every r (a server that did not run, or a count not read, is not equal)."""
+    held = {k: s for k, s in stats.items() if server_kind(k) not in NO_IGNORE_EOS}
+    if any(s is None for s in held.values()):
+        return False
+    for r in range(runs):
+        got = {s["per_run"][r].get("total_output_tokens") for s in held.values()}
+        if None in got or len(got) != 1:
+            return False
+    return True
+
+
+def workload_entry(work: str, w: Workload, runs: int) -> dict:
+    labels = [x for s in w.servers for x in (VLLM_BLOCKS if s == "vllm" else (s,))]
+    stats = {x: load_server(work, x, w, runs) for x in labels}
+    blocks = [stats.get(b) or {} for b in VLLM_BLOCKS]
+    base = {k: _mean_known([b.get(k) for b in blocks]) for k in BASELINE_FIGURES}
+    vllm_failed = [b.get("failed_requests") for b in blocks]
+    entry = {"args": w.args, "backend": w.backend, "servers": stats,
+             "vllm_baseline": base,
+             "drift": relative_drift(blocks[0].get("output_throughput"),
+                                     blocks[1].get("output_throughput"))}
+    for label in RAYPD:
+        r = stats.get(label) or {}
+        entry[label] = {
+            "vllm_output_tok_s": base["output_throughput"],
+            "vllm_output_tok_s_blocks": [b.get("output_throughput") for b in blocks],
+            "raypd_output_tok_s": r.get("output_throughput"),
+            "output_tok_s_ratio": _ratio(r.get("output_throughput"), base["output_throughput"]),
+            "median_ttft_ratio": _ratio(r.get("median_ttft_ms"), base["median_ttft_ms"]),
+            "p99_tpot_ratio": _ratio(r.get("p99_tpot_ms"), base["p99_tpot_ms"]),
+            "failed_requests": r.get("failed_requests"),
+            "vllm_failed_requests": None if None in vllm_failed else sum(vllm_failed),
+        }
+    cached = [r["prompt_cached_fraction"] for st in stats.values() if st is not None
+              for r in st["per_run"] if r.get("prompt_cached_fraction") is not None]
+    entry["prompt_cached_fraction_max"] = max(cached) if cached else None
+    checks = {
+        "no_failed_requests": all(s is not None and s["failed_requests"] == 0
+                                  and s["runs_missing"] == 0 for s in stats.values()),
+        "runs_complete": all(s is not None and s["runs_with_problems"] == 0
+                             for s in stats.values()),
+        "equal_output_tokens": equal_output_tokens(stats, runs),
+        f"vllm_drift<={DRIFT_LIMIT}": entry["drift"] is not None
+        and abs(entry["drift"]) <= DRIFT_LIMIT,
+    }
+    if w.name not in REUSE_WORKLOADS:
+        # vLLM and raypd export the counters: a run of theirs without a fraction is not
+        # known to be clean (a renamed counter must not pass for no hits)
+        measured = all(r.get("prompt_cached_fraction") is not None
+                       for label, s in stats.items() if server_kind(label) != "llamacpp"
+                       for r in (s or {}).get("per_run", []))
+        checks["no_accidental_prefix_hits"] = measured and \
+            max(cached, default=0.0) <= MAX_ACCIDENTAL_CACHED
+    entry["checks"] = checks
+    if entry["drift"] is not None and abs(entry["drift"]) > DRIFT_LIMIT:
+        entry["drift_note"] = (f"vLLM's two blocks differ by {entry['drift']:+.1%} (limit "
+                               f"{DRIFT_LIMIT:.0%}): the machine moved during the run; no "
+                               "target of this workload counts")
+    return entry
+
+
+def workload_targets(entry: dict, tuned: bool) -> dict[str, bool]:
+    """Issue 29's targets and the checks; every one false where any check fails or vLLM's
+    sweep chose no baseline."""
+    c, d = entry["colocated"], entry["default"]
+    t = dict(entry["checks"])
+    t.update({"colocated_output_tok_s_ratio>=1.2": (c["output_tok_s_ratio"] or 0) >= 1.2,
+              "colocated_median_ttft_ratio<=1.0": (c["median_ttft_ratio"] or 9e9) <= 1.0,
+              "colocated_p99_tpot_ratio<=1.0": (c["p99_tpot_ratio"] or 9e9) <= 1.0,
+              "default_output_tok_s_ratio>=0.9": (d["output_tok_s_ratio"] or 0) >= 0.9,
+              "default_p99_tpot_ratio<=0.9": (d["p99_tpot_ratio"] or 9e9) <= 0.9})
+    lc, col = entry["servers"].get("llamacpp"), entry["servers"].get("colocated") or {}
+    if "llamacpp" in entry["servers"]:
+        t["colocated_median_tpot<llamacpp_bf16"] = (
+            lc is not None and col.get("median_tpot_ms") is not None
+            and lc.get("median_tpot_ms") is not None
+            and col["median_tpot_ms"] < lc["median_tpot_ms"])
+    clean = tuned and all(entry["checks"].values())
+    return {k: bool(x) and clean for k, x in t.items()}
+
+
+def _block(stats: dict | None) -> dict | None:
+    keep = ("output_throughput", "output_throughput_spread", "median_ttft_ms", "p99_tpot_ms",
+            "failed_requests", "runs_with_problems", "cpu_s_per_output_token")
+    return None if stats is None else {k: stats.get(k) for k in keep}
+
+
+def cpu_per_output_token(entries: list[dict]) -> dict:
+    """CPU-seconds per output token of each server's processes and its client over the given
+    workloads' scored runs; vLLM's two blocks together."""
+    tallies: dict[str, CpuTally] = {}
+    for e in entries:
+        for label, s in e["servers"].items():
+            if s is not None:
+                key = "vllm" if label in VLLM_BLOCKS else label
+                tallies[key] = tallies.get(key, CpuTally.empty()).merged(cpu_tally(s["per_run"]))
+    return {k: t.per_output_token() for k, t in tallies.items()}
+
+
+def summarize(work: str, out: str, runs: int, workloads: list[Workload], sweep: list[int],
+              unseen: tuple[str, ...] = ()) -> dict:
+    scored = [w for w in workloads if w.name not in unseen]
+    table = sweep_table(work, sweep, scored)
+    result = {"cpu_model": cpu_model(),
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "dtype": os.environ.get("RAYPD_BENCH_DTYPE_USED"),   # both servers' --dtype
               "client": "vllm bench serve (vLLM-CPU 0.32)", "evidence_level": "cpu-measured",
               "runs_per_server_and_workload": runs,
+              "order": ORDER,
               "figures": "medians over the runs (each run's own median TTFT / p99 TPOT / "
                          "output tok/s), spread = [min, max] over the runs",
-              "workloads": {}}
-    targets = {}
+              "vllm_baseline": "mean of vLLM's two blocks' medians (the median of the two), "
+                               "each block at the sweep's best --max-num-batched-tokens",
+              "drift_limit": DRIFT_LIMIT,
+              "vllm_sweep": table, "workloads": {}, "unseen_workloads": {}}
     for w in workloads:
-        name, servers, backend, args = w.split("|", 3)
-        stats = {s: _stats(_load(work, s, name, runs)) for s in servers.split(",")}
-        v = stats.get("vllm") or {}
-        entry = {"args": args, "backend": backend, "servers": stats}
-        for label in ("default", "colocated"):
-            r = stats.get(label) or {}
-            entry[label] = {
-                "vllm_output_tok_s": v.get("output_throughput"),
-                "raypd_output_tok_s": r.get("output_throughput"),
-                "output_tok_s_ratio": _ratio(r.get("output_throughput"),
-                                             v.get("output_throughput")),
-                "median_ttft_ratio": _ratio(r.get("median_ttft_ms"), v.get("median_ttft_ms")),
-                "p99_tpot_ratio": _ratio(r.get("p99_tpot_ms"), v.get("p99_tpot_ms")),
-                "failed_requests": r.get("failed_requests"),
-            }
-        result["workloads"][name] = entry
-        c, d = entry["colocated"], entry["default"]
-        clean = all(s is not None and s["failed_requests"] == 0 and s["runs_missing"] == 0
-                    for s in stats.values())
-        cached = [r["prompt_cached_fraction"] for st in stats.values() if st is not None
-                  for r in st["per_run"] if r.get("prompt_cached_fraction") is not None]
-        entry["prompt_cached_fraction_max"] = max(cached) if cached else None
-        t = {"no_failed_requests": clean,
-             "colocated_output_tok_s_ratio>=1.2": (c["output_tok_s_ratio"] or 0) >= 1.2,
-             "colocated_median_ttft_ratio<=1.0": (c["median_ttft_ratio"] or 9e9) <= 1.0,
-             "colocated_p99_tpot_ratio<=1.0": (c["p99_tpot_ratio"] or 9e9) <= 1.0,
-             "default_output_tok_s_ratio>=0.9": (d["output_tok_s_ratio"] or 0) >= 0.9,
-             "default_p99_tpot_ratio<=0.9": (d["p99_tpot_ratio"] or 9e9) <= 0.9}
-        lc = stats.get("llamacpp")
-        if lc is not None:
-            col = stats.get("colocated") or {}
-            t["colocated_median_tpot<llamacpp_bf16"] = (
-                col.get("median_tpot_ms") is not None and lc.get("median_tpot_ms") is not None
-                and col["median_tpot_ms"] < lc["median_tpot_ms"])
-        if name not in REUSE_WORKLOADS:
-            # vLLM and raypd export the counters: a run of theirs without a fraction is not
-            # known to be clean (a renamed counter must not pass for no hits)
-            measured = all(r.get("prompt_cached_fraction") is not None
-                           for label in ("vllm", "default", "colocated")
-                           for r in (stats.get(label) or {}).get("per_run", []))
-            t["no_accidental_prefix_hits"] = measured and \
-                max(cached, default=0.0) <= MAX_ACCIDENTAL_CACHED
-            clean = clean and t["no_accidental_prefix_hits"]
-        targets[name] = {k: bool(x) and clean for k, x in t.items()}
+        key = "unseen_workloads" if w.name in unseen else "workloads"
+        result[key][w.name] = workload_entry(work, w, runs)
+    every = {**result["workloads"], **result["unseen_workloads"]}
+    result["vllm_blocks"] = [
+        {"block": i + 1, "label": label, "max_num_batched_tokens": table["served_with"],
+         "workloads": {n: _block(e["servers"].get(label)) for n, e in every.items()}}
+        for i, label in enumerate(VLLM_BLOCKS)]
+    result["drift"] = {n: e["drift"] for n, e in every.items()}
+    result["drift_exceeded"] = [n for n, d in result["drift"].items()
+                                if d is None or abs(d) > DRIFT_LIMIT]
+    result["cpu_s_per_output_token"] = cpu_per_output_token(list(result["workloads"].values()))
+    result["cpu_s_per_output_token_unseen"] = cpu_per_output_token(
+        list(result["unseen_workloads"].values()))
+    targets = {n: workload_targets(e, table["best"] is not None)
+               for n, e in result["workloads"].items()}
     result["targets_met"] = targets
-    result["all_targets_met"] = all(all(t.values()) for t in targets.values())
-    json.dump(result, open(out, "w"), indent=2)
+    result["all_targets_met"] = bool(targets) and all(all(t.values()) for t in targets.values())
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
     return result
 
 
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    data = sub.add_parser("data")
+    data.add_argument("hf_dir")
+    data.add_argument("work")
+    for name in ("sweep-best", "summarize"):
+        s = sub.add_parser(name)
+        s.add_argument("work")
+        if name == "summarize":
+            s.add_argument("out")
+            s.add_argument("--runs", type=int, required=True)
+        s.add_argument("--sweep", required=True, type=lambda v: [int(x) for x in v.split(",")],
+                       help="the --max-num-batched-tokens values, comma-separated")
+        s.add_argument("--unseen", action="append", default=[])
+        s.add_argument("workloads", nargs="+", type=Workload.parse)
+    return p
+
+
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["data"] and len(argv) >= 3:
-        make_data(argv[1], argv[2], "--quick" in argv[3:])
-        return 0
-    if argv[:1] == ["summarize"] and len(argv) >= 5:
-        res = summarize(argv[1], argv[2], int(argv[3]), argv[4:])
-        print(json.dumps({n: {k: {m: e[k][m] for m in ("output_tok_s_ratio", "median_ttft_ratio",
-                                                        "p99_tpot_ratio", "failed_requests")}
-                              for k in ("default", "colocated")}
-                          for n, e in res["workloads"].items()}, indent=1))
+    a = _parser().parse_args(argv)
+    if a.cmd == "data":
+        from bench_vs_vllm_data import make_data
+        make_data(a.hf_dir, a.work)
+    elif a.cmd == "sweep-best":
+        table = sweep_table(a.work, a.sweep, [w for w in a.workloads if w.name not in a.unseen])
+        for v, f in table["figures"].items():
+            print(f"bench-vs-vllm: vLLM --max-num-batched-tokens {v}: score {f['score']}, "
+                  f"{f['output_tok_s']}", file=sys.stderr)
+        print(table["served_with"])
+    else:
+        res = summarize(a.work, a.out, a.runs, a.workloads, a.sweep, tuple(a.unseen))
+        for part in ("workloads", "unseen_workloads"):
+            print(json.dumps({n: {"drift": e["drift"], **{
+                k: {m: e[k][m] for m in ("output_tok_s_ratio", "median_ttft_ratio",
+                                         "p99_tpot_ratio", "failed_requests",
+                                         "vllm_failed_requests")}
+                for k in RAYPD}} for n, e in res[part].items()}, indent=1))
+        print("cpu model:", res["cpu_model"], "| vLLM sweep best:", res["vllm_sweep"]["best"],
+              "| drift exceeded:", res["drift_exceeded"])
         print("all targets met:", res["all_targets_met"])
-        return 0
-    print(__doc__, file=sys.stderr)
-    return 2
+    return 0
 
 
 if __name__ == "__main__":
