@@ -1,8 +1,9 @@
 """The autoscaler (router/autoscale_decision.py): its inputs are a function of the load reports and the
 router's request window only; its decisions respect min/max, cooldowns and one-at-a-time
 scale-down, hold without fits, follow the load; and the simulator's autoscaled run
-(raypd/sim/autoscale_sim.py, `raypd simulate --autoscale`) uses fewer worker-seconds than
-the static peak on a quiet-burst-quiet trace. No Ray, no sleeps: time is an argument."""
+(raypd/sim/autoscale_sim.py, `raypd simulate --autoscale`) uses fewer worker-seconds than the
+smallest static fleet that serves a quiet-burst-quiet trace as well (every split of every size
+up to its peak tried). No Ray, no sleeps: time is an argument."""
 
 from __future__ import annotations
 
@@ -210,23 +211,71 @@ def quiet_burst_quiet() -> list[SimRequest]:
     return out
 
 
-def test_autoscaled_run_uses_fewer_worker_seconds_than_the_static_peak():
+def burst_of_eight() -> list[SimRequest]:
+    """120 s at 1 request/s, 120 s at 30/s, 180 s at 1/s (4k-token prompts, 64 out): the burst
+    needs ~6 workers where the quiet phases need 2, and lasts 12 start-ups (10 s)."""
+    out, t, j = [], 0.0, 0
+    for dur, rate in ((120.0, 1.0), (120.0, 30.0), (180.0, 1.0)):
+        end = t + dur
+        while t < end:
+            out.append(SimRequest(t, 8 * 512 - 5, 64, tuple(10_000 * j + i for i in range(8))))
+            t += 1.0 / rate
+            j += 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def against_every_static() -> dict:
+    """The autoscaled replay of burst_of_eight and every static P:D of every size from 1P:1D
+    up to its peak (the simulator is deterministic: one run a side), judged by
+    raypd/sim/static_rivals.py."""
     from raypd.sim.autoscale_sim import run_autoscaled, run_static
-    reqs = quiet_burst_quiet()
+    from raypd.sim.static_rivals import fleet_splits, judge
+    reqs = burst_of_eight()
     cost = gpu_cost_model("h100")
     cluster = ClusterConfig(slo_ttft_s=2.0, slo_tpot_s=0.1)
     cfg = AutoscaleConfig(enabled=True, min_prefill=1, max_prefill=7, min_decode=1,
                           max_decode=7, max_total=8, ttft_s=2.0, tpot_s=0.1)
     auto = run_autoscaled(reqs, cost, cluster, cfg, startup_s=10.0)
-    static = run_static(reqs, cost, ClusterConfig(**{**cluster.__dict__, "num_prefill": 4,
-                                                     "num_decode": 4}))
-    assert auto["worker_seconds"] < static["worker_seconds"]
-    assert auto["scale_ups"] >= 1 and auto["scale_downs"] >= 1
-    assert 0.0 < auto["slo_attainment"] <= 1.0 and auto["served"] + auto["shed_total"] == \
-        len(reqs)
-    assert auto["peak_workers"] <= 8
+    statics = {(p, d): [run_static(reqs, cost, ClusterConfig(**{**cluster.__dict__,
+                                                                "num_prefill": p,
+                                                                "num_decode": d}))]
+               for p, d in fleet_splits(range(2, auto["peak_workers"] + 1))}
+    return {"auto": auto, "reqs": reqs, "judged": judge([auto], statics)}
+
+
+def test_autoscaled_run_uses_fewer_worker_seconds_than_the_smallest_static_meeting_its_slo(
+        against_every_static):
+    """The rival is the smallest static whose attainment is within 5 points of the autoscaled
+    run's, found among every split of every size up to the autoscaled peak: smaller than the
+    peak (a peak-size static spends peak x span, so beating it alone proves nothing), and the
+    autoscaled run spends fewer worker-seconds than it, while serving >= 85% within its SLOs
+    (the start-up lag of the burst's first seconds is what it misses)."""
+    auto, j = against_every_static["auto"], against_every_static["judged"]
+    assert j["static_sizes_tried"] == list(range(2, auto["peak_workers"] + 1))
+    assert j["statics_tried"] == sum(n - 1 for n in j["static_sizes_tried"])
+    rival = j["smallest_static_row"]
+    assert rival is not None and rival["size"] < auto["peak_workers"]
+    assert j["targets"]["fewer_worker_seconds_than_smallest_static_meeting_slo"]
+    assert auto["worker_seconds"] < rival["worker_seconds"]["median"]
+    assert auto["slo_attainment"] >= 0.85
+    assert rival["slo_attainment"]["median"] >= auto["slo_attainment"] - 0.05
+    every_smaller = [r for r in j["static_rows"] if r["size"] < rival["size"]]
+    assert every_smaller and all(r["slo_attainment"]["median"] < auto["slo_attainment"] - 0.05
+                                 for r in every_smaller)
+    assert auto["scale_ups"] >= 1 and auto["scale_downs"] >= 1 and auto["peak_workers"] <= 8
+    assert auto["served"] + auto["shed_total"] == len(against_every_static["reqs"])
     sizes = [p + d for _, p, d in auto["size_timeline"]]
     assert max(sizes) > sizes[0] and sizes[-1] < max(sizes)     # grew for the burst, shrank
+
+
+@pytest.mark.xfail(strict=True, reason="measured: the autoscaled run serves ~89% against 100% "
+                   "for the best static (the burst's first ~10-20 s wait for start-ups); the "
+                   "issue-60 target, reported as missed, not loosened")
+def test_autoscaled_attainment_is_within_5_points_of_the_best_static(against_every_static):
+    j = against_every_static["judged"]
+    assert j["targets"]["slo_within_5_points_of_best_static"]
+    assert j["slo_attainment_autoscaled"] >= j["slo_attainment_best_static"] - 0.05
 
 
 def _cli(argv: list[str]) -> int:
@@ -244,6 +293,8 @@ def test_simulate_autoscale_refuses_what_it_does_not_use(capsys, tmp_path):
     assert "--prefill, --plan: not used by --autoscale" in capsys.readouterr().err
     assert _cli(["t.jsonl", "--startup-s", "5"]) == 2
     assert "--startup-s: only with --autoscale" in capsys.readouterr().err
+    assert _cli(["t.jsonl", "--repeats", "3"]) == 2
+    assert "--repeats: only with --autoscale" in capsys.readouterr().err
 
 
 def test_simulate_autoscale_prints_the_table_and_writes_json(capsys, tmp_path):
@@ -257,10 +308,16 @@ def test_simulate_autoscale_prints_the_table_and_writes_json(capsys, tmp_path):
     assert _cli([str(trace), "--autoscale", "--gpus", "4", "--startup-s", "10",
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "autoscaled" in text and "best static" in text
+    assert "autoscaled" in text and "best static" in text and "smallest static" in text
     res = json.loads(out.read_text())["sizes"][0]
-    assert res["gpus"] == 4 and res["best_static"] in res["static"]
-    assert {"worker_seconds", "slo_attainment", "goodput_rps"} <= set(res["autoscaled"])
+    assert res["gpus"] == 4 and res["repeats"] == 2 and len(res["autoscaled_runs"]) == 2
+    assert res["best_static"].removeprefix("static ") in res["static"]
+    assert res["static_sizes_tried"] == list(range(2, res["peak_workers"] + 1))
+    assert all(len(runs) == 2 for runs in res["static"].values())
+    assert "worker_seconds_smallest_static_meeting_slo" in res
+    assert set(res["targets"]) == {"fewer_worker_seconds_than_smallest_static_meeting_slo",
+                                   "slo_within_5_points_of_best_static"}
+    assert {"worker_seconds", "slo_attainment", "goodput_rps"} <= set(res["autoscaled_runs"][0])
 
 
 def test_a_drained_decode_worker_migrates_its_running_sequences_and_nothing_is_lost():

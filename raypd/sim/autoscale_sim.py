@@ -1,6 +1,7 @@
 """The autoscaler in the cluster simulator: the live controller (router/autoscale_decision.py) sizes the
 prefill and decode pools of a ClusterSim replay every `interval_s` of simulated time, and the
-run is compared with the best static P:D of the same peak size on the same requests.
+run is compared with every static P:D of every size from 1P:1D up to its peak, on the same
+requests, each side repeated on other arrival timelines (raypd/sim/static_rivals.py judges).
 
 What the controller sees is what the live router has: `observe()` over the WorkerStates the
 simulated workers' load reports built (router/worker_view.py, as the policies see them) and a
@@ -31,10 +32,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from protocol.errors import RoutingRejected
-from raypd.sim.cluster_sim import ClusterConfig, ClusterSim, DecodeSim, RunHooks
+from raypd.sim.cluster_sim import ClusterConfig, ClusterSim, DecodeSim, RunHooks, cluster_requests
 from raypd.sim.cost_model import CostModel
-from raypd.sim.planner import configs_for, plan_workload
+from raypd.sim.planner import BASE_GPUS, own_arrivals, plan_workload
 from raypd.sim.routing_sim import SimRequest, trace_hashes
+from raypd.sim.static_rivals import fleet_splits, judge, rival_lines
 from router.autoscale_decision import AutoscaleConfig, Controller, Decision, RequestWindow, observe
 from router.policies import RoutingRequest
 from router.worker_view import note_decode
@@ -264,62 +266,76 @@ def run_static(reqs: Sequence[SimRequest], cost: CostModel, cluster: ClusterConf
     return res
 
 
+def repeat_workload(trace: Sequence, gpus: int, requests_per_16: int, repeat: int
+                    ) -> list[SimRequest]:
+    """The planner's workload at `gpus` (plan_workload) for repeat 0; repeat r > 0 enters
+    each replica's timeline elsewhere (own_arrivals with seed k + r x replicas): the same
+    requests on other arrival times, so the repeats of a deterministic simulator differ as
+    live runs of one trace do."""
+    if repeat == 0:
+        return plan_workload(trace, gpus, requests_per_16)
+    reps = max(1, round(gpus / BASE_GPUS))
+    base = cluster_requests(list(trace)[:requests_per_16], ClusterConfig())
+    out = [r._replace(tenant=f"replica-{k}") for k in range(reps)
+           for r in own_arrivals(base, k + repeat * reps)]
+    out.sort(key=lambda r: r.timestamp_s)
+    return out
+
+
 def compare(trace: Sequence, cost: CostModel, gpus: int, cfg: AutoscaleConfig,
             cluster: ClusterConfig, requests_per_16: int = 800, rate_scale: float = 1.0,
-            startup_s: float = STARTUP_S, initial: tuple[int, int] | None = None) -> dict:
-    """At `gpus` (the peak: max_total; each role up to gpus - 1): the trace as the planner
-    scales it to that size (plan_workload), arrivals x `rate_scale`, replayed autoscaled and
-    on every static P:D of the planner's P fractions; the best static is the one with the
-    highest SLO attainment, ties to fewer worker-seconds."""
-    reqs = plan_workload(trace, gpus, requests_per_16)
-    if rate_scale != 1.0 and reqs:
-        t0 = reqs[0].timestamp_s
-        reqs = [r._replace(timestamp_s=t0 + (r.timestamp_s - t0) / rate_scale) for r in reqs]
-    hashes = trace_hashes(reqs)
+            startup_s: float = STARTUP_S, initial: tuple[int, int] | None = None,
+            repeats: int = 2, min_size: int = 2) -> dict:
+    """At `gpus` (the cap: max_total; each role up to gpus - 1): per repeat the trace as the
+    planner scales it to that size (`repeat_workload`), arrivals x `rate_scale`, replayed
+    autoscaled; then every static P:D of every size from `min_size` (default 1P:1D) up to the
+    largest autoscaled peak, on the same workloads; judged by raypd/sim/static_rivals.py."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     cfg = AutoscaleConfig(**{**asdict(cfg), "max_total": gpus,
                              "max_prefill": min(cfg.max_prefill, gpus - 1),
                              "max_decode": min(cfg.max_decode, gpus - 1)})
+    workloads = []
+    for r in range(repeats):
+        reqs = repeat_workload(trace, gpus, requests_per_16, r)
+        if rate_scale != 1.0 and reqs:
+            t0 = reqs[0].timestamp_s
+            reqs = [x._replace(timestamp_s=t0 + (x.timestamp_s - t0) / rate_scale)
+                    for x in reqs]
+        workloads.append((reqs, trace_hashes(reqs)))
     t_start = time.perf_counter()
-    auto = run_autoscaled(reqs, cost, cluster, cfg, startup_s, hashes, initial)
-    auto["elapsed_s"] = time.perf_counter() - t_start
-    statics = {}
-    for label, p, d, *_ in configs_for(gpus, (cluster.policy,), ()):
+    autos = []
+    for reqs, hashes in workloads:
+        autos.append(run_autoscaled(reqs, cost, cluster, cfg, startup_s, hashes, initial))
+    elapsed_auto = time.perf_counter() - t_start
+    peak = max(a["peak_workers"] for a in autos)
+    sizes = range(max(2, min_size), max(2, min_size, peak) + 1)
+    statics: dict[tuple[int, int], list[dict]] = {}
+    for p, d in fleet_splits(sizes):
         c = ClusterConfig(**{**asdict(cluster), "num_prefill": p, "num_decode": d})
-        statics[label] = run_static(reqs, cost, c, hashes)
-        statics[label].update(prefill=p, decode=d)
-    best = max(statics, key=lambda k: (round(statics[k]["slo_attainment"], 9),
-                                       -statics[k]["worker_seconds"]))
-    b = statics[best]
-    return {"gpus": gpus, "requests": len(reqs), "autoscaled": auto, "static": statics,
-            "best_static": best,
-            "worker_seconds_ratio": auto["worker_seconds"] / b["worker_seconds"]
-            if b["worker_seconds"] else None,
-            "attainment_delta": auto["slo_attainment"] - b["slo_attainment"]}
+        statics[(p, d)] = [{**run_static(reqs, cost, c, hashes), "prefill": p, "decode": d}
+                           for reqs, hashes in workloads]
+    j = judge(autos, statics)
+    keep = ("slo_attainment", "worker_seconds", "goodput_rps", "ttft_p99_s", "tpot_p99_s",
+            "span_s")
+    return {"gpus": gpus, "requests": len(workloads[0][0]), "repeats": repeats,
+            "peak_workers": peak, "autoscaled_runs": autos,
+            "static": {f"{p}P:{d}D": [{k: r.get(k) for k in keep} for r in runs]
+                       for (p, d), runs in statics.items()},
+            **{k: v for k, v in j.items() if k != "static_rows"},
+            "elapsed_s": {"autoscaled": elapsed_auto,
+                          "statics": time.perf_counter() - t_start - elapsed_auto}}
 
 
 def compare_text(results: Sequence[dict], header: str) -> str:
-    """The comparison as a table: per size the autoscaled run and the best static P:D."""
-    lines = [header,
-             f"{'GPUs':>5}  {'run':<22} {'worker-s':>10} {'mean':>6} {'peak':>5} "
-             f"{'attain':>7} {'goodput r/s':>11} {'TTFT p99':>8} {'TPOT p99':>8} "
-             f"{'up/down':>8} {'migr':>5}"]
+    """The comparison as a table: per size the autoscaled run, the smallest static meeting
+    the SLO and the best static (medians of the repeats, +- half their spread)."""
+    lines = [header]
     for res in results:
-        a, best = res["autoscaled"], res["best_static"]
-        b = res["static"][best]
-        lines.append(f"{res['gpus']:>5}  {'autoscaled':<22} {a['worker_seconds']:>10.0f} "
-                     f"{a['mean_workers']:>6.1f} {a['peak_workers']:>5} "
-                     f"{a['slo_attainment']:>7.1%} {a['goodput_rps']:>11.2f} "
-                     f"{a['ttft_p99_s']:>8.2f} {a['tpot_p99_s']:>8.3f} "
-                     f"{a['scale_ups']:>3}/{a['scale_downs']:<4} {a['migrations']:>5}")
-        label = "best static " + best.split(" ")[0]
-        lines.append(f"{'':>5}  {label:<22} {b['worker_seconds']:>10.0f} "
-                     f"{b['prefill'] + b['decode']:>6.1f} {b['prefill'] + b['decode']:>5} "
-                     f"{b['slo_attainment']:>7.1%} {b['goodput_rps']:>11.2f} "
-                     f"{b['ttft_p99_s']:>8.2f} {b['tpot_p99_s']:>8.3f} {'-':>8} {'-':>5}")
-        tried = ", ".join(f"{k.split(' ')[0]} {v['slo_attainment']:.1%}"
-                          for k, v in res["static"].items())
-        lines.append(f"{'':>5}  autoscaled / static: worker-seconds x"
-                     f"{res['worker_seconds_ratio']:.2f}, attainment "
-                     f"{res['attainment_delta'] * 100:+.1f} points "
-                     f"(statics tried: {tried})")
+        a = res["autoscaled_runs"]
+        lines.append(f"{res['gpus']} GPUs (cap), {res['requests']} requests, autoscaled peak "
+                     f"{res['peak_workers']} workers, scale-ups/downs "
+                     + ", ".join(f"{x['scale_ups']}/{x['scale_downs']}" for x in a)
+                     + ", migrations " + ", ".join(str(x["migrations"]) for x in a))
+        lines.extend(rival_lines(res))
     return "\n".join(lines)
