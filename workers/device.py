@@ -83,15 +83,25 @@ def device_name(device: torch.device) -> str:
 
 @functools.cache
 def cpu_model_name() -> str:
+    """The CPU's model name with its family and model numbers, as lscpu gives them ("AMD EPYC
+    (family 26, model 2)"): a VM's name alone may not tell Zen 3 from Zen 5."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break       # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    import platform
-    return platform.processor() or "cpu"
+    name = fields.get("model name")
+    if name is None:
+        import platform
+        return platform.processor() or "cpu"
+    if "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 @functools.cache

@@ -57,14 +57,20 @@ def compiler() -> tuple[list[str], str] | None:
     return (cxx, out.stdout.splitlines()[0]) if out.returncode == 0 and out.stdout else None
 
 
+def sources_digest() -> str:
+    """A hash of every kernel source and header: the numerics part of the build key, and the
+    engine's numerics version that a recorded KV gate carries (workers/kv_gate.py)."""
+    src = b"\0".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
+    return hashlib.sha256(src).hexdigest()[:16]
+
+
 def build(cache: Path) -> Path:
     """The kernels' shared library under `cache`/native (built now unless a build for these
     sources, compiler and CPU is there). Raises RuntimeError when it cannot be built."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C++ compiler (c++ or g++, or $CXX)")
-    src = b"\0".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), cc[1].encode(),
+    key = hashlib.sha256(b"\0".join([sources_digest().encode(), " ".join(CFLAGS).encode(), cc[1].encode(),
                                      cpu_features().encode()])).hexdigest()[:16]
     lib = Path(cache) / "native" / f"{NAME}_{key}.so"
     if lib.exists():
