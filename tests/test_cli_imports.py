@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,16 +45,26 @@ def test_generate_runs_without_ray_or_the_http_stack():
 
 
 def test_bench_engine_runs_without_ray_or_the_http_stack():
+    """The whole bench runs (RUNNER fails it on any blocked import, even one caught inside,
+    and on a blocked module left in sys.modules) and gives every figure it promises, each a
+    finite number that could have come out otherwise."""
     proc = run_blocked("bench", "engine", "--model", "tiny", "--quick", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    assert out["model"] == "tiny"
-    # the decode steps' floor: the larger of the read and the arithmetic (16 rows: 16x the
-    # arithmetic of one at the same context)
+    assert out["model"] == "tiny" and out["device"] == "cpu"
+    figures = ["decode_ratio_b16", "throughput_ratio_mixed", "prefix_ttft_ratio",
+               "step_overhead_ms", "sample_ms_b16", "decode_step_ms", "decode_bound_ms",
+               "memory_read_gbps", "memory_read_gbps_mean", "matmul_peak_gflops",
+               "python_overhead_ms_b1", "python_overhead_ms_b16", "attn_decode_gbps"]
+    for key in figures:
+        assert isinstance(out[key], float) and math.isfinite(out[key]), (key, out.get(key))
+    for key in ("prefill_tok_s", "hf_prefill_tok_s", "prefill_gflops",
+                "prefill_attention_speedup"):
+        assert set(out[key]) == {"512"}, key           # --quick: one prefill length
+    assert out["mixed_batches"] == [8, 8] and len(out["step_overhead_ms_runs"]) == 1
+    # a measured step is never faster than its floor (both ceilings are best samples)
     for b in (1, 16):
-        assert out[f"decode_roofline_ms_b{b}"] == max(out[f"decode_bound_ms_b{b}"],
-                                                      out[f"decode_compute_bound_ms_b{b}"])
-    assert abs(out["decode_compute_bound_ms_b16"] / out["decode_compute_bound_ms_b1"] - 16) < 1e-6
+        assert out[f"decode_step_ms_b{b}"] >= out[f"decode_roofline_ms_b{b}"] > 0
 
 
 def test_print_config_runs_without_ray_or_the_http_stack():

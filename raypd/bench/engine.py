@@ -5,23 +5,30 @@ warmed up; every figure is the median of `repeats` runs. Fairness rules:
 - decode: `generate()` time for `new` tokens minus its time for 1 token (its prefill), against
   the engine's window from the step where every request has its first token to the end,
   counting only the tokens decoded inside that window;
-- mixed: every request stops at its own length on both sides (`generate()` gets a per-request
-  stopping criterion; its static batches are formed from requests of similar prompt length, as
-  a careful user would, so it pays little padding);
+- mixed: the same batches on both sides (requests sorted by prompt length and cut in two, as a
+  careful user forms `generate()`'s static batches, so it pays little padding; the engine runs
+  each batch to its end before the next), every request stopping at its own length
+  (`generate()` gets a per-request stopping criterion);
 - prefix: TTFT of a request whose 1,024-token prefix is cached against the same request cold;
 - lora (`--lora N`): N random rank-8 adapters on every projection, made by the bench; one batch
   with requests spread round-robin over the base model and the adapters against the same batch
-  on an engine without adapters (`lora_throughput_ratio` = base-only time / mixed time).
+  on an engine without adapters (`lora_throughput_ratio` = base-only time / mixed time);
+- step overhead: step time minus the model's forward at batch 8, the median of `repeats` runs;
+- prefill attention: the native kernel against SDPA on one layer's heads at the prefill lengths
+  (raypd/bench/prefill_attention.py: same dtype, shapes and threads, each in its best layout,
+  interleaved, outputs checked against each other).
 Physical scale: `decode_bound_ms` is what reading the weights and the batch's KV once at the
-memory bandwidth measured here takes; `decode_compute_bound_ms` the step's arithmetic at
-`matmul_peak_gflops` and `decode_roofline_ms` the larger of the two (the step's floor);
-`prefill_gflops` is set against `matmul_peak_gflops`, the engine's own linear at a large shape.
+memory read ceiling takes; `decode_compute_bound_ms` the step's arithmetic at
+`matmul_peak_gflops` and `decode_roofline_ms` the larger of the two (the step's floor). Both
+ceilings are the best sample the machine gave (`memory_read_gbps`, the mean of its samples
+beside it; on a GPU its maker's figure too), so neither flatters what is set against it.
+`prefill_gflops` (the arithmetic the engine computes: lm_head on the sampled row alone) is set
+against `matmul_peak_gflops`, the engine's own linear at a large shape.
 
 `--device` runs both sides on that device (generate() gets the stock model moved there). A
 random-weight model of a real shape (`--model random:llama3-8b`) has no answers to compare:
 it gets the engine's own figures only (`run_shape_bench`): prefill tok/s at 2,048 tokens,
-decode tok/s at batch 1/16/64 against the weights-read bound at the device's measured read
-bandwidth.
+decode tok/s at batch 1/16/64 against the weights-read bound at the device's read ceiling.
 """
 
 from __future__ import annotations
@@ -30,15 +37,18 @@ import copy
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from kvcache.manager import cdiv
+from raypd.bench.spec_bandwidth import spec_read_gbps
 from workers.device import resolve_device, synchronize
 from workers.engine import EngineConfig, LLMEngine
 from workers.kernels.bindings import SIGNATURES
 from workers.layers import Linear
+from workers.model_loader import ModelInfo
 from workers.random_model import is_random
 from workers.request import SamplingParams
 from workers.sampler import sample
@@ -211,9 +221,9 @@ def _sample_ms(engine: LLMEngine, batch: int, repeats: int) -> float:
 CPU = torch.device("cpu")
 
 
-def _memory_read_gbps(device: torch.device = CPU) -> float:
-    """Bytes read per second by a large sum (well beyond any cache; 2 GiB on a GPU), median
-    of 5."""
+def _memory_read_samples(device: torch.device = CPU, n: int = 5) -> list[float]:
+    """GB/s read by a large sum (well beyond any cache; 2 GiB on a GPU), `n` samples after one
+    warm-up."""
     x = torch.ones((2048 if device.type == "cuda" else 256) * 2**20 // 4, device=device)
     x.sum()
     synchronize(device)
@@ -223,7 +233,23 @@ def _memory_read_gbps(device: torch.device = CPU) -> float:
         x.sum()
         synchronize(device)
         return x.numel() * 4 / (time.perf_counter() - t0) / 1e9
-    return _median(once, 5)
+    return [once() for _ in range(n)]
+
+
+def _read_ceiling(samples: list[float], device: torch.device, name: str) -> dict:
+    """The read-bandwidth ceiling as the matmul ceiling is taken: the best sample
+    (`memory_read_gbps`), the mean beside it; on a GPU its maker's figure beside both (None for
+    a name not in raypd/bench/spec_bandwidth.py). A ceiling is what the machine did at its
+    best: a mean or median of a drifting VM's samples is a lower ceiling, and a lower bound
+    flatters `decode_step / decode_bound`."""
+    best = max(samples)
+    spec = spec_read_gbps(name, device.type)
+    out = {"memory_read_gbps": best, "memory_read_gbps_mean": statistics.fmean(samples),
+           "memory_read_gbps_samples": samples}
+    if device.type == "cuda":
+        out.update(memory_read_spec_gbps=spec,
+                   memory_read_vs_spec=None if spec is None else best / spec)
+    return out
 
 
 def _attn_decode_gbps(engine: LLMEngine, batch: int, context: int, repeats: int = 5) -> dict:
@@ -283,6 +309,95 @@ def _matmul_peak_gflops(dtype: torch.dtype, device: torch.device = CPU) -> float
             synchronize(device)
             return 2 * n**3 / (time.perf_counter() - t0) / 1e9
         return max(once() for _ in range(9))
+
+
+@dataclass(frozen=True)
+class PrefillFlops:
+    """The arithmetic of one cold prefill, as the engine computes it: every layer's linears on
+    every token, lm_head on the sampled rows only (a prompt's last row: ModelRunner._forward
+    runs the head on `sample_rows` alone), causal attention (QK^T and PV over the n(n+1)/2
+    visible pairs of every head of every layer)."""
+
+    linear: int
+    attention: int
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.attention
+
+
+def prefill_flops(model, info: ModelInfo, tokens: int, sampled_rows: int = 1) -> PrefillFlops:
+    """`PrefillFlops` of `tokens` prompt tokens of which `sampled_rows` reach lm_head. Not the
+    input embedding (a gather), nor the norms, rotary and activations (elementwise)."""
+    assert 0 <= sampled_rows <= tokens
+    layer_matrices = sum(p.numel() for name, p in model.named_parameters()
+                         if ".layers." in name and p.dim() == 2)
+    head = model.get_output_embeddings().weight.numel()
+    pairs = tokens * (tokens + 1) // 2
+    return PrefillFlops(linear=2 * layer_matrices * tokens + 2 * head * sampled_rows,
+                        attention=4 * info.num_layers * info.num_heads * info.head_dim * pairs)
+
+
+def _step_overhead(engine: LLMEngine, batch: list[list[int]], new: int, repeats: int) -> dict:
+    """Decode steps of `batch` (prefilled first), `repeats` runs: each run's median of step
+    time minus the model's forward (`runner.last_forward_s`); `step_overhead_ms` their median,
+    the runs' figures beside it."""
+    assert repeats >= 1
+    runs = []
+    for _ in range(repeats):
+        for p in batch:
+            engine.add_request(p, SamplingParams(max_tokens=new, ignore_eos=True))
+        while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
+            engine.step()
+        overheads = []
+        while engine.has_unfinished():
+            s0 = time.perf_counter()
+            engine.step()
+            overheads.append(time.perf_counter() - s0 - engine.runner.last_forward_s)
+        runs.append(1e3 * statistics.median(overheads))
+    return {"step_overhead_ms": statistics.median(runs), "step_overhead_ms_runs": runs,
+            "step_overhead_batch": len(batch)}
+
+
+def _mixed_comparison(hf_model, engine: LLMEngine, mixed: list[tuple[list[int], int]],
+                      batch_size: int, pad: int, repeats: int) -> dict:
+    """`generate()` and the engine on the same batches: `mixed` (prompt, output length) sorted
+    by prompt length and cut into batches of `batch_size` (a careful user's static batches,
+    little padding), run one after another on each side, every request stopping at its own
+    length. The engine gets each batch as a whole and runs it to its end before the next, so
+    both sides hold the same requests at once; it still skips a finished row's work, which
+    `generate()` pads. `throughput_ratio_mixed` = generate()'s seconds / the engine's."""
+    by_len = sorted(mixed, key=lambda m: len(m[0]))
+    batches = [by_len[i:i + batch_size] for i in range(0, len(by_len), batch_size)]
+
+    def hf_all() -> float:
+        return sum(_hf_generate(hf_model, [p for p, _ in b], [o for _, o in b], pad)
+                   for b in batches)
+
+    def engine_all() -> float:
+        return sum(_engine_run(engine, [p for p, _ in b], [o for _, o in b])[0] for b in batches)
+    t_hf, t_eng = _median(hf_all, repeats), _median(engine_all, repeats)
+    return {"hf_mixed_s": t_hf, "engine_mixed_s": t_eng, "throughput_ratio_mixed": t_hf / t_eng,
+            "mixed_batches": [len(b) for b in batches],
+            "mixed_output_tokens": sum(o for _, o in mixed)}
+
+
+def _prefill_attention(info: ModelInfo, dtype: torch.dtype, device: torch.device,
+                       lengths: tuple[int, ...], repeats: int) -> dict:
+    """raypd's native prefill attention against torch's SDPA on one layer of this model's heads
+    (raypd/bench/prefill_attention.py), in the model's dtype and, beside it, float32 (the other
+    kernel); `prefill_attention_speedup` = SDPA's median / the kernel's, by prompt length, in
+    the model's dtype (None where the kernel does not apply or disagrees with SDPA). The
+    native kernels are CPU kernels: on a GPU both are None."""
+    from raypd.bench.prefill_attention import AttentionShape, run_prefill_attention_bench
+    if device.type != "cpu":
+        return {"prefill_attention": None, "prefill_attention_speedup": None}
+    shape = AttentionShape(info.num_heads, info.num_kv_heads, info.head_dim)
+    dtypes = tuple(dict.fromkeys((dtype, torch.float32)))
+    result = run_prefill_attention_bench(shape, dtypes, lengths, repeats)
+    own = result[str(dtype).removeprefix("torch.")]
+    return {"prefill_attention": result,
+            "prefill_attention_speedup": {n: r["speedup_median"] for n, r in own.items()}}
 
 
 def _lora_bench(model: str, dtype: str, loaded, prompts: list[list[int]], outputs: list[int],
@@ -365,8 +480,9 @@ def run_shape_bench(model: str, dtype: str = "auto", device: str = "auto",
                  "evidence": "gpu-measured" if dev.type == "cuda" else "cpu-measured"}
     _engine_run(engine, [prompt(64) for _ in range(2)], [4, 4])   # warm-up
     weight_bytes = _decode_weight_bytes(engine)
-    read_gbps = _memory_read_gbps(dev)
-    out.update(weight_bytes=weight_bytes, memory_read_gbps=read_gbps)
+    out.update(weight_bytes=weight_bytes,
+               **_read_ceiling(_memory_read_samples(dev), dev, stats["device_name"]))
+    read_gbps = out["memory_read_gbps"]
     p = prompt(prefill_tokens)
 
     def prefill_once() -> float:
@@ -399,17 +515,27 @@ def run_shape_bench(model: str, dtype: str = "auto", device: str = "auto",
 def run_engine_bench(model: str = "smollm2", quick: bool = False,
                      threads: int | None = None, dtype: str = "auto",
                      repeats: int = 3, lora: int = 0, lora_only: bool = False,
-                     device: str = "auto", cuda_graphs: bool = True) -> dict:
-    """Every figure; `lora` > 0 adds the multi-LoRA comparison (`lora_only`: just that).
+                     device: str = "auto", cuda_graphs: bool = True,
+                     attention_only: bool = False) -> dict:
+    """Every figure; `lora` > 0 adds the multi-LoRA comparison (`lora_only`: just that);
+    `attention_only`: just the kernel-vs-SDPA prefill attention (`_prefill_attention`).
     A `random:<shape>` model gets `run_shape_bench` (no reference to compare with)."""
-    from workers.device import load_dtype
+    from workers.device import cpu_model_name, load_dtype
     from workers.model_loader import load_model
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if threads:
         torch.set_num_threads(threads)
     if is_random(model):
         return run_shape_bench(model, dtype, device, cuda_graphs, repeats, quick)
     dev = resolve_device(device)
     hf_model, tok, info = load_model(model, load_dtype(dtype, model, dev))
+    prefill_lens = (512,) if quick else (512, 2048)
+    if attention_only:
+        return {"model": model, "quick": quick, "threads": torch.get_num_threads(),
+                "dtype": info.dtype, "repeats": repeats, "device": dev.type,
+                "cpu_model": cpu_model_name(),
+                **_prefill_attention(info, hf_model.dtype, dev, prefill_lens, repeats)}
     loaded = (copy.deepcopy(hf_model), tok, info)   # the engine builds its own copy anyway
     hf_model.to(dev)                                # generate() on the engine's device
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -430,10 +556,10 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
                     "dtype": info.dtype, "repeats": repeats, **lora_out}
 
     plen, new = (256, 32) if quick else (512, 64)
-    n_mixed, (lo_p, hi_p), (lo_o, hi_o) = (16, (64, 512), (8, 64)) if quick \
-        else (32, (64, 1024), (16, 128))
+    mixed_batch, (lo_p, hi_p), (lo_o, hi_o) = (8, (64, 512), (8, 64)) if quick \
+        else (16, (64, 1024), (16, 128))
+    n_mixed = 2 * mixed_batch
     prefix_len = 512 if quick else 1024
-    prefill_lens = (512,) if quick else (512, 2048)
     total_tokens = 16 * (plen + new) + hi_p * n_mixed + max(prefill_lens) + 4096
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, num_blocks=cdiv(total_tokens, 16),
                                     max_num_batched_tokens=2048, max_num_seqs=64,
@@ -445,6 +571,7 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
                  "model_impl": stats["model_impl"], "linear_kernel": stats["linear_kernel"],
                  "attention_kernel": stats["attention_kernel"], "fused_ops": stats["fused_ops"],
                  "device": stats["device"], "device_name": stats["device_name"],
+                 "cpu_model": cpu_model_name(),
                  "evidence": "gpu-measured" if stats["device"] == "cuda" else "cpu-measured",
                  "prompt_tokens": plen, "new_tokens": new}
     # warm-up: both sides, a short batch
@@ -455,15 +582,16 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     # ---- decode at batch 1 and 16 ----------------------------------------------------------
     weight_bytes = _decode_weight_bytes(engine)
     out["decode_weight_bytes"] = weight_bytes
-    # the read bandwidth is sampled right before and after each figure set against it, and
-    # that figure's bound uses those two samples' mean: on a shared VM it moved 2x within
-    # minutes (a sum of 256 MiB read 27 GB/s, then 59 GB/s), so one sample at the start judged
-    # later figures against another machine's state
+    # the read bandwidth is sampled right before and after each figure set against it (on a
+    # shared VM it moved 2x within minutes: a sum of 256 MiB read 27 GB/s, then 59 GB/s); the
+    # bounds take the best of every sample of the run, as the matmul ceiling is a best-of
     reads: list[float] = []
 
-    def read_now() -> float:
-        reads.append(_memory_read_gbps(dev))
-        return reads[-1]
+    def read_now() -> list[float]:
+        samples = _memory_read_samples(dev)
+        reads.extend(samples)
+        return samples
+    kv_bytes: dict[int, float] = {}
     for b in (1, 16):
         batch = [prompt(plen) for _ in range(b)]
         t_full = _median(lambda batch=batch: _hf_generate(hf_model, batch, [new] * len(batch),
@@ -473,18 +601,19 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
         out[f"hf_decode_tok_s_b{b}"] = b * (new - 1) / max(t_full - t_pre, 1e-9)
         before = read_now()
         runs = [_engine_run(engine, batch, [new] * b) for _ in range(repeats)]
-        read_gbps = out[f"memory_read_gbps_b{b}"] = (before + read_now()) / 2
+        out[f"memory_read_gbps_b{b}"] = max(before + read_now())
         out[f"engine_decode_tok_s_b{b}"] = statistics.median(
             n / max(t, 1e-9) for _, t, n, _ in runs)
         out[f"decode_step_ms_b{b}"] = 1e3 * statistics.median(
             s for *_, steps in runs for s in steps)
-        kv_bytes = b * (plen + new / 2) * engine.kv_bytes_per_token
-        out[f"decode_bound_ms_b{b}"] = 1e3 * (weight_bytes + kv_bytes) / (read_gbps * 1e9)
+        kv_bytes[b] = b * (plen + new / 2) * engine.kv_bytes_per_token
     before = read_now()
     out.update(_attn_decode_gbps(engine, 16, plen + new // 2))
-    out["memory_read_gbps_attn"] = (before + read_now()) / 2
-    out["memory_read_gbps"] = statistics.median(reads)
-    out["memory_read_gbps_samples"] = reads
+    out["memory_read_gbps_attn"] = max(before + read_now())
+    out.update(_read_ceiling(reads, dev, stats["device_name"]))
+    for b in (1, 16):
+        out[f"decode_bound_ms_b{b}"] = 1e3 * (weight_bytes + kv_bytes[b]) \
+            / (out["memory_read_gbps"] * 1e9)
     for b in (1, 16):   # step time minus the time inside kernels
         split = _python_overhead_ms(engine, [prompt(plen) for _ in range(b)])
         out[f"python_overhead_ms_b{b}"] = split["python_overhead_ms"]
@@ -494,22 +623,10 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
     out["decode_bound_ms"] = out["decode_bound_ms_b16"]
 
     # ---- step overhead at batch 8: step time minus the model's forward ----------------------
-    batch8 = [prompt(plen) for _ in range(8)]
-    for p in batch8:
-        engine.add_request(p, SamplingParams(max_tokens=new, ignore_eos=True))
-    while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
-        engine.step()
-    overheads = []
-    while engine.has_unfinished():
-        s0 = time.perf_counter()
-        engine.step()
-        overheads.append(time.perf_counter() - s0 - engine.runner.last_forward_s)
-    out["step_overhead_ms"] = 1e3 * statistics.median(overheads)
+    out.update(_step_overhead(engine, [prompt(plen) for _ in range(8)], new, repeats))
     out["sample_ms_b16"] = _sample_ms(engine, 16, repeats)
 
     # ---- prefill throughput (one request of n tokens, cold) -------------------------------
-    # parameters, not decode bytes (bf16-held linears read 2 bytes a value, compute the same)
-    non_embed = sum(p.numel() for p in hf_model.parameters()) - info.vocab_size * info.hidden_size
     out["prefill_tok_s"], out["hf_prefill_tok_s"], out["prefill_gflops"] = {}, {}, {}
     for n in prefill_lens:
         p = prompt(n)
@@ -526,10 +643,12 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
                 synchronize(dev)
                 return time.perf_counter() - t0
         t_eng, t_hf = _median(eng_once, repeats), _median(hf_once, repeats)
-        flops = 2 * non_embed * n + 2 * info.num_layers * info.num_heads * info.head_dim * n * n
         out["prefill_tok_s"][str(n)] = n / t_eng
         out["hf_prefill_tok_s"][str(n)] = n / t_hf
-        out["prefill_gflops"][str(n)] = flops / t_eng / 1e9
+        # one prompt: its last row alone goes through lm_head (ModelRunner._forward)
+        out["prefill_gflops"][str(n)] = prefill_flops(hf_model, info, n, sampled_rows=1).total \
+            / t_eng / 1e9
+    out.update(_prefill_attention(info, hf_model.dtype, dev, prefill_lens, repeats))
     out["matmul_peak_gflops"] = _matmul_peak_gflops(hf_model.dtype, dev)
     # the arithmetic floor of the decode steps above: every row's matmuls (the head too: each
     # decode row samples) and its attention, at the matmul peak. With few cores this, not the
@@ -542,19 +661,9 @@ def run_engine_bench(model: str = "smollm2", quick: bool = False,
         out[f"decode_compute_bound_ms_b{b}"] = compute_ms
         out[f"decode_roofline_ms_b{b}"] = max(compute_ms, out[f"decode_bound_ms_b{b}"])
 
-    # ---- mixed lengths: every request stops at its own length on both sides -----------------
+    # ---- mixed lengths: the same batches on both sides, each request stopping at its own -----
     mixed = [(prompt(rng.randint(lo_p, hi_p)), rng.randint(lo_o, hi_o)) for _ in range(n_mixed)]
-    by_len = sorted(mixed, key=lambda m: len(m[0]))
-
-    def hf_mixed() -> float:
-        return sum(_hf_generate(hf_model, [p for p, _ in by_len[i:i + 16]],
-                                [o for _, o in by_len[i:i + 16]], pad)
-                   for i in range(0, n_mixed, 16))
-    t_hf = _median(hf_mixed, repeats)
-    t_eng = _median(lambda: _engine_run(engine, [p for p, _ in mixed],
-                                        [o for _, o in mixed])[0], repeats)
-    out.update(hf_mixed_s=t_hf, engine_mixed_s=t_eng, throughput_ratio_mixed=t_hf / t_eng,
-               mixed_output_tokens=sum(o for _, o in mixed))
+    out.update(_mixed_comparison(hf_model, engine, mixed, mixed_batch, pad, repeats))
     engine.check_invariants()
 
     # ---- prefix reuse: a fresh engine with prefix caching on, same weights -------------------

@@ -32,7 +32,8 @@ def register(sub) -> None:
     be.add_argument("--threads", type=int, default=None)
     be.add_argument("--dtype", default=None, choices=DTYPES,
                     help="model.dtype: the weights' (default auto)")
-    be.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    be.add_argument("--repeats", type=int, default=3,
+                    help="runs per figure (median; >= 1): step_overhead_ms too")
     be.add_argument("--lora", type=int, default=0, metavar="N",
                     help="also compare a batch spread over the base and N random LoRA adapters "
                     "with a base-only batch (lora_throughput_ratio)")
@@ -42,6 +43,10 @@ def register(sub) -> None:
                     "batch and context that `raypd simulate --gpu cpu-here --engine-json` fits "
                     "(no transformers baseline; ~5 min; measured in this process, while "
                     "`simulate --validate` measures it in a Ray task placed like the workers)")
+    be.add_argument("--attention-only", action="store_true",
+                    help="only raypd's prefill attention kernel against torch SDPA on one "
+                    "layer of the model's heads at 512 and 2,048 tokens (--quick: 512), in the "
+                    "model's dtype and float32: prefill_attention, prefill_attention_speedup")
     add_device_args(be)
     be.add_argument("--json", metavar="PATH")
     be.set_defaults(func=cmd_bench_engine)
@@ -65,27 +70,48 @@ def register(sub) -> None:
     bc.add_argument("--json", metavar="PATH")
     bc.set_defaults(func=cmd_bench_chaos)
 
-    ba = bsub.add_parser("autoscale", help="a live run with the autoscaler on (quiet, burst, "
-                         "quiet) against the best static P:D of its peak size (exit 1 unless: "
-                         "0 lost, 0 leaked, 0 mismatches, a scale-down that migrated, SLO "
-                         "attainment within 5 points of static with fewer worker-seconds)")
+    ba = bsub.add_parser(
+        "autoscale", help="live runs with the autoscaler on (quiet, burst, quiet) against every "
+        "static P:D of every size from the smallest that serves the quiet phase up to the "
+        "autoscaled peak, --repeats runs a side (exit 1 unless: 0 lost, 0 leaked, 0 "
+        "mismatches, a scale-down that migrated, attainment within 5 points of the best "
+        "static, fewer worker-seconds than the smallest static within 5 points of it). SLOs "
+        "and rates are multiples of this machine's step times, measured first as the workers "
+        "run: TTFT SLO = --slo-ttft-x x the idle TTFT of the longest prompt on 1P:1D, TPOT "
+        "SLO = --slo-tpot-x x its idle TPOT, rates = --quiet-x / --burst-x x one worker "
+        "pair's request capacity. ~20 min on 2 cores with the defaults")
     add_config_args(ba)
+    from raypd.bench.autoscale_targets import Multiples
+    m = Multiples()
     ba.add_argument("--model", default="tiny", help="model.name (this bench's default: tiny)")
-    ba.add_argument("--quiet-rps", type=float, default=1.5)
-    ba.add_argument("--burst-rps", type=float, default=18.0)
-    ba.add_argument("--quiet-s", type=float, default=10.0, help="the first quiet phase")
-    ba.add_argument("--burst-s", type=float, default=20.0)
-    ba.add_argument("--tail-s", type=float, default=20.0, help="the quiet phase after it")
+    ba.add_argument("--slo-ttft-x", type=float, default=m.slo_ttft_x,
+                    help="TTFT SLO in idle TTFTs (default %(default)s)")
+    ba.add_argument("--slo-tpot-x", type=float, default=m.slo_tpot_x,
+                    help="TPOT SLO in idle TPOTs (default %(default)s)")
+    ba.add_argument("--burst-x", type=float, default=m.burst_x,
+                    help="burst rate in measured request capacity (default %(default)s)")
+    ba.add_argument("--quiet-x", type=float, default=m.quiet_x,
+                    help="quiet rate in measured request capacity (default %(default)s)")
+    ba.add_argument("--quiet-rps", type=float, default=None,
+                    help="a fixed quiet rate instead of --quiet-x's (the JSON says so)")
+    ba.add_argument("--burst-rps", type=float, default=None,
+                    help="a fixed burst rate instead of --burst-x's (the JSON says so)")
+    ba.add_argument("--quiet-s", type=float, default=6.0, help="the first quiet phase")
+    ba.add_argument("--burst-s", type=float, default=12.0)
+    ba.add_argument("--tail-s", type=float, default=14.0, help="the quiet phase after it")
     ba.add_argument("--max-tokens", type=int, default=256)
     ba.add_argument("--long-share", type=float, default=0.1,
                     help="share of requests that generate --long-tokens instead")
     ba.add_argument("--long-tokens", type=int, default=1024)
-    ba.add_argument("--slo-ttft-s", type=float, default=0.25)
-    ba.add_argument("--slo-tpot-s", type=float, default=0.012)
+    ba.add_argument("--slo-ttft-s", type=float, default=None,
+                    help="a fixed TTFT SLO instead of --slo-ttft-x's (the JSON says so)")
+    ba.add_argument("--slo-tpot-s", type=float, default=None,
+                    help="a fixed TPOT SLO instead of --slo-tpot-x's (the JSON says so)")
     ba.add_argument("--max-prefill", type=int, default=2)
     ba.add_argument("--max-decode", type=int, default=3)
-    ba.add_argument("--max-statics", type=int, default=2,
-                    help="static splits of the autoscaled peak size tried (its own first)")
+    ba.add_argument("--repeats", type=int, default=2,
+                    help="runs of each side (autoscaled, every static): medians and spreads "
+                         "(default %(default)s)")
     ba.add_argument("--initial", default="1:2", metavar="P:D",
                     help="the autoscaled cluster's size at start (the deployment's config)")
     ba.add_argument("--seed", type=int, default=0)
@@ -109,19 +135,31 @@ def _bench_config(args: argparse.Namespace, in_process: bool = False,
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    """model, dtype, device and cuda_graphs come from the chain; the pools are the bench's."""
+    """model, dtype, device and cuda_graphs come from the chain; the pools are the bench's.
+    Options that would be ignored are refused."""
+    if args.repeats < 1:
+        raise SystemExit(f"bench engine: --repeats must be >= 1, got {args.repeats}")
+    if args.lora_only and not args.lora:
+        raise SystemExit("bench engine: --lora-only needs --lora N")
+    if args.attention_only and (args.calibration or args.lora):
+        raise SystemExit("bench engine: --attention-only takes neither --calibration nor --lora")
     cfg = _bench_config(args, in_process=True)
     if cfg is None:
         return 0
     from raypd.bench.engine import run_calibration, run_engine_bench
+    from workers.random_model import is_random
     model, dtype, device = cfg.model.name, cfg.model.dtype, cfg.engine.device
+    if args.attention_only and is_random(model):
+        raise SystemExit("bench engine: --attention-only needs a model with weights, not "
+                         f"{model!r}")
     if args.calibration:
         return emit(run_calibration(model=model, threads=args.threads, dtype=dtype,
                                      repeats=args.repeats, device=device), args)
     return emit(run_engine_bench(model=model, quick=args.quick, threads=args.threads,
                                   dtype=dtype, repeats=args.repeats, lora=args.lora,
                                   lora_only=args.lora_only, device=device,
-                                  cuda_graphs=cfg.engine.cuda_graphs), args)
+                                  cuda_graphs=cfg.engine.cuda_graphs,
+                                  attention_only=args.attention_only), args)
 
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
@@ -157,13 +195,16 @@ def cmd_bench_autoscale(args: argparse.Namespace) -> int:
     if cfg is None:
         return 0
     from raypd.bench.autoscale import run_autoscale_bench, summary_text
+    from raypd.bench.autoscale_targets import Multiples
+    initial = _sizes(args.initial)     # refused before anything starts
     result = run_autoscale_bench(engine=cfg.engine_config(),
         model=args.model, quiet_rps=args.quiet_rps, burst_rps=args.burst_rps,
         quiet_s=args.quiet_s, burst_s=args.burst_s, tail_s=args.tail_s,
         max_tokens=args.max_tokens, long_share=args.long_share, long_tokens=args.long_tokens,
         slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
+        multiples=Multiples(args.slo_ttft_x, args.slo_tpot_x, args.burst_x, args.quiet_x),
         max_prefill=args.max_prefill, max_decode=args.max_decode,
-        max_statics=args.max_statics, seed=args.seed, initial=_sizes(args.initial))
+        repeats=args.repeats, seed=args.seed, initial=initial)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -179,10 +220,10 @@ def cmd_bench_kv_quality(args: argparse.Namespace) -> int:
     if args.max_ppl_delta_pct < 0 or args.text_tokens < 2:
         raise ValueError("--max-ppl-delta-pct must be >= 0 and --text-tokens >= 2")
     quick = args.quick
-    from raypd.bench.kv_quality import run_kv_quality
+    from raypd.bench.kv_quality import run_kv_quality, summary_text
     from workers.kv_gate import GateThresholds
     result = run_kv_quality(
-        model=args.model, kv_dtype=args.kv_dtype, dtype=args.dtype,
+        model=args.model, kv_dtype=args.kv_dtype, dtype=args.dtype, texts=args.texts,
         text_tokens=256 if quick else args.text_tokens, chunk=64 if quick else 256,
         prompts=4 if quick else 32, prompt_tokens=32 if quick else 64,
         max_tokens=8 if quick else 64, threads=args.threads,
@@ -193,25 +234,33 @@ def cmd_bench_kv_quality(args: argparse.Namespace) -> int:
     print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")
+    print(summary_text(result), file=sys.stderr)      # the gate table, beside the JSON
     return 0 if result["gate_passed"] else 1
 
 
 def add_bench_kv_quality_parser(bsub) -> None:
-    from workers.kv_gate import GateThresholds
+    from workers.kv_gate import MIN_FLOOR_TEXTS, POLICY_MULTIPLES, GateThresholds
     p = bsub.add_parser("kv-quality", help="quantized KV pool vs full precision, teacher-forced "
                         "(agreement, mean / p99 KL, perplexity) against the noise floor of a "
-                        "bf16 pool; records the gate `raypd serve` enforces; exit 1: gate failed")
+                        "bf16 pool over several texts; records the gate `raypd serve` enforces; "
+                        "prints the gate table on stderr; exit 1: gate failed")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--kv-dtype", default="int8", choices=QUANTIZED_KV_DTYPES)
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the weights' dtype (the gate is recorded per weights dtype)")
     p.add_argument("--text-tokens", type=int, default=2048,
-                   help="tokens of the text scored teacher-forced (capped by the context)")
+                   help="tokens of each text window scored teacher-forced (capped by the "
+                   "context)")
+    p.add_argument("--texts", type=int, default=MIN_FLOOR_TEXTS,
+                   help=f"text windows the format and the noise floor are measured over (at "
+                   f"least {MIN_FLOOR_TEXTS}; the gate reads the floor's upper confidence bound)")
     p.add_argument("--max-ppl-delta-pct", type=float, default=GateThresholds.max_ppl_delta_pct)
     p.add_argument("--noise-floor-multiple", type=float,
                    default=GateThresholds.noise_floor_multiple,
-                   help="logit-error multiple of the bf16 noise floor a format may reach "
-                   "(KL limits: its square; see workers/kv_gate.py NOISE_FLOOR_MULTIPLE)")
+                   help="policy: the logit-error multiple of the bf16 noise floor's upper "
+                   "bound a format may reach (KL limits: its square; verdicts at "
+                   f"{', '.join(f'{m:g}x' for m in POLICY_MULTIPLES)} printed beside it; see "
+                   "workers/kv_gate.py NOISE_FLOOR_MULTIPLE)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny settings (smoke test, not recorded)")
     p.add_argument("--json", metavar="PATH")
