@@ -199,29 +199,27 @@ def test_config_section_is_validated_naming_the_key(tmp_path):
 
 
 # ---- the simulator's autoscaled run -------------------------------------------------------------
-def quiet_burst_quiet() -> list[SimRequest]:
-    """60 s at 1 request/s, 60 s at 12/s, 90 s at 1/s; 4k-token prompts, 64 tokens out."""
+def phased(phases: tuple[tuple[float, float], ...]) -> list[SimRequest]:
+    """(seconds, requests/s) phases in turn; 4k-token prompts of distinct blocks, 64 out."""
     out, t, j = [], 0.0, 0
-    for dur, rate in ((60.0, 1.0), (60.0, 12.0), (90.0, 1.0)):
+    for dur, rate in phases:
         end = t + dur
         while t < end:
             out.append(SimRequest(t, 8 * 512 - 5, 64, tuple(10_000 * j + i for i in range(8))))
             t += 1.0 / rate
             j += 1
     return out
+
+
+def quiet_burst_quiet() -> list[SimRequest]:
+    """60 s at 1 request/s, 60 s at 12/s, 90 s at 1/s; 4k-token prompts, 64 tokens out."""
+    return phased(((60.0, 1.0), (60.0, 12.0), (90.0, 1.0)))
 
 
 def burst_of_eight() -> list[SimRequest]:
     """120 s at 1 request/s, 120 s at 30/s, 180 s at 1/s (4k-token prompts, 64 out): the burst
     needs ~6 workers where the quiet phases need 2, and lasts 12 start-ups (10 s)."""
-    out, t, j = [], 0.0, 0
-    for dur, rate in ((120.0, 1.0), (120.0, 30.0), (180.0, 1.0)):
-        end = t + dur
-        while t < end:
-            out.append(SimRequest(t, 8 * 512 - 5, 64, tuple(10_000 * j + i for i in range(8))))
-            t += 1.0 / rate
-            j += 1
-    return out
+    return phased(((120.0, 1.0), (120.0, 30.0), (180.0, 1.0)))
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,6 @@ from the first arrival to the last end (start-up and draining included).
 from __future__ import annotations
 
 import math
-import platform
 import random
 import threading
 import time
@@ -376,16 +375,10 @@ def _sum_or_none(xs) -> int | None:
     return None if any(x is None for x in xs) else sum(xs)
 
 
-def cpu_model() -> str | None:
-    """The CPU's model name (/proc/cpuinfo), None where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
+def cpu_model() -> str:
+    """The CPU's model name with its family and model numbers (workers/device.py)."""
+    from workers.device import cpu_model_name
+    return cpu_model_name()
 
 
 def verdict(autos: list[dict], statics: list[dict]) -> dict[str, bool]:
