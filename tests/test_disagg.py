@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -221,6 +222,85 @@ def test_a_lost_ack_is_closed_by_the_lease_in_both_ledgers():
         cluster.shutdown()
 
 
+@pytest.fixture(scope="class")
+def pausable_cluster():
+    """A 1P+1D cluster of workers/faults.py hosts, whose engine loops a test pauses with a
+    request in the stage it names (`pause_at`); up only while the tests of its class run."""
+    cluster = PDCluster(PDConfig(engine=ENGINE, fault_injection=True))
+    yield cluster
+    cluster.shutdown()
+
+
+def _abort_in_stage(cluster: PDCluster, worker, stage: str, rid: str, max_tokens: int,
+                    min_output_tokens: int = 0):
+    """Run request `rid` through the cluster API; once `worker`'s loop holds it in `stage`
+    (with at least `min_output_tokens` output tokens) the loop pauses before its next step,
+    the client aborts, and the loop resumes only after the worker has let the request go.
+    Returns where it was paused, the result, and the token ids the client got."""
+    ray.get(worker.pause_at.remote(rid, stage, min_output_tokens))
+    streamed: list[int] = []
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=cluster.generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=rid,
+        on_delta=lambda d: streamed.extend(d.token_ids))))
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while (at := ray.get(worker.paused_at.remote())) is None:
+            assert time.monotonic() < deadline, f"{rid} never reached {stage} on the worker"
+            time.sleep(0.02)
+        assert cluster.abort(rid)
+        while ray.get(worker.stage_of.remote(rid)) is not None:
+            assert time.monotonic() < deadline, f"the abort did not end {rid} in {stage}"
+            time.sleep(0.02)
+    finally:
+        ray.get(worker.resume.remote())
+        t.join(60)
+    assert not t.is_alive()
+    return at, out["r"][0], streamed
+
+
+def _all_released(cluster: PDCluster) -> None:
+    """No hold left on either side nor in the router's ledger, no block referenced."""
+    for w in (*cluster.prefill, *cluster.decode):
+        assert ray.get(w.ledger_holds.remote()) == []
+    assert cluster.orchestrator.ledger.open_holds() == []
+    _clean(cluster)
+
+
+class TestClientAbort:
+    """A client abort through the cluster API lands in the stage each test names: the worker
+    holding the request pauses before its next step (no timing decides where it is), the
+    abort is sent, and the loop resumes once the request is gone from that worker."""
+
+    def test_client_abort_during_prefill_releases_both_sides(self, pausable_cluster):
+        cluster = pausable_cluster
+        p, d = cluster.prefill[0], cluster.decode[0]
+        offered = ray.get(p.stats.remote())["transfer_offered"]
+        pulled = ray.get(d.stats.remote())["transfer_transfers"]
+        at, r, streamed = _abort_in_stage(cluster, p, "prefill", "abort-in-prefill", 12)
+        assert (at.stage, at.output_tokens) == ("prefill", 0)   # no prompt token computed
+        assert "aborted" in r.error and streamed == []
+        # it ended in prefill: P staged no page of it, D pulled none
+        assert ray.get(p.stats.remote())["transfer_offered"] == offered
+        assert ray.get(d.stats.remote())["transfer_transfers"] == pulled
+        _all_released(cluster)
+        assert cluster.generate([PROMPTS[0]], GREEDY)[0].error is None    # still serving
+
+    def test_client_abort_during_decode_releases_both_sides(self, pausable_cluster):
+        cluster = pausable_cluster
+        d = cluster.decode[0]
+        at, r, streamed = _abort_in_stage(cluster, d, "decode", "abort-in-decode", 64,
+                                          min_output_tokens=3)
+        assert at.stage == "decode" and at.output_tokens >= 3     # D decoded some already
+        assert "aborted" in r.error
+        # it ended where it was paused: no token after that reached the client
+        assert len(streamed) <= at.output_tokens < 64
+        assert ray.get(d.stats.remote())["running"] == 0
+        _all_released(cluster)
+        assert cluster.generate([PROMPTS[0]], GREEDY)[0].error is None    # still serving
+
+
 @pytest.mark.parametrize("shared_cluster", ["object_store", "shm", "grpc", "rdt", "cuda_ipc"],
                          indirect=True)
 def test_disagg_matches_transformers_generate_for_every_transport(reference, shared_cluster):
@@ -284,22 +364,6 @@ def test_abort_mid_transfer_releases_both_sides(shared_cluster):
     assert ray.get(p.ledger_holds.remote()) == [] == ray.get(d.ledger_holds.remote())
     assert ray.get(d.stats.remote())["rejected_unknown"] == unknown_before + 1
     _clean(cluster)
-    # a client abort while decoding, through the cluster API
-    import threading
-    out = {}
-    t = threading.Thread(target=lambda: out.update(r=cluster.generate(
-        [PROMPTS[2]], SamplingParams(max_tokens=2000, ignore_eos=True),
-        request_id="long")))
-    t.start()
-    deadline = time.time() + 30
-    while "long" not in cluster.orchestrator.in_flight() and time.time() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.3)
-    assert cluster.abort("long")
-    t.join(30)
-    assert "aborted" in out["r"][0].error
-    _clean(cluster)
-    assert cluster.generate([PROMPTS[0]], GREEDY)[0].error is None  # still serving
 
 
 @pytest.mark.parametrize("shared_cluster", ["object_store"], indirect=True)

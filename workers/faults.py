@@ -7,6 +7,9 @@ Faults, and where they apply:
     stall_next_step(s)         the next engine step hangs s seconds (hung-worker detection)
     fail_next_steps(n)         the next n engine steps raise (only their requests fail)
     crash_loop()               the engine loop breaks: the process exits, Ray restarts it
+    pause_at(rid, stage, n)    the loop holds (engine lock free) once request `rid` is in its
+                               `stage` with n output tokens, until resume() (tests catch a
+                               request in a stage deterministically; paused_at() says where)
     lose_block()               a free block leaves the free list (refcount 0, no hash): the
                                pool's invariant check fails (a leak count must not read 0)
     inject_fault("corrupt", n) P flips bytes of its next n staged copies, after checksumming
@@ -24,6 +27,7 @@ import os
 import threading
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Any
 
 from kvtransfer.base import TransferError
@@ -31,8 +35,24 @@ from protocol.errors import REJECT_CORRUPT, TransferRejected
 from protocol.messages import PrefillResult, TransferPlan
 from workers.decode_host import DecodeHost
 from workers.engine import StepOutput
+from workers.host import prefilling
 from workers.kv_handoff import Reservation
 from workers.prefill_host import PrefillHost
+
+PAUSE_LIMIT_S = 60.0     # a paused loop resumes on its own after this (a test that failed)
+
+
+@dataclass(frozen=True)
+class PausedAt:
+    """Where a paused engine loop holds a request: before the step that would advance it."""
+
+    request_id: str         # the worker request id
+    stage: str              # "prefill" (computing prompt tokens) or "decode"
+    output_tokens: int      # output tokens it had then (it gets no more while paused)
+
+
+def _stage(req: Any) -> str:
+    return "prefill" if prefilling(req) else "decode"
 
 
 class EngineFaults:
@@ -42,6 +62,9 @@ class EngineFaults:
         self._stall_s = 0.0          # stall the next step this long
         self._step_errors = 0        # fail the next steps
         self._crash_loop = False     # break the loop
+        self._pause_for: tuple[str, str, int] | None = None   # (request id, stage, tokens)
+        self._paused_at: PausedAt | None = None
+        self._resume = threading.Event()
 
     def stall_next_step(self, seconds: float) -> None:
         """Make the next engine step hang for `seconds` (to test hung-worker detection)."""
@@ -63,9 +86,58 @@ class EngineFaults:
             pool = self.engine.kv.pool
             return pool._free.pop()
 
+    def pause_at(self, request_id: str, stage: str, min_output_tokens: int = 0) -> None:
+        """Pause the engine loop before the first step that finds request `request_id` in the
+        engine in `stage` ("prefill" or "decode") with at least `min_output_tokens` output
+        tokens, until `resume()` (or PAUSE_LIMIT_S). The loop waits with the engine lock free,
+        so actor calls (an abort, a stats query) are served meanwhile, and no step runs."""
+        assert stage in ("prefill", "decode"), stage
+        self._resume.clear()
+        self._paused_at = None
+        self._pause_for = (request_id, stage, min_output_tokens)
+
+    def paused_at(self) -> PausedAt | None:
+        """Where the armed pause caught its request, or None while it has not (yet)."""
+        return self._paused_at
+
+    def resume(self) -> None:
+        """End the pause (or disarm it, if it caught nothing yet)."""
+        self._pause_for = None
+        self._resume.set()
+
+    def stage_of(self, request_id: str) -> str | None:
+        """Request `request_id`'s stage in this engine ("prefill" or "decode"), or None when
+        the engine does not hold it (never came, finished, aborted). Answers while paused."""
+        with self._lock:
+            req = self._engine_request(request_id)
+            return None if req is None else _stage(req)
+
+    def _engine_request(self, request_id: str) -> Any:
+        view = self.engine.view
+        return next((r for r in (*view.running_requests(), *view.waiting_requests())
+                     if r.request_id == request_id), None)
+
+    def _maybe_pause(self) -> None:
+        """Under the lock, in the loop, before a step: hold here if the armed request is in
+        its stage; the lock is released while held and taken back before the step."""
+        if self._pause_for is None:
+            return
+        rid, stage, min_tokens = self._pause_for
+        req = self._engine_request(rid)
+        if req is None or len(req.output_token_ids) < min_tokens or _stage(req) != stage:
+            return
+        self._pause_for = None
+        self._paused_at = PausedAt(rid, stage, len(req.output_token_ids))
+        self._lock.__exit__(None, None, None)      # held once, by the loop's `with`
+        try:
+            self._resume.wait(PAUSE_LIMIT_S)
+        finally:
+            self._lock.__enter__()
+
     def _before_step(self) -> None:
         if self._crash_loop:
             raise RuntimeError("injected engine loop failure")
+        self._maybe_pause()
         super()._before_step()
 
     def _run_step(self) -> list[StepOutput]:
