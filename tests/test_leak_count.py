@@ -45,11 +45,10 @@ def test_a_worker_that_cannot_be_counted_is_unknown_and_fails_chaos_and_autoscal
         assert count.leaked is None and cluster.leaked_blocks() is None
         failures = chaos.verdict((), 1, 1, 0, count.leaked, 0, 0, 0, [], None)
         assert any("leaked blocks: unknown" in f for f in failures), failures
-        figures = {"requests_lost": 0, "leaked_blocks": count.leaked, "greedy_mismatches": 0,
-                   "scale_downs": 1, "migrations_by_cause": {"drain": 1},
-                   "slo_attainment": 1.0, "slo_attainment_static": 1.0,
-                   "worker_seconds": 1.0, "worker_seconds_static": 2.0}
-        targets = autoscale.verdict(figures, [{"requests_lost": 0, "leaked_blocks": 0}])
+        run = {"requests_lost": 0, "leaked_blocks": count.leaked, "greedy_mismatches": 0,
+               "scale_downs": 1, "moved_by_cause": {"drain": 1}}
+        clean_static = {**run, "leaked_blocks": 0, "scale_downs": 0, "moved_by_cause": {}}
+        targets = autoscale.verdict([run], [clean_static])
         assert [k for k, ok in targets.items() if not ok] == ["no_leaked"]
     finally:
         cluster.shutdown()

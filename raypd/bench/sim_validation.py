@@ -165,24 +165,28 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
                 raise RuntimeError(f"probe decodes {rids} stopped streaming")
             time.sleep(0.01)
 
-    def pair(tag: str, lead_s: float) -> tuple[float, float]:
-        """(lead's compute, behind's compute): the second prompt sent `lead_s` after the
-        first, while it computes (it must start after the first one's compute ended, else
-        the two shared a step)."""
-        first = threading.Thread(target=_timed_request, args=(
-            cluster, prompt(prefill_tokens), 2, f"probe-prefill-lead-{tag}"))
-        first.start()
-        try:
-            time.sleep(lead_s)
-            _timed_request(cluster, prompt(prefill_tokens), 2, f"probe-prefill-behind-{tag}")
-        finally:
-            first.join()
-        lead = compute_span(f"probe-prefill-lead-{tag}")
-        span = compute_span(f"probe-prefill-behind-{tag}")
-        if span.start < lead.end:
-            raise RuntimeError(f"probe-prefill-behind-{tag} shared a step with the prompt "
-                               f"ahead of it (sent {lead_s:.3f} s after it)")
-        return lead.seconds, span.seconds
+    def pair(tag: str, lead_s: float) -> tuple[str, str, float, float]:
+        """(lead's id, behind's id, lead's compute, behind's compute): the second prompt
+        sent `lead_s` after the first, while it computes. It must start after the first
+        one's compute ended, else the two shared a step: then the pair is sent again (new
+        ids), the second prompt half a compute later each time, up to PAIR_TRIES times."""
+        for attempt in range(PAIR_TRIES):
+            suffix = tag if attempt == 0 else f"{tag}-again{attempt}"
+            lead_id, behind_id = f"probe-prefill-lead-{suffix}", f"probe-prefill-behind-{suffix}"
+            first = threading.Thread(target=_timed_request, args=(
+                cluster, prompt(prefill_tokens), 2, lead_id))
+            first.start()
+            try:
+                time.sleep(lead_s)
+                _timed_request(cluster, prompt(prefill_tokens), 2, behind_id)
+            finally:
+                first.join()
+            lead, span = compute_span(lead_id), compute_span(behind_id)
+            if span.start >= lead.end:
+                return lead_id, behind_id, lead.seconds, span.seconds
+            lead_s += 0.5 * lead.seconds
+        raise RuntimeError(f"probe-prefill-behind-{tag} shared a step with the prompt ahead "
+                           f"of it {PAIR_TRIES} times (last sent {lead_s:.3f} s after it)")
 
     def landing_stall(rids: list[str], landings: list[str], gap: float) -> float | None:
         """Mean excess of the decodes `rids` over the transfer stage of each of `landings`
@@ -222,6 +226,7 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
             wait_tokens(rids, landed, 10)             # the window after it
             pairs_from = time.time()
             pairs = [pair(f"b{batch}-{k}", lead_s) for k in range(BEHIND_RUNS)]
+            leads, behinds = [p[0] for p in pairs], [p[1] for p in pairs]
             shorts = [f"probe-prefill-short-b{batch}-{k}" for k in range(ALONE_RUNS)]
             for x in shorts:
                 _timed_request(cluster, prompt(context), 2, x)
@@ -241,23 +246,23 @@ def probe_shared_host(cluster, rng: random.Random, context: int, prefill_tokens:
             outside.append(mean([mean_gap([t for t in ts if t < span.start]),
                                  mean_gap([t for t in ts if landed < t < pairs_from])]))
         gap = mean(outside)
-        stall = landing_stall(rids, [rid] + [f"probe-prefill-behind-b{batch}-{k}"
-                                             for k in range(BEHIND_RUNS)], gap) if gap else None
+        stall = landing_stall(rids, [rid, *behinds], gap) if gap else None
         return {"batch": batch, "decode_tokens": tokens, "decode_gap_s_outside": gap,
                 "decode_stall_s_per_landing": stall,
                 "decode_gap_s_inside_prefill": mean(inside),
-                "prefill_compute_s_beside_decode": [span.seconds] + [a for a, _ in pairs],
-                "staging_s_beside_decode": [staging_of(x) for x in (
-                    rid, *(f"probe-prefill-lead-b{batch}-{k}" for k in range(BEHIND_RUNS)))],
-                "prefill_compute_s_behind": [b for _, b in pairs],
-                "handoff_s_beside_decode": statistics.fmean(handoff_of(x) for x in (
-                    rid, *(f"probe-prefill-{w}-b{batch}-{k}" for w in ("lead", "behind")
-                           for k in range(BEHIND_RUNS)))),
+                "prefill_compute_s_beside_decode": [span.seconds] + [p[2] for p in pairs],
+                "staging_s_beside_decode": [staging_of(x) for x in (rid, *leads)],
+                "prefill_compute_s_behind": [p[3] for p in pairs],
+                "handoff_s_beside_decode": statistics.fmean(
+                    handoff_of(x) for x in (rid, *leads, *behinds)),
                 "handoff_s_beside_decode_short": statistics.fmean(map(handoff_of, shorts))}
     alone_ids = [f"probe-prefill-before-{i}" for i in range(ALONE_RUNS)]
     for rid in alone_ids:
         _timed_request(cluster, prompt(prefill_tokens), 2, rid)
-    lead_s = 0.5 * statistics.median(compute_span(rid).seconds for rid in alone_ids)
+    # the second of a pair goes out half a compute into the first's, counted from when the
+    # first's compute starts (the dispatch before it, measured on the same requests)
+    lead_s = statistics.median(compute_span(rid).start - traces.get(rid).arrival
+                               + 0.5 * compute_span(rid).seconds for rid in alone_ids)
     rows = [beside(b, n, lead_s) for b, n in sorted(decode_tokens.items())]
     after_ids = [f"probe-prefill-after-{i}" for i in range(ALONE_RUNS)]
     for rid in after_ids:
@@ -333,6 +338,7 @@ PROBE_CONTEXT, PROBE_PREFILL = 512, 2048   # the probe's lengths (the calibratio
 # where sharing the host costs most; the replay's lengths lie between the two)
 PROBE_BATCHES = (1, 8)     # the decode batches the probe measures the slowdowns at
 ALONE_RUNS = 4      # the probe's prefills alone, before and after (medians: one slow is noise)
+PAIR_TRIES = 3      # a pair that shared a step is sent again, up to this many times
 BEHIND_RUNS = 3     # the probe's pairs of prefills (one right behind the other) per batch
 REPLAY_LENS = (200, 450, 900)              # the replay's: none of the above
 REPLAY_SEED = 7     # the development replay: the simulator's structure was built against it
