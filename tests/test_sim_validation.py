@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from raypd.bench import sim_validation as sv
+from raypd.bench.engine import calibration_batches
 
 
 def test_an_error_that_cannot_be_computed_is_reported_not_hidden_by_max():
@@ -73,7 +74,7 @@ def test_calibration_runs_at_the_workers_step_budget_and_threads():
     assert sv.worker_settings({"max_num_batched_tokens": 256}, cpus=1).step_budget == 256
     assert sv.worker_settings({}, cpus=1).calibration_threads == 1  # never more than the CPUs
     for budget in (256, 512, 2048):
-        batches = sv.calibration_batches(budget)
+        batches = calibration_batches(budget)
         assert len(batches) >= 2 and all(b * n <= budget for b, n in batches)
 
 

@@ -694,18 +694,32 @@ CALIBRATION_DECODE = ((1, 128), (1, 1024), (4, 512), (16, 128), (16, 512))
 CALIBRATION_PREFILL_BATCH = ((4, 128), (2, 512), (8, 128))   # (sequences, tokens each)
 
 
+def calibration_batches(step_budget: int) -> tuple[tuple[int, int], ...]:
+    """The calibration's batched prefill points (sequences, tokens each) that fit one step of
+    `step_budget` tokens (CALIBRATION_PREFILL_BATCH's), topped up to two with a step of 2 and
+    of 4 sequences filling it (the fit needs batched steps to tell a step's size from
+    attention)."""
+    fit = [(b, n) for b, n in CALIBRATION_PREFILL_BATCH if b * n <= step_budget]
+    for b in (2, 4):
+        if len(fit) < 2 and step_budget // b >= 1 and (b, step_budget // b) not in fit:
+            fit.append((b, step_budget // b))
+    return tuple(fit)
+
+
 def run_calibration(model: str = "smollm2", threads: int | None = None, dtype: str = "auto",
                     repeats: int = 3, device: str = "auto",
                     prefill_lens: tuple[int, ...] = CALIBRATION_PREFILL,
                     decode_points: tuple[tuple[int, int], ...] = CALIBRATION_DECODE,
-                    prefill_batches: tuple[tuple[int, int], ...] = CALIBRATION_PREFILL_BATCH,
-                    decode_steps: int = 8, max_num_batched_tokens: int = 2048) -> dict:
+                    prefill_batches: tuple[tuple[int, int], ...] | None = None,
+                    decode_steps: int = 8, max_num_batched_tokens: int | None = None) -> dict:
     """The engine alone (no transformers baseline), prefix caching off, warmed up:
     `prefill_tok_s` of one cold request at each length in `prefill_lens` (chunked at
-    `max_num_batched_tokens`, as a worker runs it; median of `repeats` runs),
+    `max_num_batched_tokens`, None: the engine's default for its device, the step budget a
+    worker runs at; median of `repeats` runs),
     `prefill_batch_s`, the seconds of one step prefilling `batch` cold sequences of `tokens`
-    each (median of `repeats`), and `decode_step_ms_grid`, the median step time of a
-    decode-only batch of `batch` sequences of `context` prompt tokens each over
+    each (median of `repeats`; None: calibration_batches of the budget), and
+    `decode_step_ms_grid`, the median step time of a decode-only batch of `batch` sequences
+    of `context` prompt tokens each over
     repeats x decode_steps steps (the first one left out). `raypd simulate --gpu cpu-here`
     fits its prefill and decode costs to these (raypd/sim/cost_model.py cpu_cost_model)."""
     if threads:
@@ -717,6 +731,9 @@ def run_calibration(model: str = "smollm2", threads: int | None = None, dtype: s
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     max_num_seqs=max(64, max_batch),
                                     enable_prefix_caching=False))
+    max_num_batched_tokens = engine.max_num_batched_tokens      # as resolved for the device
+    if prefill_batches is None:
+        prefill_batches = calibration_batches(max_num_batched_tokens)
     rng = random.Random(0)
     vocab = min(engine.info.vocab_size, 30000)
 

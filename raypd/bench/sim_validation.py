@@ -560,22 +560,9 @@ def run_sim(replay, max_tokens: int, cost: CostModel, block_tokens: int) -> dict
                      for j, t in sim.ttft_s.items() if j in sim.tpot_s})
 
 
-def calibration_batches(step_budget: int) -> tuple[tuple[int, int], ...]:
-    """The calibration's batched prefill points (sequences, tokens each) that fit one step of
-    `step_budget` tokens (bench engine's own list), topped up to two with a step of 2 and of
-    4 sequences filling it (the fit needs batched steps to tell a step's size from
-    attention)."""
-    from raypd.bench.engine import CALIBRATION_PREFILL_BATCH
-    fit = [(b, n) for b, n in CALIBRATION_PREFILL_BATCH if b * n <= step_budget]
-    for b in (2, 4):
-        if len(fit) < 2 and step_budget // b >= 1 and (b, step_budget // b) not in fit:
-            fit.append((b, step_budget // b))
-    return tuple(fit)
-
-
 def _calibration(engine: dict, threads: int, repeats: int, step_budget: int,
                  max_len: int) -> dict:
-    from raypd.bench.engine import CALIBRATION_PREFILL, run_calibration
+    from raypd.bench.engine import CALIBRATION_PREFILL, calibration_batches, run_calibration
     return run_calibration(model=engine.get("model", "smollm2"), threads=threads,
                            dtype=engine.get("dtype", "auto"), repeats=repeats, device="cpu",
                            max_num_batched_tokens=step_budget,

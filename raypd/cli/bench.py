@@ -154,7 +154,9 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
                          f"{model!r}")
     if args.calibration:
         return emit(run_calibration(model=model, threads=args.threads, dtype=dtype,
-                                     repeats=args.repeats, device=device), args)
+                                     repeats=args.repeats, device=device,
+                                     max_num_batched_tokens=cfg.engine.max_num_batched_tokens),
+                    args)
     return emit(run_engine_bench(model=model, quick=args.quick, threads=args.threads,
                                   dtype=dtype, repeats=args.repeats, lora=args.lora,
                                   lora_only=args.lora_only, device=device,
