@@ -77,7 +77,7 @@ def derive(steps: StepTimes, m: Multiples, mean_prompt: float, mean_output: floa
                    burst_rps=m.burst_x * capacity, quiet_rps=m.quiet_x * capacity)
 
 
-def _probe(model: str, dtype: str, threads: int, budget: int, prompt: int) -> dict:
+def _probe(model: str, dtype: str, threads: int, budget: int | None, prompt: int) -> dict:
     from raypd.bench.engine import run_calibration
     return run_calibration(model=model, threads=threads, dtype=dtype, repeats=5, device="cpu",
                            prefill_lens=(prompt,), prefill_batches=(),
@@ -92,12 +92,9 @@ def measure(engine: dict, prompt_tokens: int, threads: int, idle: tuple[float, f
     (num_cpus=0, `threads` torch threads, the workers' step budget); Ray must be up. Returns
     them with the probe's raw figures."""
     import ray
-
-    from protocol.step_rates import default_batched_tokens
-    budget = engine.get("max_num_batched_tokens") or default_batched_tokens("cpu")
-    raw = ray.get(ray.remote(num_cpus=0)(_probe).remote(
-        engine.get("model", "tiny"), engine.get("dtype", "auto"), threads, budget,
-        prompt_tokens))
+    raw = ray.get(ray.remote(num_cpus=0)(_probe).remote(   # None: the engine's CPU default
+        engine.get("model", "tiny"), engine.get("dtype", "auto"), threads,
+        engine.get("max_num_batched_tokens"), prompt_tokens))
     prefill_tok_s = raw["prefill_tok_s"][str(prompt_tokens)]
     b16 = raw["decode_step_ms_b16"] / 1e3
     return StepTimes(prefill_step_s=idle[0], decode_step_s=idle[1],
@@ -105,4 +102,4 @@ def measure(engine: dict, prompt_tokens: int, threads: int, idle: tuple[float, f
                      engine_decode_step_s=raw["decode_step_ms_b1"] / 1e3,
                      prefill_tok_s=prefill_tok_s, decode_tok_s=16 / b16,
                      prompt_tokens=prompt_tokens, threads=threads,
-                     max_num_batched_tokens=budget), raw
+                     max_num_batched_tokens=raw["max_num_batched_tokens"]), raw
