@@ -101,12 +101,16 @@ void silu_mul(S* out, const S* gate_up, int64_t T, int64_t I, int nthreads) {
 // exp, 2e-7 relative), the reciprocal by rcp14 and a Newton step; rounded once to bf16. (The
 // scalar loop called glibc's vector expf and divided: ~1.5 G values/s on 2 cores, where a
 // 2,048-token prefill spends 2 ms a layer.)
+// (a function, not a lambda: a lambda does not inherit its caller's target attribute, so on a
+// CPU without AVX-512 (-march=native lacking it) its intrinsics would not compile)
+AVX512_BF16 static inline __m512 load_bf16_avx512(const uint16_t* p, __mmask16 k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
 AVX512_BF16 void silu_mul_bf16_avx512(uint16_t* out, const uint16_t* gate_up, int64_t T,
                                       int64_t I, int nthreads) {
-  const auto load = [](const uint16_t* p, __mmask16 k) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-  };
+  const auto load = load_bf16_avx512;
   const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && T >= PARALLEL_MIN_TOKENS)
   for (int64_t t = 0; t < T; ++t) {
