@@ -32,6 +32,7 @@ from workers.engine_views import EngineView
 from workers.input_processor import InputProcessor
 from workers.kv_quant import is_quantized
 from workers.kv_tier2 import attach_tier2, observe_prefill_cost, tier2_counters
+from workers.llama import CompactLlama
 from workers.lora import LoRAStats, read_adapter
 from workers.model_runner import ModelRunner
 from workers.output_processor import OutputProcessor
@@ -41,6 +42,37 @@ from workers.sampler import sample
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.step_budget import StepBudget
+
+
+def load_engine_model(cfg: EngineConfig, device: torch.device):
+    """(model, tokenizer, ModelInfo) as an engine loads its own: a random shape built on the
+    device, else the stock model only where it runs (workers/light_model.py)."""
+    if is_random(cfg.model):
+        return build_random(cfg.model, cfg.dtype, device, seed=cfg.seed)
+    from workers.model_loader import load_for_engine
+    return load_for_engine(cfg.model, load_dtype(cfg.dtype, cfg.model, device), seed=cfg.seed,
+                           stock_needed=cfg.model_impl == "stock" or bool(cfg.lora_adapters))
+
+
+def check_tp_engine(cfg: EngineConfig, config, kv_dtype: str, device: torch.device) -> None:
+    """Raise ValueError naming the rule when this engine cannot run at TP size cfg.tp."""
+    from workers.tp_group import check_tp
+    check_tp(config, cfg.tp)
+    if device.type != "cpu":
+        raise ValueError("tp > 1 runs on the CPU only for now (shared-memory all-reduce); "
+                         f"device {device.type!r}")
+    if cfg.model_impl == "stock" or CompactLlama.unsupported(config):
+        raise ValueError("tp > 1 needs the compact model (model_impl auto or compact)")
+    if cfg.lora_adapters:
+        raise ValueError("tp > 1 does not serve LoRA adapters yet")
+    if is_quantized(kv_dtype) or cfg.kv_tier2_gb:
+        raise ValueError("tp > 1 needs a float KV pool without tier 2")
+
+
+def tp_kv_share(config, tp: int) -> float:
+    """The share of a worker's KV heads one of its `tp` ranks holds (replicated: one head)."""
+    kv = config.num_key_value_heads
+    return 1.0 if tp <= 1 else max(1, kv // tp) / kv
 
 
 @dataclass
@@ -58,8 +90,12 @@ class LLMEngine:
     state after a step), `runner` (the model), `outputs` (stop rules and text), `handoff` (the
     P/D and migration API: EngineHandoff), `view` (pool and queue views for load reports)."""
 
-    def __init__(self, cfg: EngineConfig, loaded=None) -> None:
-        """`loaded` = (model, tokenizer, ModelInfo) to share an already loaded model."""
+    def __init__(self, cfg: EngineConfig, loaded=None, *, tp_launcher: str | None = None,
+                 tp_placement=None, tp_lm_head: str | None = None) -> None:
+        """`loaded` = (model, tokenizer, ModelInfo) to share an already loaded model.
+        With `cfg.tp` > 1 this engine is rank 0 of a tensor-parallel worker and starts the
+        other ranks (`tp_launcher`: "process" (default) or "ray", in `tp_placement`, a Ray
+        placement group; `tp_lm_head`: workers/tp_shard.LM_HEADS); `close()` stops them."""
         cfg.validate()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -67,25 +103,22 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_host_memory()   # a step's temporaries reuse memory, no page faults
         owns_model = loaded is None   # its own load: nobody else runs the stock model
-        if loaded is None and is_random(cfg.model):   # benchmarks: built on the device
-            loaded = build_random(cfg.model, cfg.dtype, self.device, seed=cfg.seed)
-        if loaded is None:   # the stock model only where it runs (workers/light_model.py)
-            from workers.model_loader import load_for_engine
-            loaded = load_for_engine(cfg.model, load_dtype(cfg.dtype, cfg.model, self.device),
-                                     seed=cfg.seed, stock_needed=cfg.model_impl == "stock"
-                                     or bool(cfg.lora_adapters))
-        self.model, self.tokenizer, self.info = loaded
+        self.model, self.tokenizer, self.info = loaded or load_engine_model(cfg, self.device)
         self.cfg = cfg
         self.loras = {name: read_adapter(name, path, self.model.config)
                       for name, path in cfg.lora_adapters.items()}
         kv_dtype = self.info.dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
         self.kv_dtype = kv_dtype
+        if cfg.tp > 1:
+            check_tp_engine(cfg, self.model.config, kv_dtype, self.device)
         layout = kv_layout(self.model.config)   # the planner's figures are what the pool holds
         self.kv_bytes_per_block = layout.num_layers * bytes_per_layer_block(layout, kv_dtype,
                                                                             cfg.block_size)
         per_token = self.kv_bytes_per_block / cfg.block_size
         self.kv_bytes_per_token = int(per_token) if per_token.is_integer() else per_token
-        num_blocks = cfg.num_blocks or int(cfg.kv_cache_gb * 2**30 // self.kv_bytes_per_block)
+        # kv_cache_gb is each rank's: a TP rank holds its share of the KV heads
+        rank_block = self.kv_bytes_per_block * tp_kv_share(self.model.config, cfg.tp)
+        num_blocks = cfg.num_blocks or int(cfg.kv_cache_gb * 2**30 // rank_block)
         self.max_model_len = cfg.max_model_len or self.info.max_position_embeddings
         tier2_slots = int(cfg.kv_tier2_gb * 2**30 // self.kv_bytes_per_block)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
@@ -99,11 +132,30 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(self.max_num_batched_tokens, cfg.max_num_seqs,
                                                    cfg.max_loras), self.kv, self.stats,
                                    self._busy_loras, self.step_budget)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size,
-                                  kv_dtype if is_quantized(kv_dtype) else DTYPES[kv_dtype],
-                                  cfg.model_impl, self.max_model_len, self.loras, cfg.max_loras,
-                                  device=self.device, cuda_graphs=cfg.cuda_graphs,
-                                  release_stock=owns_model, max_num_seqs=cfg.max_num_seqs)
+        self.tp_group = None   # TP: ranks 1..t-1 (workers/tp_group.py); this engine is rank 0
+        tp_shard = None
+        if cfg.tp > 1:
+            from workers.tp_group import TPGroup, rank0_shard
+            from workers.tp_shard import DEFAULT_LM_HEAD
+            self.tp_group = TPGroup.launch(cfg, num_blocks=num_blocks,
+                                           max_model_len=self.max_model_len, kv_dtype=kv_dtype,
+                                           launcher=tp_launcher or "process",
+                                           placement=tp_placement,
+                                           lm_head=tp_lm_head or DEFAULT_LM_HEAD)
+            tp_shard = rank0_shard(self.model.config, self.tp_group)
+        try:
+            self.runner = ModelRunner(self.model, num_blocks, cfg.block_size,
+                                      kv_dtype if is_quantized(kv_dtype) else DTYPES[kv_dtype],
+                                      cfg.model_impl, self.max_model_len, self.loras,
+                                      cfg.max_loras, device=self.device,
+                                      cuda_graphs=cfg.cuda_graphs, release_stock=owns_model,
+                                      max_num_seqs=cfg.max_num_seqs, tp=tp_shard,
+                                      tp_group=self.tp_group)
+            if self.tp_group is not None:
+                self.tp_group.wait_ready()
+        except BaseException:
+            self.close()
+            raise
         self.tier2 = attach_tier2(self.kv.pool, self.runner, cfg.kv_tier2_dir)
         self.namespace = CacheNamespace(self.info.model_id, self.info.revision,
                                         self.info.tokenizer_fingerprint, kv_dtype)
@@ -116,6 +168,12 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.handoff = EngineHandoff(self)
         self.view = EngineView(self)
+
+    def close(self) -> None:
+        """Stop a TP worker's other ranks (nothing to do for one rank)."""
+        group = getattr(self, "tp_group", None)
+        if group is not None:
+            group.close()
 
     # ---- requests in -------------------------------------------------------------------------
     def add_request(self, prompt, sampling: SamplingParams | None = None, **kw) -> Request:

@@ -16,6 +16,7 @@ from kvcache.kv_sizing import QUANTIZED_KV_DTYPES
 WEIGHT_DTYPES = ("float32", "bfloat16")          # torch dtypes by name (workers/device.DTYPES)
 DTYPES = ("auto", *WEIGHT_DTYPES)                # model weights (auto: by hardware)
 KV_DTYPES = (*DTYPES, *QUANTIZED_KV_DTYPES)      # KV pool; int8 / fp8: workers/kv_quant.py
+TP_ALLREDUCES = ("shm", "gloo")                  # workers/kernels/tp_comm.py
 
 
 @dataclass
@@ -42,6 +43,8 @@ class EngineConfig:
     max_loras: int = 4                  # adapters resident at once (LRU beyond that)
     device: str = "auto"                # auto (cuda when this actor holds a GPU) | cpu | cuda
     cuda_graphs: bool = True            # cuda: replay decode steps of bucketed batch sizes
+    tp: int = 1                         # tensor-parallel ranks (workers/tp_runner.py); 1: none
+    tp_allreduce: str = "shm"           # TP all-reduce: shm (one host) | gloo
 
     def validate(self) -> None:
         from workers.device import DEVICES
@@ -67,5 +70,10 @@ class EngineConfig:
                              f"got {self.model_impl!r}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.tp < 1 or self.tp > 8:
+            raise ValueError(f"tp must be between 1 and 8 ranks, got {self.tp}")
+        if self.tp_allreduce not in TP_ALLREDUCES:
+            raise ValueError(f"tp_allreduce must be one of {', '.join(TP_ALLREDUCES)}, "
+                             f"got {self.tp_allreduce!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")

@@ -16,6 +16,7 @@ from workers.attention import AttentionMetadata, paged_attention
 from workers.kernels import triton_ops
 from workers.layers import Linear, RotaryEmbedding, rms_norm, silu_and_mul
 from workers.lora import LoRABatch
+from workers.tp_shard import TPShard
 
 COMPACT_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -35,26 +36,43 @@ def layer_windows(config) -> list[int | None]:
 
 class _Layer(nn.Module):
     def __init__(self, hf_layer, config, window: int | None, device: torch.device,
-                 ops) -> None:
+                 ops, tp: TPShard | None = None) -> None:
         super().__init__()
         a, m = hf_layer.self_attn, hf_layer.mlp
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = a.head_dim
+        self.head_dim = hd = a.head_dim
         self.scale = a.scaling
         self.window = window
         self.layer_idx = a.layer_idx
+        self.tp = tp
         def on(*ts):   # fused (concatenated) on the engine's device, one layer at a time
             if ts[0] is None:
                 return None
             if len(ts) == 1:
                 return ts[0].detach().to(device)
             return torch.cat([t.detach().to(device) for t in ts])
-        bias = on(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
-        self.qkv = Linear(on(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), bias)
-        self.o = Linear(on(a.o_proj.weight), on(a.o_proj.bias))
-        self.gate_up = Linear(on(m.gate_proj.weight, m.up_proj.weight))
-        self.down = Linear(on(m.down_proj.weight))
+        if tp is None:
+            self.num_heads = config.num_attention_heads
+            self.num_kv_heads = config.num_key_value_heads
+            bias = on(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+            self.qkv = Linear(on(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), bias)
+            self.o = Linear(on(a.o_proj.weight), on(a.o_proj.bias))
+            self.gate_up = Linear(on(m.gate_proj.weight, m.up_proj.weight))
+            self.down = Linear(on(m.down_proj.weight))
+        else:   # Megatron's split: column-parallel qkv and gate/up, row-parallel o and down
+            heads, (i_lo, i_hi) = tp.heads, tp.intermediate_range(m.gate_proj.weight.shape[0])
+            self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+            q = slice(heads.q_lo * hd, heads.q_hi * hd)
+            kv = slice(heads.kv_lo * hd, heads.kv_hi * hd)
+            def rows(t, sl):
+                return None if t is None else t[sl]
+            bias = on(rows(a.q_proj.bias, q), rows(a.k_proj.bias, kv), rows(a.v_proj.bias, kv))
+            self.qkv = Linear(on(a.q_proj.weight[q], a.k_proj.weight[kv], a.v_proj.weight[kv]),
+                              bias)
+            # a row-parallel linear's bias is added once, by rank 0, before the all-reduce
+            self.o = Linear(on(a.o_proj.weight[:, q]), on(a.o_proj.bias) if tp.rank == 0
+                            else None)
+            self.gate_up = Linear(on(m.gate_proj.weight[i_lo:i_hi], m.up_proj.weight[i_lo:i_hi]))
+            self.down = Linear(on(m.down_proj.weight[:, i_lo:i_hi]))
         self.ln1 = on(hf_layer.input_layernorm.weight)
         self.ln2 = on(hf_layer.post_attention_layernorm.weight)
         self.eps = hf_layer.input_layernorm.variance_epsilon
@@ -92,9 +110,14 @@ class _Layer(nn.Module):
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         o = paged_attention(q, k, v, self.layer_idx, meta, self.scale, self.window,
                             kv_written=written)
-        x = ops.add_rms_norm(h, self._proj("o", o.reshape(t, self.q_size), lora), self.ln2,
-                             self.eps)
-        return h, self._proj("down", ops.silu_mul(self._proj("gate_up", x, lora)), lora)
+        attn = self._proj("o", o.reshape(t, self.q_size), lora)
+        x = ops.add_rms_norm(h, self._reduce(attn), self.ln2, self.eps)
+        return h, self._reduce(self._proj("down", ops.silu_mul(self._proj("gate_up", x, lora)),
+                                          lora))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel linear's output summed over the ranks (itself without TP)."""
+        return partial if self.tp is None else self.tp.all_reduce_(partial)
 
     def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
@@ -106,19 +129,23 @@ class _Layer(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]   # q and k rotated together
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         o = paged_attention(q, k, v, self.layer_idx, meta, self.scale, self.window)
-        h = h + self._proj("o", o.reshape(t, self.q_size), lora)
+        h = h + self._reduce(self._proj("o", o.reshape(t, self.q_size), lora))
         x = rms_norm(h, self.ln2, self.eps)
-        return h + self._proj("down", silu_and_mul(self._proj("gate_up", x, lora)), lora)
+        return h + self._reduce(self._proj("down", silu_and_mul(self._proj("gate_up", x, lora)),
+                                           lora))
 
 
 class CompactLlama(nn.Module):
     """forward(input_ids [T], positions [T], meta, lora) -> hidden [T, hidden]; logits(hidden).
     `lora` (workers/lora.py) adds each token's adapter delta to qkv, o, gate_up and down.
     Its weights are copies on `device` (default: the stock model's); the stock model is left
-    where it is."""
+    where it is. With `tp` (workers/tp_shard.py) it holds one rank's shard: its query and KV
+    heads, its slice of the intermediate size, the row-parallel outputs all-reduced (two a
+    layer); the embedding is replicated (a lookup: splitting it by vocabulary would add an
+    all-reduce a step to save a few MB), and the lm_head is `tp.lm_head`'s choice."""
 
     def __init__(self, hf_model: nn.Module, max_positions: int,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, tp: TPShard | None = None) -> None:
         super().__init__()
         config = hf_model.config
         reason = self.unsupported(config)
@@ -128,14 +155,20 @@ class CompactLlama(nn.Module):
         device = torch.device(device if device is not None else w.device)
         self.ops = triton_ops if device.type == "cuda" else kernels
         self.embed = w.detach().to(device)
-        self.layers = nn.ModuleList(_Layer(layer, config, window, device, self.ops)
+        self.tp = tp
+        self.layers = nn.ModuleList(_Layer(layer, config, window, device, self.ops, tp)
                                     for layer, window in zip(inner.layers, layer_windows(config),
                                                              strict=True))
         self.norm = inner.norm.weight.detach().to(device)
         self.eps = inner.norm.variance_epsilon
         head = hf_model.lm_head.weight
         # tied embeddings: one copy on the device serves both
-        self.lm_head = Linear(self.embed if head is w else head.detach().to(device))
+        head = self.embed if head is w else head.detach().to(device)
+        # TP: the whole head on rank 0 (the others skip it), or each rank's vocabulary slice
+        self.vocab_range = (0, head.shape[0]) if tp is None else tp.vocab_range(head.shape[0])
+        lo, hi = self.vocab_range
+        self.lm_head = Linear(head if (lo, hi) == (0, head.shape[0]) else head[lo:hi]) \
+            if hi > lo else None
         self.rope = RotaryEmbedding(config, self.layers[0].head_dim, max_positions, w.dtype,
                                     device)
         # the small ops are fused: on the CPU by workers/kernels/csrc/fused_ops.cpp, bf16 and
@@ -153,8 +186,9 @@ class CompactLlama(nn.Module):
         # Python between them) where the native kernels run all of them: float32 activations on
         # bf16-held linears, or bf16 on VNNI-packed ones; up to `one_call_rows` rows; False: one
         # call per operation
+        # (not under TP: the all-reduces sit between the layers)
         self.one_call_rows, self.one_call_amx = self._one_call_rows() \
-            if self.fused and device.type == "cpu" else (0, False)
+            if self.fused and device.type == "cpu" and tp is None else (0, False)
         self.one_call_decode = self.one_call_rows > 0
         self._words: tuple[torch.Tensor, torch.Tensor] | None = None   # (pool, its words)
 
@@ -280,9 +314,12 @@ class CompactLlama(nn.Module):
             h = layer(h, cos_sin, meta, lora)
         return rms_norm(h, self.norm, self.eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.forward(hidden)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of `hidden`'s rows; under TP rank 0's full logits (None on the other ranks)."""
+        if self.tp is None:
+            return self.lm_head.forward(hidden)
+        return self.tp.logits(self.lm_head, hidden)
 
     @property
     def linear_kernel(self) -> str:
-        return self.lm_head.kernel
+        return (self.lm_head or self.layers[0].qkv).kernel

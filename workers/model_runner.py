@@ -14,6 +14,8 @@ steps of bucketed batch sizes replay CUDA graphs (workers/cuda_graphs.py) unless
 
 from __future__ import annotations
 
+import math
+import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +35,7 @@ from workers.kv_quant import QuantizedPool
 from workers.llama import CompactLlama, layer_windows
 from workers.lora import LoRABatch, LoRAManager, LoRASpec, fused_groups, stock_groups
 from workers.scheduler_output import ScheduledChunk, SchedulerOutput
+from workers.tp_shard import TPShard
 
 MODEL_IMPLS = ("auto", "compact", "stock")
 
@@ -54,20 +57,55 @@ class StepUpload:
         self.parts.append(t)
         return len(self.parts) - 1
 
+    def pack(self) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+        """Every part in one flat int64 host buffer, and each part's shape."""
+        flat = torch.cat([p.reshape(-1) for p in self.parts]) if self.parts \
+            else torch.empty(0, dtype=torch.long)
+        return flat, [tuple(p.shape) for p in self.parts]
+
     def upload(self) -> list[torch.Tensor]:
-        if not self.parts:
+        return self.unpack(*self.pack())
+
+    def unpack(self, flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """The one copy of `flat` to the device, handed back as views of each part."""
+        if not shapes:
             return []
-        flat = torch.cat([p.reshape(-1) for p in self.parts])
         if self.staging is not None:
             flat = ModelRunner.host_to_device(self.staging.stage(flat), self.device)
             self.staging.copied()
         else:
             flat = ModelRunner.host_to_device(pinned(flat, self.device), self.device)
         out, offset = [], 0
-        for p in self.parts:
-            out.append(flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
+        for shape in shapes:
+            n = math.prod(shape)
+            out.append(flat[offset:offset + n].view(shape))
+            offset += n
         return out
+
+
+@dataclass
+class StepInputs:
+    """A step's host metadata: its parts (token ids, positions, slot mapping, sample rows, each
+    decode group's block tables and context lengths, each prefill segment's block table) in one
+    flat int64 buffer, and the structure that reads them. Rank 0 of a TP worker broadcasts it,
+    once a step, and every rank runs the same step from it (workers/tp_group.py)."""
+
+    flat: torch.Tensor                 # int64, host
+    shapes: list[tuple[int, ...]]      # parts 0-3: tokens, positions, slots, sample rows
+    num_decodes: int
+    # (tables part, lens part, start, count, max_context_len, needs_mask) per decode group
+    groups: list[tuple[int, int, int, int, int, bool]]
+    # (q_start, q_len, context_len, block table part or -1) per prefill segment
+    segs: list[tuple[int, int, int, int]]
+
+    def to_bytes(self) -> bytes:
+        return pickle.dumps((self.flat.numpy(), self.shapes, self.num_decodes, self.groups,
+                             self.segs), protocol=pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepInputs:
+        flat, shapes, num_decodes, groups, segs = pickle.loads(data)
+        return cls(torch.from_numpy(flat), shapes, num_decodes, groups, segs)
 
 
 class ModelRunner:
@@ -79,16 +117,23 @@ class ModelRunner:
                  lora_specs: dict[str, LoRASpec] | None = None, max_loras: int = 4,
                  device: torch.device | None = None, cuda_graphs: bool = True,
                  release_stock: bool = False,
-                 max_num_seqs: int = 64) -> None:
+                 max_num_seqs: int = 64, tp: TPShard | None = None, tp_group=None) -> None:
         """`kv_dtype`: a float dtype, or "int8" / "fp8" for a quantized pool. `device`: where
         weights, pool and metadata live (default: the model's); `cuda_graphs`: replay decode
         steps as CUDA graphs (cuda only; ignored elsewhere); `release_stock`: the caller owns
-        `model`, so the stock weights the compact model holds fused copies of are freed."""
+        `model`, so the stock weights the compact model holds fused copies of are freed.
+        `tp`: this runner is one rank of a tensor-parallel worker (its heads' shard of the
+        compact model and of the pool); `tp_group` (rank 0 only: workers/tp_group.py) sends
+        each step to the other ranks and reaches their pools for page reads and writes."""
         cfg = model.config
         assert model_impl in MODEL_IMPLS, model_impl
+        assert tp is None or (model_impl != "stock" and not lora_specs
+                              and not isinstance(kv_dtype, str)), \
+            "tensor parallelism runs the compact model on a float pool, without LoRA"
+        self.tp, self.tp_group = tp, tp_group
         self.block_size = block_size
         self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_kv_heads = cfg.num_key_value_heads if tp is None else tp.heads.num_kv_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.device = device if device is not None else next(model.parameters()).device
         self.staging = PinnedStaging(self.device)   # one pinned buffer for every step's upload
@@ -101,7 +146,7 @@ class ModelRunner:
         # graphs write padded rows into one scratch block past the pool's last (never
         # handed out by the KV manager): allocate it only where graphs can run
         graphs = cuda_graphs and self.device.type == "cuda" and use_compact \
-            and not lora_specs and not isinstance(kv_dtype, str)
+            and not lora_specs and not isinstance(kv_dtype, str) and tp is None
         self.num_blocks = num_blocks
         pool_blocks = num_blocks + 1 if graphs else num_blocks
         self.kv_quant = kv_dtype if isinstance(kv_dtype, str) else ""
@@ -121,7 +166,7 @@ class ModelRunner:
         self.stock_bytes_released = 0
         if use_compact:
             self.compact = CompactLlama(model, max_positions or cfg.max_position_embeddings,
-                                        self.device)
+                                        self.device, tp)
             self.model_impl = "compact"
             self.fallback_reason = ""
             if release_stock and not lora_specs:   # stock LoRA hooks never run on compact
@@ -177,7 +222,10 @@ class ModelRunner:
         """Run the model on the scheduled step. Returns logits [n, vocab] (float32, on the
         device) for the chunks that end at their request's last known token, and those chunks'
         indices in `sched.chunks`."""
-        input_ids, positions, meta, sample_rows, sample_chunks = self.prepare(sched)
+        inputs, sample_chunks = self.host_inputs(sched)
+        if self.tp_group is not None:    # the other ranks run the same step
+            self.tp_group.send_step(inputs)
+        input_ids, positions, meta, sample_rows = self.device_inputs(inputs)
         lora = self._lora_step(sched)
         t0 = time.perf_counter()
         try:
@@ -229,13 +277,26 @@ class ModelRunner:
             head = self.model.lm_head
         if not sample_rows.numel():
             return hidden.new_empty(0, 0)
-        return head(hidden[sample_rows]).float()
+        logits = head(hidden[sample_rows])
+        return None if logits is None else logits.float()   # (None: a TP rank other than 0)
+
+    @torch.inference_mode()
+    def execute_inputs(self, inputs: StepInputs) -> None:
+        """A TP rank other than 0 runs the step rank 0 sent (its logits are rank 0's)."""
+        input_ids, positions, meta, sample_rows = self.device_inputs(inputs)
+        self._forward(input_ids, positions, meta, sample_rows)
 
     def prepare(self, sched: SchedulerOutput):
         """(input_ids, positions, AttentionMetadata (with the slot mapping), sample_rows (a device
         index), sample_chunks) of a step: decodes first (shortest context first, so similar
         lengths share a group), then prefill chunks. Everything is built on the host, then
         moved in one copy (`StepUpload`)."""
+        inputs, sample_chunks = self.host_inputs(sched)
+        return (*self.device_inputs(inputs), sample_chunks)
+
+    def host_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, list[int]]:
+        """The step's metadata built on the host (`prepare`'s first half), and the indices in
+        `sched.chunks` of the chunks sampled."""
         bs = self.block_size
         chunks: list[ScheduledChunk] = sched.chunks
         decodes, prefills = sched.step_order()
@@ -269,20 +330,26 @@ class ModelRunner:
                 sample_chunks.append(i)
             own_kv = start == 0 and not self.kv_quant   # quantized: read back what was stored
             segs.append((q_start, n, start + n, None if own_kv else table))
-        up = StepUpload(self.device, self.staging)
-        i_tok, i_pos, i_slot, i_rows = (up.add(tokens), up.add(torch.cat(positions)),
-                                        up.add(torch.cat(slots)), up.add(sample_rows))
-        i_groups = [(up.add(tables), up.add(lens)) for tables, lens, _ in groups]
-        i_segs = [None if t is None else up.add(t) for *_, t in segs]
-        dev = up.upload()
+        up = StepUpload(self.device)
+        for part in (tokens, torch.cat(positions), torch.cat(slots), sample_rows):
+            up.add(part)
+        group_parts = [(up.add(tables), up.add(lens), *shape) for tables, lens, shape in groups]
+        seg_parts = [(q_start, n, ctx, -1 if t is None else up.add(t))
+                     for q_start, n, ctx, t in segs]
+        flat, shapes = up.pack()
+        return StepInputs(flat, shapes, len(decodes), group_parts, seg_parts), sample_chunks
+
+    def device_inputs(self, inputs: StepInputs):
+        """(input_ids, positions, AttentionMetadata, sample_rows) on the device, from one copy
+        of the host metadata."""
+        dev = StepUpload(self.device, self.staging).unpack(inputs.flat, inputs.shapes)
         decode_groups = [DecodeGroup(start, count, dev[it], dev[il], max_len, needs_mask)
-                         for (it, il), (_, _, (start, count, max_len, needs_mask))
-                         in zip(i_groups, groups, strict=True)]
-        prefill_segs = [PrefillSegment(q_start, n, ctx, None if it is None else dev[it])
-                        for (q_start, n, ctx, _), it in zip(segs, i_segs, strict=True)]
-        meta = AttentionMetadata(self.kv_data, dev[i_slot], len(decodes), decode_groups,
+                         for it, il, start, count, max_len, needs_mask in inputs.groups]
+        prefill_segs = [PrefillSegment(q_start, n, ctx, None if it < 0 else dev[it])
+                        for q_start, n, ctx, it in inputs.segs]
+        meta = AttentionMetadata(self.kv_data, dev[2], inputs.num_decodes, decode_groups,
                                  prefill_segs, self.kv_scales, self.kv_quant)
-        return dev[i_tok], dev[i_pos], meta, dev[i_rows], sample_chunks
+        return dev[0], dev[1], meta, dev[3]
 
     def _decode_groups(self, tables: list[list[int]], positions: list[int]):
         """Decodes sorted by context length, split where the block count doubles (each group
@@ -319,9 +386,23 @@ class ModelRunner:
     # ---- page access for KV transfer ------------------------------------------------------
     def read_pages(self, block_ids: list[int]) -> torch.Tensor:
         """Contiguous copy of blocks in their stored form: [num_layers, 2, n, ...] (a quantized
-        pool's pages carry their scales)."""
-        return self.kv_cache[:, :, self._index(block_ids)].contiguous()
+        pool's pages carry their scales). A TP worker's rank 0 returns every KV head, gathered
+        from its ranks."""
+        if self.tp_group is not None:
+            return self.tp_group.read_pages(block_ids, self.read_local_pages(block_ids))
+        return self.read_local_pages(block_ids)
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        """Write whole pages (every KV head: a TP worker's ranks each take theirs)."""
+        if self.tp_group is not None:
+            self.tp_group.write_pages(block_ids, pages)
+            pages = self.tp.heads_of(pages)
+        self.write_local_pages(block_ids, pages)
+
+    def read_local_pages(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's pool's blocks (its KV heads only, under TP)."""
+        return self.kv_cache[:, :, self._index(block_ids)].contiguous()
+
+    def write_local_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
         assert pages.shape[2] == len(block_ids) and pages.shape[3:] == self.kv_cache.shape[3:]
         self.kv_cache[:, :, self._index(block_ids)] = pages.to(self.kv_cache)

@@ -20,7 +20,16 @@ SHAPES = {
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
                          tie_word_embeddings=True),
-    # the same layout, small enough for a CPU test of the path
+    # issue 61's tensor-parallel shape: ~0.4B parameters, 16 query heads over 8 KV heads
+    "llama-0.4b": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+                       num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                       max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-5),
+    # small shapes for CPU tests of tensor parallelism: 8 KV heads (split up to TP 8)
+    "llama-test-kv8": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=8, vocab_size=1024,
+                           max_position_embeddings=2048, rope_theta=500000.0,
+                           rms_norm_eps=1e-5),
+    # the same layout, small enough for a CPU test of the path (2 KV heads: replicated at TP 4)
     "llama-test": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
                        max_position_embeddings=2048, rope_theta=500000.0, rms_norm_eps=1e-5),
