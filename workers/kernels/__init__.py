@@ -1,6 +1,7 @@
 """The engine's kernels: native CPU kernels (C++ in csrc/, built by build.py, bound by
 bindings.py, their instruction sets chosen by isa.py, wrapped by attention.py, linears.py and
-fused.py, all re-exported here) and the CUDA ones in Triton (triton_decode.py, triton_ops.py).
+fused.py, all re-exported here) and the CUDA ones in Triton (triton_decode.py, triton_ops.py);
+and the tensor-parallel ranks' channel (tp_comm.py: ShmComm on csrc/shm_comm.cpp, GlooComm).
 
 `from workers import kernels; kernels.paged_decode(...)`: every native wrapper is here. A
 wrapper returns None (or its `*_rows` / `*_apply` says 0 / False) where its kernel does not
@@ -42,6 +43,7 @@ from workers.kernels.linears import (
     pack_vnni,
     pack_w16,
 )
+from workers.kernels.tp_comm import CommError, GlooComm, ShmComm
 
 __all__ = [
     "DTYPE_CODES", "FUSED_DTYPES", "GROUP_WORDS", "LAYER_WORDS", "MAX_GROUP", "MAX_KV_HEADS",
@@ -50,4 +52,5 @@ __all__ = [
     "linear_small_m_rows", "linear_w16", "linear_w16_rows", "pack_vnni", "pack_w16",
     "paged_decode", "paged_decode_heads_fit", "prefill_attention_bf16", "prefill_attention_f32",
     "rope_and_cache", "silu_mul",
+    "CommError", "GlooComm", "ShmComm",
 ]

@@ -59,6 +59,22 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # decode_layers.cpp (bf16: + amx, which linear)
     "decode_layers_f32": (_LAYERS, _int),
     "decode_layers_bf16": ([*_LAYERS, _int], _int),
+    # shm_comm.cpp (tp_comm.ShmComm), on a segment at base: its bytes (world, slot bytes,
+    # broadcast bytes); init (base, world, slot bytes, broadcast bytes); join (base, rank, world,
+    # slot bytes); the broadcast area's bytes; abort; then the collectives (base, rank, ...,
+    # timeout in seconds, negative: none), 0 (broadcast: the bytes) or an error code
+    "shm_comm_bytes": ([_int, _i64, _i64], _i64),
+    "shm_comm_init": ([_p, _int, _i64, _i64], _int),
+    "shm_comm_join": ([_p, _int, _int, _i64], _int),
+    "shm_comm_bcast_bytes": ([_p], _i64),
+    "shm_comm_abort": ([_p], None),
+    # data, n, dtype (0 float32, 1 bf16), algorithm (0 auto, 1 all-read, 2 reduce-scatter)
+    "shm_all_reduce": ([_p, _int, _p, _i64, _int, _int, _f64], _int),
+    # buffer, bytes (rank 0: to send; the others: room)
+    "shm_broadcast": ([_p, _int, _p, _i64, _f64], _i64),
+    # src, bytes, dst (rank 0: [world][bytes])
+    "shm_gather": ([_p, _int, _p, _i64, _p, _f64], _int),
+    "shm_barrier": ([_p, _int, _f64], _int),
 }
 
 
