@@ -69,6 +69,7 @@ class PDCluster:
         self._closed = threading.Event()      # shutdown(): reapers stop
         self._reapers: list[threading.Thread] = []
         self._born: dict[Any, float] = {}      # worker handle -> monotonic launch time
+        self._placements: dict[Any, Any] = {}  # TP worker handle -> its placement group
         self._lived_s = 0.0                    # worker-seconds of the workers removed
         self.prefill = [self._launch("prefill") for _ in range(cfg.num_prefill)]
         self.decode = [self._launch("decode") for _ in range(cfg.num_decode)]
@@ -106,9 +107,35 @@ class PDCluster:
     def _launch(self, role: str):
         i = self._next_index[role]
         self._next_index[role] += 1
-        w = self._classes[role].remote(f"{role}-{i}", **self._args)
+        tp = self.cfg.prefill_tp if role == "prefill" else self.cfg.decode_tp   # the role's TP
+        engine = {**self._args["engine_cfg"], "tp": tp}
+        cls, pg = self._classes[role], None
+        if tp > 1:   # a gang: rank 0 (this actor) and its ranks in one STRICT_PACK group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            from workers.tp_actors import worker_placement
+            resources = self.cfg.prefill_resources if role == "prefill" \
+                else self.cfg.decode_resources
+            pg = worker_placement(tp, resources)
+            ray.get(pg.ready(), timeout=120)
+            cls = cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0), resources={})
+            engine["tp_placement"] = pg
+        w = cls.remote(f"{role}-{i}", **{**self._args, "engine_cfg": engine})
         self._born[w] = time.monotonic()
+        if pg is not None:
+            self._placements[w] = pg
         return w
+
+    def _release_placement(self, w) -> None:
+        """A removed TP worker's placement group goes with it (its ranks exit with rank 0)."""
+        pg = self._placements.pop(w, None)
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+            try:
+                remove_placement_group(pg)
+            except Exception:   # noqa: BLE001 - Ray is shutting down
+                pass
 
     def worker_seconds(self) -> float:
         """Seconds each worker actor lived, summed: from its launch (model load included) to
@@ -202,6 +229,7 @@ class PDCluster:
             ray.kill(w, no_restart=True)
         except Exception:
             pass
+        self._release_placement(w)
 
     def migrate(self, request_id: str, to: str | None = None) -> bool:
         """Move a request's running decode to decode worker `to` (None: the policy's pick)
@@ -311,6 +339,7 @@ class PDCluster:
                 ray.kill(w, no_restart=True)
             except Exception:
                 pass
+            self._release_placement(w)
         # the reporter's calls to the killed workers fail fast now
         self.orchestrator.close(wait_s=self.flow.health_timeout_s + 5)
         for t in self._reapers:

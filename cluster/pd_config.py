@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from router.autoscale_decision import AutoscaleConfig
 from router.flow_config import FlowConfig
 
+MAX_TP = 8   # tensor-parallel ranks of one worker at most (one 8-GPU node)
+
 
 @dataclass
 class PDConfig:
@@ -22,6 +24,8 @@ class PDConfig:
     engine: dict = field(default_factory=dict)   # EngineConfig fields for every worker
     num_prefill: int = 1
     num_decode: int = 1
+    prefill_tp: int = 1                   # tensor-parallel ranks of each prefill worker (t
+    decode_tp: int = 1                    # GPUs, or a share of the cores each) and decode worker
     transport_cfg: dict = field(default_factory=dict)   # the transport's keyword arguments
     lease_s: float = 30.0                 # a staged transfer not pulled by then is released
     threads_per_actor: int = 1            # torch threads in each worker
@@ -41,6 +45,9 @@ class PDConfig:
                              f"{', '.join(TRANSPORT_NAMES)}")
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("need at least one decode worker and no negative prefill count")
+        if not (1 <= self.prefill_tp <= MAX_TP and 1 <= self.decode_tp <= MAX_TP):
+            raise ValueError(f"prefill_tp and decode_tp must be between 1 and {MAX_TP}, got "
+                             f"{self.prefill_tp} and {self.decode_tp}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         self.flow.validate()

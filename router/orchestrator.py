@@ -111,6 +111,12 @@ class MoveFailed(Exception):
     """A live move failed after its source froze the decode: the request re-prefills."""
 
 
+
+class _ReservationLost(TransferFailed):
+    """The decode worker's reservation vanished under a live attempt: the worker restarted
+    (a death the attempt did not see as a RayActorError). Retried as a worker death; past
+    max_retries it ends as TransferFailed's 503."""
+
 class Orchestrator:
     """Runs requests through the fleet's workers: routing decisions, the P -> D flow, retries,
     aborts, and the router's own bookkeeping of them (ledger, decisions, rejections)."""
@@ -305,7 +311,7 @@ class Orchestrator:
                 if fallbacks > MAX_MOVE_FALLBACKS:
                     raise WorkerFailed(f"request {flight.request_id}: {fallbacks} live moves "
                                        f"failed (last: {e})") from e
-            except ray.exceptions.RayActorError as e:
+            except (ray.exceptions.RayActorError, _ReservationLost) as e:
                 self.releases.release(flight)
                 if flight.aborted:
                     raise _aborted(flight) from None
@@ -487,8 +493,11 @@ class Orchestrator:
                     self.traces.prefilled_locally(flight.request_id)  # trace hook
                     return self._open_stream(flight, None, clock)
                 self.releases.release(flight)
-                raise TransferFailed(f"request {flight.request_id}: its decode worker was to "
-                                     "prefill it, but its reservation is gone") from last_error
+                # (not aborted, checked above: the decode worker restarted meanwhile, so this
+                # attempt died with it and the request runs again elsewhere)
+                raise _ReservationLost(f"request {flight.request_id}: its decode worker was "
+                                       "to prefill it, but its reservation is gone (the "
+                                       "worker restarted)") from last_error
             pid = self.fleet.worker_id(p, "?")
             tried.add(pid)
             flight.prefill = p

@@ -91,11 +91,13 @@ class LLMEngine:
     P/D and migration API: EngineHandoff), `view` (pool and queue views for load reports)."""
 
     def __init__(self, cfg: EngineConfig, loaded=None, *, tp_launcher: str | None = None,
-                 tp_placement=None, tp_lm_head: str | None = None) -> None:
+                 tp_placement=None, tp_lm_head: str | None = None,
+                 tp_rank_threads: int | None = None) -> None:
         """`loaded` = (model, tokenizer, ModelInfo) to share an already loaded model.
         With `cfg.tp` > 1 this engine is rank 0 of a tensor-parallel worker and starts the
         other ranks (`tp_launcher`: "process" (default) or "ray", in `tp_placement`, a Ray
-        placement group; `tp_lm_head`: workers/tp_shard.LM_HEADS); `close()` stops them."""
+        placement group; `tp_lm_head`: workers/tp_shard.LM_HEADS; `tp_rank_threads`: their
+        torch threads, default cfg.num_threads); `close()` stops them."""
         cfg.validate()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -141,7 +143,8 @@ class LLMEngine:
                                            max_model_len=self.max_model_len, kv_dtype=kv_dtype,
                                            launcher=tp_launcher or "process",
                                            placement=tp_placement,
-                                           lm_head=tp_lm_head or DEFAULT_LM_HEAD)
+                                           lm_head=tp_lm_head or DEFAULT_LM_HEAD,
+                                           rank_threads=tp_rank_threads or cfg.num_threads)
             tp_shard = rank0_shard(self.model.config, self.tp_group)
         try:
             self.runner = ModelRunner(self.model, num_blocks, cfg.block_size,

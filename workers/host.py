@@ -32,6 +32,7 @@ from protocol.messages import HoldRelease, KVCounters, LoadReport
 from protocol.step_rates import StepRates
 from workers.device import serial_openmp_here
 from workers.engine import EngineConfig, LLMEngine, StepOutput
+from workers.kernels.tp_comm import CommError
 from workers.metrics import WorkerMetrics
 from workers.thread_share import ThreadShare
 
@@ -85,13 +86,18 @@ class EngineHost:
         self._loop_threads = engine_cfg.get("num_threads") if in_actor else None
         engine_cfg = dict(engine_cfg)
         share = engine_cfg.pop("share_idle_threads", False)
+        tp_placement = engine_cfg.pop("tp_placement", None)   # a TP worker's placement group
         cfg = EngineConfig(**({**engine_cfg, "num_threads": None} if in_actor else engine_cfg))
         self.worker_id = worker_id
         # in an actor: the threads of idle raypd workers on this machine too (thread_share.py)
         self._threads = ThreadShare(worker_id, self._loop_threads) \
             if share and self._loop_threads else None
         self.step_threads: int | None = None    # the torch threads of the last step (sharing)
-        self.engine = LLMEngine(cfg)
+        # a TP worker: this actor is rank 0; the other ranks are Ray actors in its placement
+        # group (workers/tp_actors.py), with this worker's threads each
+        self.engine = LLMEngine(cfg, tp_launcher="ray" if in_actor else None,
+                                tp_placement=tp_placement, tp_rank_threads=self._loop_threads) \
+            if cfg.tp > 1 else LLMEngine(cfg)
         self.transport_name = transport
         self._transport_cfg = {"worker_id": worker_id, **(transport_cfg or {})}
         self._lock = EngineLock(serial_callers=in_actor)
@@ -165,6 +171,8 @@ class EngineHost:
                         # prefill or decode speed
                         observe_step(self.rates, before,
                                       time.monotonic() - self._step_started - loading_s)
+                    except CommError:   # a rank of this TP worker is gone: so is the worker
+                        raise
                     except Exception as e:   # noqa: BLE001 - only this step's requests fail
                         outputs = self._fail_step(e)
                     finally:
@@ -179,6 +187,8 @@ class EngineHost:
                 self._threads.close()
         except BaseException as e:   # noqa: BLE001 - the loop is gone: let Ray restart us
             self._loop_error = f"{type(e).__name__}: {e}"
+            with contextlib.suppress(Exception):
+                self.engine.close()   # a TP worker's other ranks stop with it
             print(f"{self.worker_id}: engine loop failed ({self._loop_error}); exiting so "
                   f"that the actor restarts", file=sys.stderr, flush=True)
             os._exit(70)
@@ -381,6 +391,11 @@ class EngineHost:
 
     def ping(self) -> str:
         return self.worker_id
+
+    def tp_rank_pids(self) -> list[int]:
+        """The pids of this TP worker's ranks 1..t-1 (none for one rank)."""
+        group = self.engine.tp_group
+        return [] if group is None else group.pids()[1:]
 
     def shutdown(self) -> None:
         self._stop = True

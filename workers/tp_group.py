@@ -19,7 +19,7 @@ import multiprocessing
 import os
 import pickle
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -138,13 +138,14 @@ class TPGroup:
     @classmethod
     def launch(cls, cfg: EngineConfig, *, num_blocks: int, max_model_len: int, kv_dtype: str,
                lm_head: str = DEFAULT_LM_HEAD, launcher: str = "process",
-               placement=None) -> TPGroup:
+               placement=None, rank_threads: int | None = None) -> TPGroup:
         """Create the channel and start ranks 1..t-1 (they load their shards while rank 0
         builds its own; `wait_ready` joins them)."""
         assert cfg.tp > 1
         comm = ShmComm.create(cfg.tp, SLOT_BYTES)
         group = cls(comm, cfg.tp, lm_head, launcher=launcher)
-        specs = [RankSpec(cfg, r, cfg.tp, comm.name, num_blocks, max_model_len, kv_dtype,
+        rank_cfg = replace(cfg, num_threads=rank_threads or cfg.num_threads)
+        specs = [RankSpec(rank_cfg, r, cfg.tp, comm.name, num_blocks, max_model_len, kv_dtype,
                           lm_head) for r in range(1, cfg.tp)]
         try:
             if launcher == "ray":
@@ -221,8 +222,8 @@ class TPGroup:
         return not self.stopped
 
     def pids(self) -> list[int]:
-        return [os.getpid(), *(r.pid for r in self.ranks
-                               if isinstance(r, multiprocessing.process.BaseProcess))]
+        """Rank 0's pid and its ranks' (processes, or workers/tp_actors.RankActor)."""
+        return [os.getpid(), *(r.pid for r in self.ranks)]
 
 
 def rank0_shard(config, group: TPGroup) -> TPShard:

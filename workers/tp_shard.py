@@ -9,6 +9,7 @@ The lm_head is held one of two ways (`LM_HEADS`), both measured by `raypd bench 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ class TPShard:
     comm: Any
     lm_head: str = DEFAULT_LM_HEAD
     vocab: int = 0            # the lm_head's rows (set by vocab_range)
+    allreduce_s: float = 0.0  # time in all-reduces (waiting for the slowest rank included)
+    allreduce_calls: int = 0
 
     def __post_init__(self) -> None:
         assert self.lm_head in LM_HEADS, self.lm_head
@@ -65,7 +68,11 @@ class TPShard:
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks, in place (every rank gets the same bits)."""
         assert t.is_contiguous()
-        return self.comm.all_reduce_(t)
+        t0 = time.perf_counter()
+        out = self.comm.all_reduce_(t)
+        self.allreduce_s += time.perf_counter() - t0
+        self.allreduce_calls += 1
+        return out
 
     def logits(self, head, hidden: torch.Tensor) -> torch.Tensor | None:
         """Rank 0's full logits of `hidden`'s rows (None on the other ranks); `head` is this

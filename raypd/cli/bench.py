@@ -51,6 +51,18 @@ def register(sub) -> None:
     be.add_argument("--json", metavar="PATH")
     be.set_defaults(func=cmd_bench_engine)
 
+    bt = bsub.add_parser("tp", help="tensor-parallel engines: all-reduce per backend, decode "
+                         "step TP=2 vs TP=1, greedy equality, handoffs between TP sizes, a "
+                         "rank killed (CPU, float32)")
+    bt.add_argument("--quick", action="store_true",
+                    help="fewer steps and a 512-token handoff prompt (default 2,048)")
+    bt.add_argument("--repeats", type=int, default=3, help="runs per step figure (median)")
+    bt.add_argument("--parts", default="",
+                    help="comma-separated subset of: allreduce,steps,sizes,greedy,handoffs,"
+                    "rank_kill (default all)")
+    bt.add_argument("--json", metavar="PATH")
+    bt.set_defaults(func=cmd_bench_tp)
+
     bc = bsub.add_parser("chaos", help="inject faults during a replay; count losses and leaks "
                          "(exit 1 unless: 0 lost, 0 leaked, 0 mismatches, every corrupt "
                          "transfer detected, >= 90%% ok)")
@@ -328,6 +340,17 @@ def cmd_bench_badinput(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0 if result["clean"] == result["cases"] else 1
+
+
+def cmd_bench_tp(args: argparse.Namespace) -> int:
+    from raypd.bench.tp import run_bench_tp
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    known = {"allreduce", "steps", "sizes", "greedy", "handoffs", "rank_kill"}
+    if set(parts) - known or args.repeats < 1:
+        print(f"raypd bench tp: --parts takes {', '.join(sorted(known))}; --repeats >= 1",
+              file=sys.stderr)
+        return 2
+    return emit(run_bench_tp(quick=args.quick, repeats=args.repeats, parts=parts), args)
 
 
 def cmd_bench_disagg(args: argparse.Namespace) -> int:
