@@ -28,13 +28,14 @@ from typing import Any
 
 import yaml
 
-from cluster.pd_config import PDConfig
+from cluster.pd_config import MAX_TP, PDConfig
 from ingress.core import IngressSettings
 from ingress.limits import IngressLimits
 from ingress.request_checks import RequestLimits
+from protocol.tp_layout import tp_refusal
 from router.autoscale_decision import AutoscaleConfig, AutoscaleConfigError
 from router.flow_config import FAILURE_POLICIES, INDEX_MODES, FlowConfig
-from workers.engine_config import DTYPES, KV_DTYPES, EngineConfig
+from workers.engine_config import DTYPES, KV_DTYPES, TP_ALLREDUCES, EngineConfig
 from workers.kv_gate import MAX_PPL_DELTA_PCT, NOISE_FLOOR_MULTIPLE
 
 SERVING = "serving"     # field metadata: (serving dataclass, its field) the default comes from
@@ -105,18 +106,22 @@ class EngineSection:
     device: str = _from(EngineConfig, "device", choices=("auto", "cpu", "cuda"))  # auto: cuda
                                                     # if the worker holds a GPU (num_gpus)
     cuda_graphs: bool = _from(EngineConfig, "cuda_graphs")   # cuda: decode replays CUDA graphs
+    tp_allreduce: str = _from(EngineConfig, "tp_allreduce", choices=TP_ALLREDUCES)  # TP ranks'
+                                                    # all-reduce (workers.*.tp > 1)
 
 
 @dataclass
 class PrefillSection:
     count: int = _from(PDConfig, "num_prefill", min=0)   # 0: colocated (decode prefills)
     resources: dict[str, float] = _from(PDConfig, "prefill_resources")   # e.g. {prefill: 1}
+    tp: int = _from(PDConfig, "prefill_tp", min=1, max=MAX_TP)   # tensor-parallel ranks
 
 
 @dataclass
 class DecodeSection:
     count: int = _from(PDConfig, "num_decode", min=0)
     resources: dict[str, float] = _from(PDConfig, "decode_resources")   # Ray custom resources
+    tp: int = _from(PDConfig, "decode_tp", min=1, max=MAX_TP)   # (and the colocated engine's)
 
 
 
@@ -204,7 +209,7 @@ class RaypdConfig:
                     max_step_ms=e.max_step_ms, max_num_seqs=e.max_num_seqs, max_model_len=m.max_model_len,
                     enable_prefix_caching=e.enable_prefix_caching, model_impl=e.model_impl,
                     lora_adapters=dict(m.lora_adapters), max_loras=e.max_loras,
-                    device=e.device, cuda_graphs=e.cuda_graphs)
+                    device=e.device, cuda_graphs=e.cuda_graphs, tp_allreduce=e.tp_allreduce)
 
     def flow_config(self) -> FlowConfig:
         """How requests flow through the workers (router.* and transfer.* keys)."""
@@ -230,7 +235,8 @@ class RaypdConfig:
     def to_pd_config(self) -> PDConfig:
         w = self.workers
         return PDConfig(engine=self.engine_config(), num_prefill=w.prefill.count,
-                        num_decode=w.decode.count, transport_cfg=dict(self.transfer.options),
+                        num_decode=w.decode.count, prefill_tp=w.prefill.tp,
+                        decode_tp=w.decode.tp, transport_cfg=dict(self.transfer.options),
                         lease_s=self.transfer.lease_s,
                         threads_per_actor=self.engine.threads_per_worker,
                         share_idle_threads=self.engine.share_idle_threads,
@@ -417,6 +423,13 @@ class _Validator:
                 validate_adapters(m, cfg.model.lora_adapters)
             except LoRAError as e:
                 self.fail(f"model.lora_adapters.{e.name}", str(e))
+        for role in ("prefill", "decode"):
+            tp = getattr(w, role).tp
+            heads = model_heads(m) if tp > 1 else None   # None: not known here (a remote path)
+            reason = tp_refusal(*heads, tp) if heads else None
+            if reason:
+                self.fail(f"workers.{role}.tp", f"{reason}; model {m!r} has {heads[0]} query "
+                          f"and {heads[1]} KV heads")
         if cfg.engine.device == "cuda" and w.num_gpus == 0 and not in_process:
             self.fail("engine.device", "cuda needs GPUs for the workers: set workers.num_gpus "
                       "(e.g. 0.5 puts a prefill and a decode worker on one GPU)")
@@ -431,6 +444,32 @@ class _Validator:
                 KeyRing.load(cfg.server.api_keys_file)
             except ValueError as e:
                 self.fail("server.api_keys_file", str(e))
+
+
+def model_heads(model: str) -> tuple[int, int] | None:
+    """(query heads, KV heads) of `model` (a model.name) from its config alone, no weights
+    loaded and no transformers: tiny's built-in config, a `random:` shape, SmolLM2-135M's
+    published shape (workers/random_model.py SHAPES), a local folder's config.json; None when the name is not resolvable here (a path that only the
+    workers of a remote cluster see). The workers check again (protocol/tp_layout.py)."""
+    from kvcache.kv_sizing import read_config
+    from workers.model_loader import TINY_CONFIG
+    from workers.random_model import PREFIX, SHAPES, is_random
+    cfg: dict | None = None
+    if model == "tiny":
+        cfg = TINY_CONFIG
+    elif is_random(model):
+        cfg = SHAPES.get(model.removeprefix(PREFIX))
+    elif model == "smollm2":      # (converting it first would fetch the wheel)
+        cfg = SHAPES["smollm2-135m"]
+    elif Path(model).expanduser().is_dir():
+        try:
+            cfg = read_config(model)
+        except ValueError:
+            return None           # model.name's own check (and the loader) say what is wrong
+    if cfg is None:
+        return None
+    heads = int(cfg["num_attention_heads"])
+    return heads, int(cfg.get("num_key_value_heads") or heads)
 
 
 def _join(path: str, key: Any) -> str:

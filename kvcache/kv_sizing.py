@@ -12,6 +12,13 @@ and per KV head (MLA: per layer), which is what the engine's pool allocates
 `windowed_bytes_per_token_4k` gives the per-token cost of a 4k context where the pool frees
 blocks that left the window.
 
+Tensor parallelism (`tp`): one rank of a TP-t worker holds num_kv_heads / t KV heads, or one when
+t exceeds them (each replicated t / num_kv_heads times; MLA's latent is on every rank), so its
+pool costs that share per token; `budget_gb` is then each rank's and the blocks that fit it are
+a rank's (every rank holds the same blocks, its heads of each). Weights per rank (dense Llama
+family only, `weight_bytes`): Megatron's split as workers/llama.py shards them.
+protocol/tp_layout.py's `tp_refusal` is the rule a TP size keeps; callers refuse first.
+
 Torch-free: the router may import it.
 """
 
@@ -19,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +43,18 @@ LINKS_BPS = {"nvlink": 450e9, "pcie5": 64e9, "ib400": 50e9, "eth100": 12.5e9}
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3-8b": {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32,
                    "num_key_value_heads": 8, "hidden_size": 4096, "head_dim": 128,
-                   "max_position_embeddings": 8192},
+                   "max_position_embeddings": 8192, "intermediate_size": 14336,
+                   "vocab_size": 128256, "tie_word_embeddings": False},
     "llama-3-70b": {"model_type": "llama", "num_hidden_layers": 80, "num_attention_heads": 64,
                     "num_key_value_heads": 8, "hidden_size": 8192, "head_dim": 128,
-                    "max_position_embeddings": 8192},
+                    "max_position_embeddings": 8192, "intermediate_size": 28672,
+                    "vocab_size": 128256, "tie_word_embeddings": False},
     "qwen2.5-7b": {"model_type": "qwen2", "num_hidden_layers": 28, "num_attention_heads": 28,
                    "num_key_value_heads": 4, "hidden_size": 3584,
                    "max_position_embeddings": 32768, "sliding_window": 131072,
-                   "use_sliding_window": False, "max_window_layers": 28},
+                   "use_sliding_window": False, "max_window_layers": 28,
+                   "intermediate_size": 18944, "vocab_size": 152064,
+                   "tie_word_embeddings": False},
     "deepseek-v3": {"model_type": "deepseek_v3", "num_hidden_layers": 61,
                     "num_attention_heads": 128, "num_key_value_heads": 128, "hidden_size": 7168,
                     "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
@@ -51,7 +62,8 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral-7b-v0.1": {"model_type": "mistral", "num_hidden_layers": 32,
                         "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
                         "head_dim": 128, "sliding_window": 4096,
-                        "max_position_embeddings": 32768},
+                        "max_position_embeddings": 32768, "intermediate_size": 14336,
+                        "vocab_size": 32000, "tie_word_embeddings": False},
 }
 
 
@@ -78,10 +90,18 @@ class KVSizing:
     bytes_per_block: int
     windowed_bytes_per_token_4k: float   # sliding-window layers capped at their window
     budget_bytes: int
-    tokens_in_budget: int
+    tokens_in_budget: int           # tokens a worker holds with budget_bytes on each rank
     link: str
     transfer_s_4k: float            # one 4096-token prompt's pages over `link`
     transfer_s_4k_by_link: dict[str, float]
+    tp: int                         # tensor-parallel ranks of the worker
+    kv_heads_per_rank: int | None   # None: MLA (one latent, on every rank)
+    bytes_per_token_per_rank: float
+    bytes_per_block_per_rank: int
+    blocks_in_budget_per_rank: int  # `budget_bytes` is each rank's
+    weight_dtype: str
+    weight_bytes: float | None      # the whole model; None: not modeled (MLA / MoE)
+    weight_bytes_per_rank: float | None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +144,51 @@ def kv_layout(cfg: Any) -> KVLayout:
     return KVLayout(kind, layers, 2 * kv_heads, head_dim, tuple(layer_windows(cfg)), max_pos)
 
 
+def rank_kv_heads(num_kv_heads: int, tp: int) -> int:
+    """KV heads one rank of a TP-`tp` worker holds: num_kv_heads / tp, or 1 when tp exceeds
+    them (replicated), as protocol/tp_layout.py rank_heads lays them out (a tp its tp_refusal
+    refuses is the caller's error)."""
+    assert tp >= 1 and (num_kv_heads % tp == 0 or tp % num_kv_heads == 0), (num_kv_heads, tp)
+    return max(1, num_kv_heads // tp)
+
+
+def rank_layout(layout: KVLayout, tp: int) -> KVLayout:
+    """What one rank of a TP-`tp` worker stores per token and layer: its KV heads' K and V
+    (MLA: the whole latent, which every rank keeps)."""
+    if tp == 1 or layout.attention_kind == "MLA":
+        return layout
+    return replace(layout, vectors=2 * rank_kv_heads(layout.vectors // 2, tp))
+
+
+def weight_bytes(cfg: Any, tp: int = 1, dtype_bytes: int = 2) -> tuple[float, float] | None:
+    """(the whole model's, one TP-`tp` rank's) weight bytes of a dense Llama-family config;
+    None where not modeled (MLA or mixture-of-experts configs, or one without
+    intermediate_size / vocab_size). Split 1/tp (Megatron, as workers/llama.py shards): the
+    q and o projections, the MLP, an untied lm_head (by vocabulary); the k and v projections
+    by the rank's KV heads (replicated past num_kv_heads); replicated on every rank: the input
+    embedding (a lookup; a tied lm_head is that copy) and the norms. Biases are left out."""
+    if _get(cfg, "kv_lora_rank") or _get(cfg, "num_local_experts") \
+            or _get(cfg, "n_routed_experts"):
+        return None
+    inter, vocab = _get(cfg, "intermediate_size"), _get(cfg, "vocab_size")
+    if not inter or not vocab:
+        return None
+    layers, hidden = int(_get(cfg, "num_hidden_layers")), int(_get(cfg, "hidden_size"))
+    heads = int(_get(cfg, "num_attention_heads"))
+    kv_heads = int(_get(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(_get(cfg, "head_dim", None) or hidden // heads)
+    q = hidden * heads * head_dim           # q_proj; o_proj the same
+    kv = hidden * kv_heads * head_dim       # k_proj; v_proj the same
+    mlp = 3 * hidden * int(inter)           # gate, up, down
+    norms = 2 * hidden
+    embed = int(vocab) * hidden
+    head = 0 if _get(cfg, "tie_word_embeddings", False) else embed
+    total = layers * (2 * q + 2 * kv + mlp + norms) + embed + head + hidden
+    share = rank_kv_heads(kv_heads, tp) / kv_heads
+    rank = layers * ((2 * q + mlp) / tp + 2 * kv * share + norms) + embed + head / tp + hidden
+    return total * dtype_bytes, rank * dtype_bytes
+
+
 def bytes_per_layer_block(layout: KVLayout, kv_dtype: str, block_size: int) -> int:
     """Bytes one block of one layer holds: the elements, plus a scale per vector group when
     quantized (one per K/V per KV head; one per latent for MLA)."""
@@ -135,7 +200,12 @@ def bytes_per_layer_block(layout: KVLayout, kv_dtype: str, block_size: int) -> i
 
 
 def size_kv(cfg: Any, kv_dtype: str = "bfloat16", block_size: int = 16, budget_gb: float = 1.0,
-         link: str = "pcie5", model: str = "") -> KVSizing:
+            link: str = "pcie5", model: str = "", tp: int = 1,
+            weight_dtype: str = "bfloat16") -> KVSizing:
+    """The sizing of `cfg` (module doc); with `tp`, `budget_gb` is each rank's."""
+    if weight_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"weight_dtype must be float32, bfloat16 or float16, got "
+                         f"{weight_dtype!r}")
     if link not in LINKS_BPS:
         raise ValueError(f"link must be one of {', '.join(LINKS_BPS)}, got {link!r}")
     if block_size < 1:
@@ -149,14 +219,22 @@ def size_kv(cfg: Any, kv_dtype: str = "bfloat16", block_size: int = 16, budget_g
     held = sum(min(blocks_4k, math.ceil(w / block_size) + 1) if w else blocks_4k
                for w in layout.windows)   # blocks each layer still holds at 4k tokens
     pages_4k = blocks_4k * bytes_per_block   # a prompt's pages: every layer, every block
+    rank = rank_layout(layout, tp)
+    rank_block = rank.num_layers * bytes_per_layer_block(rank, kv_dtype, block_size)
+    weights = weight_bytes(cfg, tp, KV_DTYPE_BYTES[weight_dtype])
     return KVSizing(
         model=model, attention_kind=layout.attention_kind, kv_dtype=kv_dtype,
         block_size=block_size, num_layers=layout.num_layers,
         bytes_per_token=bytes_per_block / block_size, bytes_per_block=bytes_per_block,
         windowed_bytes_per_token_4k=held * per_layer_block / tokens_4k,
-        budget_bytes=budget, tokens_in_budget=budget // bytes_per_block * block_size,
+        budget_bytes=budget, tokens_in_budget=budget // rank_block * block_size,
         link=link, transfer_s_4k=pages_4k / LINKS_BPS[link],
-        transfer_s_4k_by_link={k: pages_4k / bps for k, bps in LINKS_BPS.items()})
+        transfer_s_4k_by_link={k: pages_4k / bps for k, bps in LINKS_BPS.items()},
+        tp=tp, kv_heads_per_rank=None if layout.attention_kind == "MLA" else rank.vectors // 2,
+        bytes_per_token_per_rank=rank_block / block_size, bytes_per_block_per_rank=rank_block,
+        blocks_in_budget_per_rank=budget // rank_block, weight_dtype=weight_dtype,
+        weight_bytes=weights[0] if weights else None,
+        weight_bytes_per_rank=weights[1] if weights else None)
 
 
 def read_config(path: str | Path) -> dict:

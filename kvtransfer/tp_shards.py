@@ -1,4 +1,4 @@
-"""Packing, checking and landing the KV shards of a TP handoff plan (`protocol.tp_plan`).
+"""Packing, checking and landing the KV shards of a TP handoff plan (`protocol.tp_transfer`).
 
 A shard is one move's data: all the request's blocks for one head range of one P rank, gathered
 into a new contiguous tensor ``[num_layers, 2, n_blocks, block_size, heads, head_dim]`` with one
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.base import TransferError, as_bytes, crc32
-from protocol.tp_plan import ShardMove, TPTransferPlan
+from protocol.tp_transfer import ShardMove, TPTransferPlan
 
 POOL_DIMS = 6  # [num_layers, 2, num_blocks, block_size, rank_kv_heads, head_dim]
 

@@ -65,7 +65,7 @@ ray: {address: auto}
                              kv_tier2_dir=None, max_num_batched_tokens=256,
                              max_step_ms=25, max_num_seqs=8, max_model_len=1024, enable_prefix_caching=False,
                              model_impl="auto", lora_adapters={}, max_loras=4,
-                             device="cpu", cuda_graphs=False)
+                             device="cpu", cuda_graphs=False, tp_allreduce="shm")
     assert (pd.num_prefill, pd.num_decode, pd.threads_per_actor) == (2, 3, 2)
     assert pd.prefill_resources == {"prefill": 1.0} and pd.decode_resources == {"decode": 0.5}
     assert (pd.flow.transport, pd.lease_s, pd.flow.failure_policy) == ("grpc", 5.0, "fail")
@@ -203,13 +203,15 @@ SERVING_KEYS = {
     **{f"engine.{k}": ("EngineConfig", k) for k in (
         "block_size", "kv_cache_gb", "num_blocks", "kv_tier2_gb", "kv_tier2_dir",
         "max_num_batched_tokens", "max_step_ms", "max_num_seqs", "enable_prefix_caching",
-        "model_impl", "max_loras", "device", "cuda_graphs")},
+        "model_impl", "max_loras", "device", "cuda_graphs", "tp_allreduce")},
     "engine.threads_per_worker": ("PDConfig", "threads_per_actor"),
     "engine.share_idle_threads": ("PDConfig", "share_idle_threads"),
     "workers.prefill.count": ("PDConfig", "num_prefill"),
     "workers.prefill.resources": ("PDConfig", "prefill_resources"),
     "workers.decode.count": ("PDConfig", "num_decode"),
     "workers.decode.resources": ("PDConfig", "decode_resources"),
+    "workers.prefill.tp": ("PDConfig", "prefill_tp"),
+    "workers.decode.tp": ("PDConfig", "decode_tp"),
     "workers.num_gpus": ("PDConfig", "num_gpus_per_worker"),
     "workers.max_restarts": ("PDConfig", "max_restarts"),
     "transfer.options": ("PDConfig", "transport_cfg"),
@@ -264,7 +266,8 @@ def test_the_default_config_is_the_serving_defaults():
     pd = cfg.to_pd_config()
     engine = asdict(EngineConfig())
     assert pd.engine == {k: engine[k] for k in pd.engine}
-    assert set(engine) - set(pd.engine) == {"num_threads", "seed"}   # not config keys
+    # not config keys; tp: each role's (workers.*.tp), set at launch (cluster/pd.py)
+    assert set(engine) - set(pd.engine) == {"num_threads", "seed", "tp"}
     assert pd.flow.policy_cfg == {}                     # router.policy_options (YAML-only)
     assert replace(pd.flow, policy_cfg=None) == FlowConfig()
     assert replace(pd, engine={}, flow=FlowConfig()) == PDConfig()

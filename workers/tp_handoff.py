@@ -1,5 +1,5 @@
 """A KV handoff between tensor-parallel workers of any sizes on one host, rank to rank: each P
-rank gathers, for every D rank it serves in the plan (protocol/tp_plan.py), the blocks' head
+rank gathers, for every D rank it serves in the plan (protocol/tp_transfer.py), the blocks' head
 slices into one staging segment (one bulk transfer a (P rank, D rank) pair, with its checksum);
 each D rank reads its segments, every D rank verifies every shard it takes, and only when all
 of them verified does any D rank write (a missing or corrupt shard fails the whole handoff
@@ -20,7 +20,7 @@ import torch
 
 from kvtransfer.base import TransferError
 from kvtransfer.tp_shards import ShardLedger, pack_shard, shard_checksum, verify_shard, write_shard
-from protocol.tp_plan import ShardMove, TPTransferPlan, plan_tp_transfer
+from protocol.tp_transfer import ShardMove, TPTransferPlan, plan_tp_transfer
 
 SHM_DIR = "/dev/shm"
 PREFIX = "raypd_tps_"

@@ -1,12 +1,15 @@
 """`raypd generate`: one prompt through one engine in this process, or with --disagg through N
 prefill + M decode worker actors on a local Ray. The engine (and with --disagg the cluster) is
 the config chain `raypd serve` reads: --config FILE (default: configs/local.yaml's values), the
-flags given over it; --print-config prints it and exits."""
+flags given over it; --print-config prints it and exits. --tp N runs the engine on N
+tensor-parallel ranks (workers.decode.tp: it is a colocated decode worker's engine); with
+--disagg, --prefill-tp / --decode-tp set each role's (workers.prefill.tp / workers.decode.tp)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 from raypd.cli.common import (
     add_engine_args,
@@ -38,7 +41,33 @@ def register(sub) -> None:
                      help="workers.decode.count (--disagg; default 1)")
     gen.add_argument("--transport", help="transfer.transport: KV transport (--disagg; "
                      "default shm)")
+    gen.add_argument("--tp", type=int, metavar="N",
+                     help="workers.decode.tp: tensor-parallel ranks of the engine in this "
+                     "process, a colocated decode worker's (not with --disagg; default 1)")
+    gen.add_argument("--prefill-tp", type=int, metavar="N",
+                     help="workers.prefill.tp: tensor-parallel ranks of each prefill worker "
+                     "(--disagg; default 1)")
+    gen.add_argument("--decode-tp", type=int, metavar="N",
+                     help="workers.decode.tp: tensor-parallel ranks of each decode worker "
+                     "(--disagg; default 1)")
     gen.set_defaults(func=cmd_generate)
+
+
+def tp_overrides(args: argparse.Namespace, disagg: bool) -> dict:
+    """The TP flags as config keys: --prefill-tp / --decode-tp with --disagg, --tp without
+    (the engine in this process is a colocated decode worker's: workers.decode.tp); a flag of
+    the other mode is refused, never ignored. The config chain validates the values (range and
+    the model's heads, errors naming the key)."""
+    wrong = ["--tp"] if disagg and args.tp is not None else \
+        [f for f, v in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp))
+         if not disagg and v is not None]
+    if wrong:
+        raise SystemExit(f"raypd generate: error: {', '.join(wrong)}: " + (
+            "use --prefill-tp / --decode-tp with --disagg" if disagg else "only with --disagg "
+            "(without it: --tp)"))
+    if disagg:
+        return {"workers.prefill.tp": args.prefill_tp, "workers.decode.tp": args.decode_tp}
+    return {"workers.decode.tp": args.tp}
 
 
 def _sampling_from_args(args: argparse.Namespace):
@@ -52,7 +81,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     disagg = getattr(args, "disagg", False)
     cfg = config_from_args(args, {"workers.prefill.count": args.prefill,
                                   "workers.decode.count": args.decode,
-                                  "transfer.transport": args.transport}, in_process=not disagg)
+                                  "transfer.transport": args.transport,
+                                  **tp_overrides(args, disagg)}, in_process=not disagg)
     if print_config(cfg, args):
         return 0
     if args.prompt is None:
@@ -62,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if disagg:
         result = run_disagg_generate(args, sampling, cfg)
     else:
-        engine = LLMEngine(engine_config_from_args(args, cfg))
+        engine = LLMEngine(replace(engine_config_from_args(args, cfg), tp=cfg.workers.decode.tp))
         req = engine.add_request(args.prompt, sampling, chat=args.chat,
                                  lora_id=args.lora_name or "")
         while engine.has_unfinished():

@@ -13,7 +13,17 @@ from pathlib import Path
 
 from raypd.cli.common import emit
 from raypd.replay.mooncake import WorkloadError, load_trace
-from raypd.sim.cost_model import GPUS, LINKS, MODELS, CostModel, cpu_cost_model, gpu_cost_model
+from raypd.sim.cost_model import (
+    GPUS,
+    LINKS,
+    MODELS,
+    TP_CHOICES,
+    CostModel,
+    cpu_cost_model,
+    feasible_tps,
+    gpu_cost_model,
+    tp_refusal,
+)
 from raypd.sim.routing_sim import SimConfig, simulate
 from router.policies import DEFAULT_POLICY, POLICIES, make_policy
 
@@ -26,7 +36,10 @@ def register(sub) -> None:
     add_route_sim_parser(sub)
 
 
-def cost_model_of(args: argparse.Namespace) -> CostModel:
+def cost_model_of(args: argparse.Namespace, tp: int | None = None) -> CostModel:
+    """The cost model the flags name; `tp`: both roles' TP size (default --prefill-tp and
+    --decode-tp)."""
+    p_tp, d_tp = (tp, tp) if tp is not None else (args.prefill_tp, args.decode_tp)
     if args.gpu == "cpu-here":
         engine = None
         if args.engine_json is not None:
@@ -39,8 +52,40 @@ def cost_model_of(args: argparse.Namespace) -> CostModel:
             if missing:
                 raise ValueError(f"--engine-json {args.engine_json}: no {missing[0]!r} (a "
                                  "`raypd bench engine --json` file is needed)")
+        if (p_tp, d_tp) != (1, 1):
+            raise ValueError("--prefill-tp / --decode-tp: TP is modeled on the GPU rooflines "
+                             "(--gpu h100 | h200), not cpu-here")
         return cpu_cost_model(engine)
-    return gpu_cost_model(args.gpu, args.model or "llama3-8b", args.link)
+    return gpu_cost_model(args.gpu, args.model or "llama3-8b", args.link, prefill_tp=p_tp,
+                          decode_tp=d_tp)
+
+
+def plan_tps(args: argparse.Namespace) -> tuple[int, ...]:
+    """The TP sizes --plan searches: --tp-choices (default 1,2,4,8) that the model's heads and
+    the GPU's memory allow (cost_model.tp_refusal); cpu-here: 1. None allowed: an error with
+    each size's reason."""
+    if args.tp_choices is None:
+        wanted = TP_CHOICES
+    else:
+        try:
+            wanted = tuple(sorted({int(x) for x in args.tp_choices.split(",")}))
+            if not wanted or any(not 1 <= t <= 8 for t in wanted):
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--tp-choices must be TP sizes between 1 and 8, got "
+                             f"{args.tp_choices!r}") from None
+    if args.gpu == "cpu-here":
+        if wanted != (1,) and args.tp_choices is not None:
+            raise ValueError("--tp-choices: TP is modeled on the GPU rooflines (--gpu h100 | "
+                             "h200), not cpu-here")
+        return (1,)
+    model = args.model or "llama3-8b"
+    ok = feasible_tps(args.gpu, model, wanted)
+    if not ok:
+        raise ValueError(f"no TP size of {', '.join(map(str, wanted))} fits {model} on "
+                         f"{args.gpu}: " + "; ".join(f"tp {t}: {tp_refusal(args.gpu, model, t)}"
+                                                     for t in wanted))
+    return ok
 
 
 def _html(title: str, rows: list[dict], notes: dict) -> str:
@@ -61,7 +106,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from raypd.sim.cluster_sim import ClusterConfig, simulate_cluster
 
     try:
-        cost = cost_model_of(args)
+        if args.plan:
+            if (args.prefill_tp, args.decode_tp) != (1, 1):
+                raise ValueError("--prefill-tp / --decode-tp: --plan searches each role's TP "
+                                 "itself (--tp-choices)")
+            tps = plan_tps(args)
+            # the plan's stated cost model: its smallest TP (a 70B shape needs 2 on one GPU)
+            cost = cost_model_of(args, tps[0])
+        else:
+            if args.tp_choices is not None:
+                raise ValueError("--tp-choices is searched by --plan; one run takes "
+                                 "--prefill-tp and --decode-tp")
+            cost = cost_model_of(args)
+        if args.plan_rps_per_gpu != args.defaults["plan_rps_per_gpu"] and not args.plan:
+            raise ValueError("--plan-rps-per-gpu: only with --plan")
+        _positive("--plan-rps-per-gpu", args.plan_rps_per_gpu)
         if args.colocated_budgets is not None and not args.plan:
             raise ValueError("--colocated-budgets is swept by --plan; one run takes "
                              "--colocated --token-budget N")
@@ -130,9 +189,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                  "not --colocated / --token-budget")
             budgets = planner.COLOCATED_BUDGETS if args.colocated_budgets is None else \
                 planner.parse_budgets(args.colocated_budgets)
-            plan = planner.run_plan(trace, cost, planner.parse_gpus(args.gpus), args.slo_ttft, args.slo_tpot,
-                            requests_per_16=args.plan_requests, budgets=budgets,
-                            max_tokens=args.max_tokens, max_decode_batch=args.max_decode_batch)
+            tp_cost = None if tps == (1,) else (
+                lambda p_tp, d_tp: gpu_cost_model(args.gpu, args.model or "llama3-8b", args.link,
+                                                  prefill_tp=p_tp, decode_tp=d_tp))
+            plan = planner.run_plan(trace, cost, planner.parse_gpus(args.gpus), args.slo_ttft,
+                                    args.slo_tpot, requests_per_16=args.plan_requests,
+                                    budgets=budgets, max_tokens=args.max_tokens,
+                                    max_decode_batch=args.max_decode_batch, tp_cost=tp_cost,
+                                    tp_choices=tps, base_rps_per_gpu=args.plan_rps_per_gpu)
             text = planner.plan_text(plan)
             print(text)
             result, rows = plan, [
@@ -147,7 +211,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                 max_tokens=args.max_tokens,
                                 max_decode_batch=args.max_decode_batch,
                                 colocated_budget=args.token_budget or 2048)
+            if args.colocated and args.prefill_tp != args.decode_tp:
+                raise ValueError("--colocated: one engine prefills and decodes, at one TP "
+                                 "size: --prefill-tp and --decode-tp must be equal")
             result = simulate_cluster(trace, cost, cfg, args.rate_scale)
+            gpus = args.prefill * args.prefill_tp + (0 if args.colocated else
+                                                     args.decode * args.decode_tp)
+            result.update(num_gpus=gpus, goodput_rps_per_gpu=result["goodput_rps"] / gpus,
+                          prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
             result["label"] = f"simulated ({cost.label})"
             result["trace"] = str(args.trace)
             print(json.dumps({k: v for k, v in result.items() if k != "cost_model"},
@@ -178,8 +249,16 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                     "production policies, prefix index and block pools (raypd/sim/cluster_sim.py)")
     p.add_argument("trace", type=Path, nargs="?", default=None,
                    help="Mooncake-format JSONL trace (not needed with --validate)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill GPUs/workers")
-    p.add_argument("--decode", type=int, default=1, help="decode GPUs/workers")
+    p.add_argument("--prefill", type=int, default=1,
+                   help="prefill workers (each --prefill-tp GPUs)")
+    p.add_argument("--decode", type=int, default=1,
+                   help="decode workers (each --decode-tp GPUs)")
+    p.add_argument("--prefill-tp", type=int, default=1, metavar="N",
+                   help="GPU rooflines: tensor-parallel GPUs of each prefill worker (default "
+                        "%(default)s; --plan searches it)")
+    p.add_argument("--decode-tp", type=int, default=1, metavar="N",
+                   help="GPU rooflines: tensor-parallel GPUs of each decode worker (default "
+                        "%(default)s; --plan searches it)")
     p.add_argument("--colocated", action="store_true",
                    help="--prefill GPUs that each prefill and decode (no transfer): chunked "
                         "prefill with decode mixed into each step")
@@ -215,6 +294,13 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                                                      "a list (default %(default)s)")
     p.add_argument("--plan-requests", type=int, default=800,
                    help="requests per 16 GPUs in the plan's replay (default %(default)s)")
+    p.add_argument("--plan-rps-per-gpu", type=float, default=0.5,
+                   help="--plan: the base request rate per GPU its probes scale (x0.35 to x8, "
+                        "then up to x128; a configuration failing at the first has goodput 0): "
+                        "lower it for a large model (default %(default)s)")
+    p.add_argument("--tp-choices", default=None, metavar="T1,T2",
+                   help="--plan: TP sizes each role may take (default 1,2,4,8; those the "
+                        "model's heads and the GPU's memory allow)")
     p.add_argument("--colocated-budgets", default=None, metavar="B1,B2",
                    help="--plan: colocated token budgets swept (default 512,1024,2048,4096,"
                         "8192); the DistServe check takes the best")

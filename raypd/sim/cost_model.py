@@ -37,6 +37,9 @@ decodes), and the decode worker's running batch `land_s_per_token` x a landing p
 tokens later, each a function of the decode worker's batch (`HostSlowdown`); `raypd simulate
 --validate` measures them at PROBE_BATCHES on the real cluster before its replay
 (raypd/bench/sim_validation.py probe_shared_host); none elsewhere.
+Tensor parallelism (GPU rooflines, `gpu_cost_model(prefill_tp=, decode_tp=)`): a worker of TP t
+is t GPUs, each computing and reading 1/t, plus two all-reduces a layer (TP_ALLREDUCE and the
+other TP_* figures, stated once below); its KV pool is its ranks' memory after their weights.
 """
 
 from __future__ import annotations
@@ -244,6 +247,12 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
+    vocab: int = 0         # the input embedding's rows (replicated on every TP rank)
+
+    @property
+    def heads(self) -> int:
+        """Query heads (hidden = heads x head_dim in every shape here)."""
+        return self.hidden // self.head_dim
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -253,10 +262,25 @@ class ModelShape:
     def weight_bytes(self) -> float:
         return self.params * self.dtype_bytes
 
+    def rank_kv_bytes_per_token(self, tp: int) -> float:
+        """One TP rank's KV per token: its share of the KV heads (one replicated head when tp
+        exceeds them: kvcache/kv_sizing.py rank_kv_heads)."""
+        from kvcache.kv_sizing import rank_kv_heads
+        return self.kv_bytes_per_token * rank_kv_heads(self.kv_heads, tp) / self.kv_heads
 
-MODELS = {
-    "smollm2-135m": ModelShape("smollm2-135m", 134.5e6, 30, 576, 3, 64, 2),
-    "llama3-8b": ModelShape("llama3-8b", 8.03e9, 32, 4096, 8, 128, 2),
+    def rank_weight_bytes(self, tp: int) -> float:
+        """One TP rank's weights: all but the input embedding split 1/tp (the projections, the
+        MLP, the lm_head by vocabulary; the k/v projections' replication past kv_heads and the
+        norms are left out: under 1% here), the embedding on every rank (workers/llama.py)."""
+        embed = self.vocab * self.hidden
+        return ((self.params - embed) / tp + embed) * self.dtype_bytes
+
+
+MODELS = {   # the published config.json shapes (vocab: vocab_size)
+    "smollm2-135m": ModelShape("smollm2-135m", 134.5e6, 30, 576, 3, 64, 2, 49152),
+    "llama3-8b": ModelShape("llama3-8b", 8.03e9, 32, 4096, 8, 128, 2, 128256),
+    # Meta-Llama-3-70B: 80 layers, GQA 64:8; its bf16 weights (141 GB) need TP >= 2 on 80 GB
+    "llama3-70b": ModelShape("llama3-70b", 70.55e9, 80, 8192, 8, 128, 2, 128256),
 }
 
 
@@ -283,35 +307,133 @@ ROOFLINE_EFFICIENCY = {"prefill_mfu": 0.5, "decode_mbu": 0.7, "decode_mfu": 0.4,
                        "kv_memory_fraction": 0.9}
 
 
+# ---- tensor parallelism on the rooflines: every figure in one place ---------------------------
+@dataclass(frozen=True)
+class AllReduceCost:
+    """A ring all-reduce of `nbytes` over `ranks` GPUs: each rank sends (and receives)
+    2 (ranks - 1) / ranks of the message over its link, plus a fixed latency a call (NCCL's
+    ring); nothing on one rank."""
+    gbps: float         # one GPU's one-way link bandwidth as the all-reduce uses it, GB/s
+    latency_s: float    # a call's fixed cost (launch, synchronisation, the ring's hops)
+
+    def seconds(self, nbytes: float, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        return self.latency_s + 2 * (ranks - 1) / ranks * nbytes / (self.gbps * 1e9)
+
+
+TP_CHOICES = (1, 2, 4, 8)      # TP sizes the planner tries (one 8-GPU NVLink node at most)
+# NVLink 4 (H100 / H200 SXM: 450 GB/s a direction) at the roofline's link_efficiency, ~360 GB/s,
+# about what nccl-tests report as an 8-GPU all-reduce's bus bandwidth on large messages; 8 us a
+# call, NCCL's small-message latency on one NVLink node (decode's all-reduces are small)
+TP_ALLREDUCE = AllReduceCost(LINKS["nvlink"].gbps * ROOFLINE_EFFICIENCY["link_efficiency"],
+                             8e-6)
+TP_ALLREDUCES_PER_LAYER = 2    # Megatron: after attention's o_proj and after the MLP's down_proj
+MIN_KV_TOKENS = 4096           # a TP size whose ranks hold less KV than this is refused
+TP_ASSUMPTIONS = (
+    "a TP-t worker holds t GPUs: compute, weight reads and KV reads split 1/t over its ranks "
+    "(the embedding replicated on each; one KV head a rank when t exceeds the KV heads); "
+    f"{TP_ALLREDUCES_PER_LAYER} all-reduces a layer of tokens x hidden x dtype bytes, "
+    "a ring over NVLink (TP_ALLREDUCE), not overlapped with compute; the KV pool is the ranks' "
+    "memory after their weights; P -> D pages move rank to rank, min(P's, D's TP) links in "
+    "parallel (one NIC a GPU, as DGX H100 nodes have)")
+
+
+def tp_allreduce_s(m: ModelShape, tokens: int, tp: int,
+                   allreduce: AllReduceCost = TP_ALLREDUCE) -> float:
+    """The all-reduces of one forward pass of `tokens` tokens on a TP-`tp` worker."""
+    return m.layers * TP_ALLREDUCES_PER_LAYER * allreduce.seconds(
+        tokens * m.hidden * m.dtype_bytes, tp)
+
+
+def tp_allreduce_terms(m: ModelShape, tp: int) -> tuple[float, float]:
+    """tp_allreduce_s as (seconds a step, seconds a token): the calls' latencies, their bytes."""
+    step = tp_allreduce_s(m, 0, tp)
+    return step, tp_allreduce_s(m, 1, tp) - step
+
+
+def worker_kv_tokens(gpu: str, model: str, tp: int) -> int:
+    """KV tokens a TP-`tp` worker's pool holds: each rank's HBM after its weights, at
+    kv_memory_fraction, over a rank's KV bytes per token (negative: the weights do not fit)."""
+    g, m = GPUS[gpu], MODELS[model]
+    free = (g.hbm_gb * 1e9 - m.rank_weight_bytes(tp)) * ROOFLINE_EFFICIENCY["kv_memory_fraction"]
+    return int(free / m.rank_kv_bytes_per_token(tp))
+
+
+def tp_refusal(gpu: str, model: str, tp: int) -> str | None:
+    """Why a worker of `model` on `gpu` cannot have TP size `tp` (None: it can): the model's
+    heads (protocol/tp_layout.py's rule) or its weights per rank leaving under MIN_KV_TOKENS of
+    KV room."""
+    from protocol.tp_layout import tp_refusal as heads_refusal
+    m = MODELS[model]
+    reason = heads_refusal(m.heads, m.kv_heads, tp)
+    if reason:
+        return reason
+    if worker_kv_tokens(gpu, model, tp) < MIN_KV_TOKENS:
+        return (f"{model}'s weights at tp {tp} ({m.rank_weight_bytes(tp) / 1e9:.0f} GB a rank) "
+                f"leave less than {MIN_KV_TOKENS} tokens of KV on a {GPUS[gpu].hbm_gb:.0f} GB "
+                f"{gpu}")
+    return None
+
+
+def feasible_tps(gpu: str, model: str, choices: Sequence[int] = TP_CHOICES) -> tuple[int, ...]:
+    """The TP sizes of `choices` a worker of `model` on `gpu` can have (tp_refusal)."""
+    return tuple(t for t in choices if tp_refusal(gpu, model, t) is None)
+
+
 def gpu_cost_model(gpu: str = "h100", model: str = "llama3-8b", link: str = "400g",
-                   chunk_tokens: int = 8192) -> CostModel:
+                   chunk_tokens: int = 8192, prefill_tp: int = 1,
+                   decode_tp: int = 1) -> CostModel:
     """Roofline: prefill is compute-bound at prefill_mfu of the bf16 peak (2 x params FLOPs a
     token for the linear layers, 4 x layers x hidden x context a token for attention); a decode
     step reads the weights and the batch's KV at decode_mbu of the HBM bandwidth, plus its
-    linear FLOPs at decode_mfu, plus a fixed step overhead; the KV pool is kv_memory_fraction of what the weights
-    leave of HBM; P -> D transfers on `link` at link_efficiency."""
+    linear FLOPs at decode_mfu, plus a fixed step overhead; the KV pool is kv_memory_fraction
+    of what the weights leave of HBM; P -> D transfers on `link` at link_efficiency.
+
+    Prefill workers of TP `prefill_tp`, decode workers of `decode_tp` (TP_ASSUMPTIONS): each
+    rank computes and reads 1/t (its weights, its KV heads), and every step pays
+    TP_ALLREDUCES_PER_LAYER all-reduces a layer (tp_allreduce_s: per step their latencies, per
+    token their bytes); the KV pool holds what the ranks' memory holds. The simulator gives
+    every worker one pool size: the decode workers' (admission and reservations); the prefill
+    workers' own is in the notes. Raises ValueError on a TP size `tp_refusal` refuses."""
+    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+        reason = tp_refusal(gpu, model, tp)
+        if reason:
+            raise ValueError(f"{role} TP {tp} for {model} on {gpu}: {reason}")
     g, m, e = GPUS[gpu], MODELS[model], ROOFLINE_EFFICIENCY
     flops = g.bf16_tflops * 1e12 * e["prefill_mfu"]
-    tok_s = flops / (2 * m.params)
+    compute_tok_s = flops * prefill_tp / (2 * m.params)
+    p_step_ar, p_token_ar = tp_allreduce_terms(m, prefill_tp)
+    tok_s = 1.0 / (1.0 / compute_tok_s + p_token_ar) if p_token_ar else compute_tok_s
     # attention FLOPs a token at context c: 4 * layers * hidden * c; equal to the linear part
-    # (2 * params) at c = params / (2 * layers * hidden)
-    attn_ctx = m.params / (2 * m.layers * m.hidden)
+    # (2 * params) at c = params / (2 * layers * hidden); split over the ranks as the linear
+    # part is (the query heads are), never slowed by the all-reduce
+    attn_ctx = m.params / (2 * m.layers * m.hidden) * (compute_tok_s / tok_s)
+    prefill_overhead = e["step_overhead_s"] + p_step_ar
+    d_step_ar, d_token_ar = tp_allreduce_terms(m, decode_tp)
     bw = g.hbm_tbps * 1e12 * e["decode_mbu"]
-    per_ctx = m.kv_bytes_per_token / bw
-    base = max(m.weight_bytes / bw, 0.0) + e["step_overhead_s"]
-    per_seq = 2 * m.params / (g.bf16_tflops * 1e12 * e["decode_mfu"])
+    per_ctx = m.rank_kv_bytes_per_token(decode_tp) / bw
+    base = max(m.rank_weight_bytes(decode_tp) / bw, 0.0) + e["step_overhead_s"] + d_step_ar
+    per_seq = 2 * m.params / (decode_tp * g.bf16_tflops * 1e12 * e["decode_mfu"]) + d_token_ar
     lk = LINKS[link]
-    kv_tokens = int((g.hbm_gb * 1e9 - m.weight_bytes) * e["kv_memory_fraction"]
-                    / m.kv_bytes_per_token)
+    lanes = min(prefill_tp, decode_tp)   # rank-to-rank page moves in parallel
+    kv_tokens = worker_kv_tokens(gpu, model, decode_tp)
+    tp_label = "" if prefill_tp == decode_tp == 1 else f" TP P{prefill_tp}/D{decode_tp}"
     return CostModel(
-        label=f"roofline {gpu} {model}",
-        prefill=PrefillCost(tok_s, attn_ctx, e["step_overhead_s"], chunk_tokens),
+        label=f"roofline {gpu} {model}{tp_label}",
+        prefill=PrefillCost(tok_s, attn_ctx, prefill_overhead, chunk_tokens),
         decode=DecodeCost(base, per_seq, per_ctx),
-        link=LinkCost(lk.gbps * e["link_efficiency"], lk.latency_s + HANDOFF_LATENCY_S),
+        link=LinkCost(lk.gbps * e["link_efficiency"] * lanes,
+                      lk.latency_s + HANDOFF_LATENCY_S),
         kv_bytes_per_token=m.kv_bytes_per_token, kv_capacity_tokens=kv_tokens,
         notes={"gpu": asdict(g), "model": asdict(m), "link": link,
                "efficiency": dict(e), "source": "roofline",
-               "handoff_latency": {"s": HANDOFF_LATENCY_S, "source": HANDOFF_SOURCE}})
+               "handoff_latency": {"s": HANDOFF_LATENCY_S, "source": HANDOFF_SOURCE},
+               "tp": {"prefill": prefill_tp, "decode": decode_tp,
+                      "allreduce": asdict(TP_ALLREDUCE),
+                      "allreduces_per_layer": TP_ALLREDUCES_PER_LAYER,
+                      "prefill_kv_capacity_tokens": worker_kv_tokens(gpu, model, prefill_tp),
+                      "assumptions": TP_ASSUMPTIONS}})
 
 
 # What a request spends between its prefill's end and its first token besides its KV's bytes on

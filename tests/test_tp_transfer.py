@@ -17,7 +17,7 @@ from kvtransfer.tp_shards import (
     unpack_shard,
 )
 from protocol.tp_layout import rank_heads, tp_refusal
-from protocol.tp_plan import ShardMove, plan_tp_transfer
+from protocol.tp_transfer import ShardMove, plan_tp_transfer
 
 SIZES = (1, 2, 3, 4, 8)
 KV_HEADS = (1, 2, 3, 8)
