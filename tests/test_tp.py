@@ -61,6 +61,15 @@ def test_tp_greedy_equals_one_rank_and_generate(reference_outputs, model, tp):
         engine.close()
 
 
+def test_tp_over_gloo_gives_the_same_tokens(reference_outputs):
+    engine = _engine("random:llama-test-kv8", 2, tp_allreduce="gloo")
+    try:
+        assert type(engine.tp_group.comm).__name__ == "GlooComm"
+        assert _greedy(engine) == reference_outputs["random:llama-test-kv8"]
+    finally:
+        engine.close()
+
+
 def test_tp_vocab_split_lm_head_gives_the_same_tokens(reference_outputs):
     engine = LLMEngine(EngineConfig(model="random:llama-test-kv8", dtype="float32", tp=2,
                                     num_blocks=64, num_threads=1), tp_lm_head="vocab")
@@ -110,6 +119,7 @@ def test_a_killed_rank_fails_the_step_instead_of_hanging():
         engine.close()
 
 
+@pytest.mark.realmodel
 def test_smollm2_tp3_greedy_equals_tp1_and_generate():
     """SmolLM2-135M: 9 query heads over 3 KV heads, one KV head a rank."""
     from workers.model_loader import load_model

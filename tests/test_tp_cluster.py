@@ -17,7 +17,7 @@ from workers.engine import LLMEngine
 from workers.engine_config import EngineConfig
 from workers.request import SamplingParams
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.integration]
 
 ENGINE = dict(model="random:llama-test", dtype="float32", num_blocks=64, block_size=16)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

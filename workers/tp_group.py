@@ -26,12 +26,13 @@ import torch
 
 from protocol.tp_layout import RankHeads, all_rank_heads, rank_heads, tp_refusal
 from workers.engine_config import EngineConfig
-from workers.kernels.tp_comm import CommError, ShmComm
+from workers.kernels.tp_comm import CommError, GlooComm, ShmComm, free_port
 from workers.tp_shard import DEFAULT_LM_HEAD, TPShard
 
 STEP, READ, WRITE, CALL, STOP = b"S", b"R", b"W", b"C", b"Q"
 SLOT_BYTES = 4 << 20          # the channel's per-rank slot (bigger messages go in chunks)
 READY_TIMEOUT_S = 300.0       # a rank that has not loaded its shard by then fails the start
+GLOO_TIMEOUT_S = 7 * 24 * 3600.0   # gloo's group timeout bounds an idle rank's wait too
 
 
 def check_tp(config, tp: int) -> None:
@@ -75,7 +76,7 @@ def build_rank_runner(spec: RankSpec, comm: ShmComm, loaded=None):
 def rank_main(spec: RankSpec) -> None:
     """A rank other than 0: build the shard, report ready, then run what rank 0 sends until it
     says stop (or the channel fails: rank 0 is gone)."""
-    comm = ShmComm.attach(spec.comm_name, spec.rank, spec.tp, spec.slot_bytes)
+    comm = join_comm(spec)
     try:
         if spec.cfg.num_threads:
             torch.set_num_threads(spec.cfg.num_threads)
@@ -86,6 +87,14 @@ def rank_main(spec: RankSpec) -> None:
         pass     # rank 0 is gone or aborted the group: nothing left to serve
     finally:
         comm.close()
+
+
+def join_comm(spec: RankSpec):
+    """A rank's channel: the shared-memory segment rank 0 made, or the gloo group at the
+    address rank 0 named (`tp_allreduce: gloo`)."""
+    if spec.comm_name.startswith("tcp://"):
+        return GlooComm.init(spec.rank, spec.tp, spec.comm_name, GLOO_TIMEOUT_S)
+    return ShmComm.attach(spec.comm_name, spec.rank, spec.tp, spec.slot_bytes)
 
 
 def serve_rank(runner, comm: ShmComm) -> None:
@@ -142,10 +151,12 @@ class TPGroup:
         """Create the channel and start ranks 1..t-1 (they load their shards while rank 0
         builds its own; `wait_ready` joins them)."""
         assert cfg.tp > 1
-        comm = ShmComm.create(cfg.tp, SLOT_BYTES)
+        gloo = cfg.tp_allreduce == "gloo"
+        comm = None if gloo else ShmComm.create(cfg.tp, SLOT_BYTES)
+        where = f"tcp://127.0.0.1:{free_port()}" if gloo else comm.name
         group = cls(comm, cfg.tp, lm_head, launcher=launcher)
         rank_cfg = replace(cfg, num_threads=rank_threads or cfg.num_threads)
-        specs = [RankSpec(rank_cfg, r, cfg.tp, comm.name, num_blocks, max_model_len, kv_dtype,
+        specs = [RankSpec(rank_cfg, r, cfg.tp, where, num_blocks, max_model_len, kv_dtype,
                           lm_head) for r in range(1, cfg.tp)]
         try:
             if launcher == "ray":
@@ -158,6 +169,8 @@ class TPGroup:
                                     name=f"raypd-tp-rank{spec.rank}")
                     p.start()
                     group.ranks.append(p)
+            if gloo:    # joins once every rank has (they start above)
+                group.comm = GlooComm.init(0, cfg.tp, where, GLOO_TIMEOUT_S)
         except BaseException:
             group.close()
             raise
@@ -199,7 +212,8 @@ class TPGroup:
             return
         self.stopped = True
         try:
-            self.comm.broadcast(STOP, timeout_s=timeout_s)
+            if self.comm is not None:
+                self.comm.broadcast(STOP, timeout_s=timeout_s)
         except CommError:
             self.comm.abort()
         deadline = time.monotonic() + timeout_s
@@ -211,7 +225,8 @@ class TPGroup:
             else:
                 from workers.tp_actors import stop_rank_actor
                 stop_rank_actor(r)
-        self.comm.close()
+        if self.comm is not None:
+            self.comm.close()
 
     def alive(self) -> bool:
         """Every rank's process is running (a health check; the channel's own waits find a

@@ -253,40 +253,64 @@ class GlooComm:
         import datetime
 
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        if dist.is_initialized():   # torch.distributed holds one default group a process
+            raise CommError("this process already belongs to a gloo group (one TP worker "
+                            "with tp_allreduce gloo a process; shm has no such limit)")
+        try:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                                    world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise CommError(f"gloo group at {init_method}: {e}") from e
         return cls(rank, world)
 
     def all_reduce_(self, t: torch.Tensor, timeout_s: float = 60.0) -> torch.Tensor:
         import torch.distributed as dist
-        dist.all_reduce(t)
+        with _gloo_errors():
+            dist.all_reduce(t)
         return t
 
     def broadcast(self, payload: bytes | None, timeout_s: float | None = None) -> bytes:
         import torch.distributed as dist
         n = torch.tensor([len(payload) if self.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(n, 0)
-        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0
-               else torch.empty(int(n.item()), dtype=torch.uint8))
-        if buf.numel():
-            dist.broadcast(buf, 0)
+        with _gloo_errors():
+            dist.broadcast(n, 0)
+            buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0
+                   else torch.empty(int(n.item()), dtype=torch.uint8))
+            if buf.numel():
+                dist.broadcast(buf, 0)
         return bytes(payload) if self.rank == 0 else buf.numpy().tobytes()
 
     def gather(self, t: torch.Tensor, timeout_s: float = 60.0) -> list[torch.Tensor] | None:
         import torch.distributed as dist
         src = t.contiguous()
         out = [torch.empty_like(src) for _ in range(self.world)] if self.rank == 0 else None
-        dist.gather(src, out, dst=0)
+        with _gloo_errors():
+            dist.gather(src, out, dst=0)
         return out
 
     def barrier(self, timeout_s: float = 60.0) -> None:
         import torch.distributed as dist
-        dist.barrier()
+        with _gloo_errors():
+            dist.barrier()
+
+    def abort(self) -> None:
+        """gloo has no abort: the group's peers see this process's sockets close."""
+        self.close()
 
     def close(self) -> None:
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _gloo_errors():
+    """A gloo collective's failure (a peer gone, the group's timeout) as CommError."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as e:
+        raise CommError(f"gloo: {e}") from e
 
 
 def free_port() -> int:
