@@ -269,7 +269,7 @@ class CompactLlama(nn.Module):
         return kernels.add_rms_norm(h, delta, self.norm, self.eps)
 
     @staticmethod
-    def release_fused_sources(hf_model: nn.Module) -> int:
+    def release_fused_sources(hf_model: nn.Module, every_projection: bool = False) -> int:
         """Free the stock weights this model holds fused copies of (q/k/v, gate/up): an owner
         that keeps only the compact model should not hold them twice (~9 GB for an 8B model).
         The stock model cannot run afterwards (`raypd_stock_released` says so). Returns the
@@ -277,7 +277,9 @@ class CompactLlama(nn.Module):
         freed = 0
         for layer in hf_model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
+            # a TP rank holds copies of its slices of o and down too (`every_projection`)
+            extra = (a.o_proj, m.down_proj) if every_projection else ()
+            for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj, *extra):
                 w = lin.weight
                 freed += w.numel() * w.element_size()
                 lin.weight = nn.Parameter(w.new_empty(0), requires_grad=False)

@@ -170,7 +170,8 @@ class ModelRunner:
             self.model_impl = "compact"
             self.fallback_reason = ""
             if release_stock and not lora_specs:   # stock LoRA hooks never run on compact
-                self.stock_bytes_released = CompactLlama.release_fused_sources(model)
+                self.stock_bytes_released = CompactLlama.release_fused_sources(
+                    model, every_projection=tp is not None)
         else:
             model.set_attn_implementation(register_paged_attention())
             self.model_impl = "stock"

@@ -34,6 +34,9 @@ from workers.engine_config import EngineConfig
 from workers.request import SamplingParams
 
 BIG = "random:llama-0.4b"
+# the handoffs' model: 8 KV heads split at every TP size, small enough that one process holds
+# rank 0 of seven engines (the 0.4B shape's seven did not fit 24 GiB beside their ranks)
+HANDOFF_MODEL = "random:llama-test-kv8"
 GREEDY_CASES = [("random:llama-test-kv8", (2, 4)), ("random:llama-test", (4,)),
                 ("random:smollm2-135m", (3,))]
 HANDOFF_PAIRS = [(tp, td) for tp in (1, 2, 4) for td in (1, 2, 4)]
@@ -161,19 +164,19 @@ def handoff_figures(quick: bool) -> dict:
     there: tokens against TP=1 colocated, bytes against what D's ranks lack."""
     from workers.tp_handoff import disagg_generate
     n_tokens = 512 if quick else 2048
-    prompt = [(13 * i) % 30000 + 3 for i in range(n_tokens)]
+    prompt = [(13 * i) % 1000 + 3 for i in range(n_tokens)]
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     blocks = n_tokens // 16 + 8
-    ref_engine = _engine(BIG, 1, 2, blocks)
+    ref_engine = _engine(HANDOFF_MODEL, 1, 2, blocks)
     try:
         ref = _tokens(ref_engine, [prompt], 4)[0]
     finally:
         ref_engine.close()
     rows, mismatches = [], 0
-    ps = {tp: _engine(BIG, tp, 1, blocks) for tp in (1, 2, 4)}
+    ps = {tp: _engine(HANDOFF_MODEL, tp, 1, blocks) for tp in (1, 2, 4)}
     try:
         for t_d in (1, 2, 4):
-            d = _engine(BIG, t_d, 1, blocks)
+            d = _engine(HANDOFF_MODEL, t_d, 1, blocks)
             try:
                 for t_p in (1, 2, 4):
                     d.reset_prefix_cache()
@@ -189,7 +192,7 @@ def handoff_figures(quick: bool) -> dict:
     finally:
         for e in ps.values():
             e.close()
-    return {"prompt_tokens": n_tokens, "model": BIG, "handoffs": rows,
+    return {"prompt_tokens": n_tokens, "model": HANDOFF_MODEL, "handoffs": rows,
             "handoff_mismatches": mismatches}
 
 
@@ -265,6 +268,7 @@ def run_bench_tp(quick: bool = False, repeats: int = 3, parts: tuple[str, ...] =
         h = handoff_figures(quick)
         result["handoffs"] = h["handoffs"]
         result["handoff_prompt_tokens"] = h["prompt_tokens"]
+        result["handoff_model"] = h["model"]
         result["greedy_mismatches"] = result.get("greedy_mismatches", 0) \
             + h["handoff_mismatches"]
     if "rank_kill" in parts:
