@@ -9,8 +9,8 @@ import signal
 
 import pytest
 import torch
+from conftest import hf_greedy
 
-from tests.conftest import hf_greedy
 from workers.engine import LLMEngine
 from workers.engine_config import EngineConfig
 from workers.random_model import build_random
