@@ -27,7 +27,7 @@ SHAPES = {
     # small shapes for CPU tests of tensor parallelism: 8 KV heads (split up to TP 8)
     "llama-test-kv8": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                            num_attention_heads=8, num_key_value_heads=8, vocab_size=1024,
-                           max_position_embeddings=2048, rope_theta=500000.0,
+                           max_position_embeddings=4096, rope_theta=500000.0,
                            rms_norm_eps=1e-5),
     # the same layout, small enough for a CPU test of the path (2 KV heads: replicated at TP 4)
     "llama-test": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
