@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.hashing import CacheNamespace
-from kvcache.kv_sizing import bytes_per_layer_block, kv_layout
+from kvcache.kv_sizing import bytes_per_layer_block, kv_layout, rank_layout
 from kvcache.manager import KVCacheManager
 from protocol.lifecycle import EngineStats
 from protocol.step_rates import default_batched_tokens
+from protocol.tp_layout import tp_refusal
 from workers.device import (
     DTYPES,
     device_name,
@@ -56,8 +57,9 @@ def load_engine_model(cfg: EngineConfig, device: torch.device):
 
 def check_tp_engine(cfg: EngineConfig, config, kv_dtype: str, device: torch.device) -> None:
     """Raise ValueError naming the rule when this engine cannot run at TP size cfg.tp."""
-    from workers.tp_group import check_tp
-    check_tp(config, cfg.tp)
+    reason = tp_refusal(config.num_attention_heads, config.num_key_value_heads, cfg.tp)
+    if reason:
+        raise ValueError(reason)
     if device.type != "cpu":
         raise ValueError("tp > 1 runs on the CPU only for now (shared-memory all-reduce); "
                          f"device {device.type!r}")
@@ -67,12 +69,6 @@ def check_tp_engine(cfg: EngineConfig, config, kv_dtype: str, device: torch.devi
         raise ValueError("tp > 1 does not serve LoRA adapters yet")
     if is_quantized(kv_dtype) or cfg.kv_tier2_gb:
         raise ValueError("tp > 1 needs a float KV pool without tier 2")
-
-
-def tp_kv_share(config, tp: int) -> float:
-    """The share of a worker's KV heads one of its `tp` ranks holds (replicated: one head)."""
-    kv = config.num_key_value_heads
-    return 1.0 if tp <= 1 else max(1, kv // tp) / kv
 
 
 @dataclass
@@ -119,7 +115,8 @@ class LLMEngine:
         per_token = self.kv_bytes_per_block / cfg.block_size
         self.kv_bytes_per_token = int(per_token) if per_token.is_integer() else per_token
         # kv_cache_gb is each rank's: a TP rank holds its share of the KV heads
-        rank_block = self.kv_bytes_per_block * tp_kv_share(self.model.config, cfg.tp)
+        rank_block = layout.num_layers * bytes_per_layer_block(rank_layout(layout, cfg.tp),
+                                                               kv_dtype, cfg.block_size)
         num_blocks = cfg.num_blocks or int(cfg.kv_cache_gb * 2**30 // rank_block)
         self.max_model_len = cfg.max_model_len or self.info.max_position_embeddings
         tier2_slots = int(cfg.kv_tier2_gb * 2**30 // self.kv_bytes_per_block)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from protocol.tp_layout import RankHeads, all_rank_heads, rank_heads, tp_refusal
+from protocol.tp_layout import RankHeads, all_rank_heads, rank_heads
 from workers.engine_config import EngineConfig
 from workers.kernels.tp_comm import CommError, GlooComm, ShmComm, free_port
 from workers.tp_shard import DEFAULT_LM_HEAD, TPShard
@@ -33,13 +33,6 @@ STEP, READ, WRITE, CALL, STOP = b"S", b"R", b"W", b"C", b"Q"
 SLOT_BYTES = 4 << 20          # the channel's per-rank slot (bigger messages go in chunks)
 READY_TIMEOUT_S = 300.0       # a rank that has not loaded its shard by then fails the start
 GLOO_TIMEOUT_S = 7 * 24 * 3600.0   # gloo's group timeout bounds an idle rank's wait too
-
-
-def check_tp(config, tp: int) -> None:
-    """Raise ValueError when TP size `tp` cannot split a model of this (transformers) config."""
-    reason = tp_refusal(config.num_attention_heads, config.num_key_value_heads, tp)
-    if reason:
-        raise ValueError(reason)
 
 
 @dataclass(frozen=True)
@@ -57,13 +50,13 @@ class RankSpec:
     slot_bytes: int = SLOT_BYTES
 
 
-def build_rank_runner(spec: RankSpec, comm: ShmComm, loaded=None):
+def build_rank_runner(spec: RankSpec, comm: ShmComm):
     """A rank's ModelRunner over its shard (the model loaded as the engine loads it)."""
     from workers.device import DTYPES, resolve_device
     from workers.engine import load_engine_model
     from workers.model_runner import ModelRunner
     device = resolve_device(spec.cfg.device)
-    model, _, info = loaded or load_engine_model(spec.cfg, device)
+    model = load_engine_model(spec.cfg, device)[0]
     config = model.config
     shard = TPShard(rank_heads(config.num_attention_heads, config.num_key_value_heads,
                                spec.tp, spec.rank), comm, spec.lm_head)
@@ -138,8 +131,7 @@ class TPGroup:
     comm: ShmComm
     tp: int
     lm_head: str = DEFAULT_LM_HEAD
-    ranks: list[Any] = field(default_factory=list)   # processes or Ray actor handles
-    launcher: str = "process"
+    ranks: list[Any] = field(default_factory=list)   # processes or tp_actors.RankActor
     heads: list[RankHeads] = field(default_factory=list)   # every rank's heads, by rank
     steps_sent: int = 0
     stopped: bool = False
@@ -154,7 +146,7 @@ class TPGroup:
         gloo = cfg.tp_allreduce == "gloo"
         comm = None if gloo else ShmComm.create(cfg.tp, SLOT_BYTES)
         where = f"tcp://127.0.0.1:{free_port()}" if gloo else comm.name
-        group = cls(comm, cfg.tp, lm_head, launcher=launcher)
+        group = cls(comm, cfg.tp, lm_head)
         rank_cfg = replace(cfg, num_threads=rank_threads or cfg.num_threads)
         specs = [RankSpec(rank_cfg, r, cfg.tp, where, num_blocks, max_model_len, kv_dtype,
                           lm_head) for r in range(1, cfg.tp)]
@@ -227,14 +219,6 @@ class TPGroup:
                 stop_rank_actor(r)
         if self.comm is not None:
             self.comm.close()
-
-    def alive(self) -> bool:
-        """Every rank's process is running (a health check; the channel's own waits find a
-        dead rank too)."""
-        for r in self.ranks:
-            if isinstance(r, multiprocessing.process.BaseProcess) and not r.is_alive():
-                return False
-        return not self.stopped
 
     def pids(self) -> list[int]:
         """Rank 0's pid and its ranks' (processes, or workers/tp_actors.RankActor)."""

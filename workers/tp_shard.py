@@ -31,7 +31,6 @@ class TPShard:
     lm_head: str = DEFAULT_LM_HEAD
     vocab: int = 0            # the lm_head's rows (set by vocab_range)
     allreduce_s: float = 0.0  # time in all-reduces (waiting for the slowest rank included)
-    allreduce_calls: int = 0
 
     def __post_init__(self) -> None:
         assert self.lm_head in LM_HEADS, self.lm_head
@@ -71,7 +70,6 @@ class TPShard:
         t0 = time.perf_counter()
         out = self.comm.all_reduce_(t)
         self.allreduce_s += time.perf_counter() - t0
-        self.allreduce_calls += 1
         return out
 
     def logits(self, head, hidden: torch.Tensor) -> torch.Tensor | None:

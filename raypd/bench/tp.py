@@ -47,22 +47,29 @@ def _engine(model: str, tp: int, threads: int, num_blocks: int, **kw) -> LLMEngi
                                   num_blocks=num_blocks, max_num_seqs=64), **kw)
 
 
-def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
-    """Median wall time of a pure decode step at `batch` (prompts prefilled first)."""
+def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int,
+                   steps: int) -> tuple[float, float | None]:
+    """Median wall time of a pure decode step at `batch` (prompts prefilled first), and for a
+    TP engine the share of the timed decode steps' wall time rank 0 spent in all-reduces
+    (waiting for the slower rank included; prefill steps left out of both)."""
     sp = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request([(7 * i + j) % 900 + 3 for j in range(prompt_len)], sp)
     while any(r.is_prefill for r in engine.requests.values()):
         engine.step()
-    times = []
+    shard = engine.runner.tp
+    times, reduce_s = [], []
     for _ in range(steps):
+        before = shard.allreduce_s if shard is not None else 0.0
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+        reduce_s.append((shard.allreduce_s if shard is not None else 0.0) - before)
     while engine.has_unfinished():
         engine.step()
     engine.reset_prefix_cache()
-    return statistics.median(times[2:]) * 1e3
+    share = sum(reduce_s[2:]) / sum(times[2:]) if shard is not None else None
+    return statistics.median(times[2:]) * 1e3, share
 
 
 def step_figures(quick: bool, repeats: int) -> dict:
@@ -77,13 +84,10 @@ def step_figures(quick: bool, repeats: int) -> dict:
             e = _engine(BIG, tp, threads, 256, tp_lm_head=lm)
             try:
                 decode_step_ms(e, 16, 128, 3)     # warm-up
-                shard = e.runner.tp
-                if shard is not None:
-                    shard.allreduce_s, shard.allreduce_calls = 0.0, 0
-                t0 = e.stats.busy_s
-                ms[key].append(decode_step_ms(e, 16, 128, steps))
-                if key == "tp2_1thread" and shard is not None:   # of the model's time
-                    shares.append(shard.allreduce_s / max(1e-9, e.stats.busy_s - t0))
+                step, share = decode_step_ms(e, 16, 128, steps)
+                ms[key].append(step)
+                if key == "tp2_1thread":
+                    shares.append(share)
             finally:
                 e.close()
     med = {k: round(statistics.median(v), 3) for k, v in ms.items()}
@@ -104,7 +108,7 @@ def tp_sizes_figures(quick: bool) -> dict:
         for tp in sizes:
             e = _engine(model, tp, 1, 256)
             try:
-                step = decode_step_ms(e, 16, 128, 6 if quick else 12)
+                step = decode_step_ms(e, 16, 128, 6 if quick else 12)[0]
                 t0 = time.perf_counter()
                 e.generate([[5 + i % 800 for i in range(512)]],
                            SamplingParams(max_tokens=1, ignore_eos=True))
