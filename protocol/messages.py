@@ -243,7 +243,8 @@ class MigratedRequest:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """Tokens D produced since the last delta, with their text."""
+    """What the client gets next: output tokens and their text (the router's detokenizer:
+    text may come a token later than its token, and a stop string's tokens are cut)."""
 
     token_ids: tuple[int, ...]
     text: str
@@ -251,22 +252,21 @@ class TokenDelta:
 
 @dataclass(frozen=True)
 class RequestDone:
-    """The last item of a stream; `lifecycle` is None when the request was aborted."""
+    """The last item of a stream; `lifecycle` is None when the request was aborted. Token ids
+    only: the router does the text work."""
 
-    text: str = ""
     token_ids: tuple[int, ...] = ()
     lifecycle: RequestLifecycle | None = None
 
 
 @dataclass(frozen=True)
 class RequestDelta:
-    """What one request got in one engine step of a decode worker: its new tokens and their
-    text; with `done`, the request ended (its RequestDone; lifecycle None: it was aborted);
+    """What one request got in one engine step of a decode worker: its new token ids (no text:
+    the router detokenizes); with `done`, the request ended (its RequestDone; lifecycle None: it was aborted);
     with `error`, the engine step that ran it failed (StepFailed)."""
 
     worker_request_id: str
     token_ids: tuple[int, ...] = ()
-    text: str = ""
     done: RequestDone | None = None
     error: str | None = None
 

@@ -29,6 +29,11 @@ class SamplingParams:
     # max_tokens was asked for: a prompt that leaves less room than that in the model's context
     # is refused (400, as vLLM and OpenAI answer), instead of stopping at the context's end
     strict_max_tokens: bool = False
+    include_stop_str_in_output: bool = False   # a stop string that ends the output stays in it
+    skip_special_tokens: bool = True           # special tokens leave no text
+    # the worker's own text work: False where the router detokenizes and checks the stop
+    # strings itself (router/frontend), so the engine sees token ids only
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

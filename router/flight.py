@@ -4,7 +4,7 @@
 flight, P's ack), so an abort, a failure or the end can release it on both sides.
 `AttemptClock` counts an attempt's actor round trips and the time spent waiting in them (the
 rest is the router's own overhead). `DeliveredTokens` forwards streamed tokens to the client
-once across re-runs. `HandoffReleases` closes the router's ledger holds: by the worker's
+once across re-runs, as text. `HandoffReleases` closes the router's ledger holds: by the worker's
 confirmation, by a dead worker, by a report of a release the worker made on its own (a lease
 that expired), or left to the lease when an ack got lost.
 """
@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from frontend.output_text import OutputText, TextDelta
 from protocol.ledger import (
     ABORTED,
     ACKED,
@@ -109,30 +110,46 @@ class Flight:
 
 
 class DeliveredTokens:
-    """Forwards streamed deltas to the client once: a re-run after a worker failure replays
-    the tokens the client already has, and only what lies beyond them is forwarded."""
+    """A request's output on its way to the client, once: a re-run after a worker failure (or
+    a move) replays tokens the client already has, and only the tokens beyond them go through
+    the request's OutputText (the router's detokenizer and stop strings) to `on_delta`. The
+    first stop string hit calls `on_stop` (the decode worker ends the request); tokens after
+    it are dropped. Invariant: `tokens` = tokens taken = len(output.token_ids) until a stop."""
 
-    def __init__(self, on_delta: Callable[[TokenDelta], None] | None) -> None:
+    def __init__(self, output: OutputText, on_delta: Callable[[TokenDelta], None] | None,
+                 on_stop: Callable[[], None] = lambda: None) -> None:
+        self.output = output
         self.on_delta = on_delta
-        self.tokens = 0   # token ids the client has
-        self.chars = 0    # characters of text the client has
+        self.on_stop = on_stop
+        self.tokens = 0   # output tokens the client has (or that a stop string dropped)
 
-    def new_attempt(self) -> Callable[[TokenDelta], None]:
-        cum_tokens, cum_text = [0], [""]
+    def new_attempt(self) -> Callable[[Sequence[int]], None]:
+        seen = [0]
 
-        def forward(delta: TokenDelta) -> None:
-            start_tok, start_chr = cum_tokens[0], len(cum_text[0])
-            cum_tokens[0] += len(delta.token_ids)
-            cum_text[0] += delta.text
-            if self.on_delta is None:
-                return
-            toks = delta.token_ids[max(0, self.tokens - start_tok):]
-            text = delta.text[max(0, self.chars - start_chr):]
-            self.tokens = max(self.tokens, cum_tokens[0])
-            self.chars = max(self.chars, len(cum_text[0]))
-            if toks or text:
-                self.on_delta(TokenDelta(tuple(toks), text))
+        def forward(token_ids: Sequence[int]) -> None:
+            start = seen[0]
+            seen[0] += len(token_ids)
+            new = token_ids[max(0, self.tokens - start):]
+            self.tokens = max(self.tokens, seen[0])
+            if new and not self.output.stopped:
+                self._send(self.output.add(new))
         return forward
+
+    def _send(self, d: TextDelta) -> None:
+        if d.stopped:
+            self.on_stop()
+        if (d.token_ids or d.text) and self.on_delta is not None:
+            self.on_delta(TokenDelta(d.token_ids, d.text))
+
+    def finish(self, token_ids: Sequence[int]) -> None:
+        """The worker's last word: its whole output `token_ids` (any not streamed yet go
+        through first), then the text still held back."""
+        if not self.output.stopped and len(token_ids) > self.tokens:
+            self._send(self.output.add(token_ids[self.tokens:]))
+            self.tokens = len(token_ids)
+        tail = self.output.finish()
+        if tail and self.on_delta is not None:
+            self.on_delta(TokenDelta((), tail))
 
 
 class HandoffReleases:

@@ -37,6 +37,8 @@ from typing import Any
 
 import ray
 
+from frontend.admit import Frontend
+from frontend.output_text import OutputText
 from protocol.errors import (
     RaypdError,
     RequestAborted,
@@ -146,6 +148,8 @@ class Orchestrator:
         self._block_size = 16                    # learned from the first admission
         self.metrics = metrics or _NoMetrics()
         self._flights: dict[str, Flight] = {}
+        self._frontend: Frontend | None = None
+        self._frontend_lock = threading.Lock()
         self.traces = TraceStore(on_finish=getattr(self.metrics, "record_trace", None))  # trace hook
         self._lock = threading.Lock()
         # RDT: one transfer at a time per actor. Ray matches sends to receives by order only
@@ -169,6 +173,27 @@ class Orchestrator:
         if cfg.migrate_on_kv_pressure:
             threading.Thread(target=self._pressure_loop, daemon=True,
                              name="raypd-kv-pressure").start()
+
+    def frontend(self) -> Frontend:
+        """The router's text work for the served model (frontend/admit.py), from a decode
+        worker's FrontendSpec (asked once; every decode worker serves the same namespace, and
+        one that does not refuses what this router hashed)."""
+        with self._frontend_lock:
+            if self._frontend is None:
+                live = self.fleet.live("decode")
+                if not live:
+                    raise RoutingRejected("no_workers", "no decode worker is up",
+                                          retry_after_s=5)
+                spec = _unwrap(lambda: ray.get(live[0].frontend_spec.remote(),
+                                               timeout=CLEANUP_WAIT_S * 6))
+                self._frontend = Frontend(spec)
+            return self._frontend
+
+    def _stop_on_worker(self, flight: Flight) -> None:
+        """A stop string ended the request's text: its decode worker ends it (within a step;
+        the tokens it makes meanwhile are dropped)."""
+        if flight.decode is not None and flight.attempt_id:
+            flight.decode.stop.remote(flight.attempt_id)
 
     def _worker_released(self, worker_id: str, released) -> None:
         self.releases.worker_released(worker_id, released)
@@ -267,7 +292,9 @@ class Orchestrator:
             request = RequestInput(rid, prompt, sampling, deadline, chat=chat, tenant=tenant,
                                    lora_id=lora_id)
             flight.deadline = deadline
-            result = self._run_with_retries(flight, request, on_delta)
+            frontend = self.frontend()
+            flight.admitted = frontend.admit(request)    # tokenized and hashed here, once
+            result = self._run_with_retries(flight, frontend.output(flight.admitted), on_delta)
             status = 200
             return result
         except BaseException as e:
@@ -285,18 +312,18 @@ class Orchestrator:
             if window is not None:
                 _window_end(window, t0, first_at, result, status == 200)
 
-    def _run_with_retries(self, flight: Flight, request: RequestInput,
+    def _run_with_retries(self, flight: Flight, output: OutputText,
                           on_delta: Callable[[TokenDelta], None] | None) -> RequestResult:
         """A worker that dies (or is restarting) fails only the attempt: what the other side
         holds is released and the request runs again elsewhere under the next epoch (prefill
         and decode again; the admitted request is not tokenized again). Tokens the client
         already got are not sent twice (the re-run yields the same ones for greedy or seeded
         sampling). After max_retries the request ends with an error."""
-        sent = flight.sent = DeliveredTokens(on_delta)
+        sent = flight.sent = DeliveredTokens(output, on_delta, lambda: self._stop_on_worker(flight))
         epoch = failures = fallbacks = 0
+        deadline = flight.admitted.deadline
         while True:
-            # a retry re-admits the request as the last decode worker tokenized it
-            current = replace(flight.admitted or request, epoch=epoch)
+            current = replace(flight.admitted, epoch=epoch)
             flight.new_attempt(epoch, current.worker_request_id)
             try:
                 result = self._run(flight, current, sent)
@@ -326,12 +353,12 @@ class Orchestrator:
             # past any epoch a move used, the failed ones too: a failed move's cleanup on its
             # target (an abort of that epoch's id) must not meet this attempt there
             epoch = max(flight.epoch, flight.last_epoch) + 1
-            if time.time() > request.deadline:
+            if time.time() > deadline:
                 break
         raise WorkerFailed(f"request {flight.request_id} passed its deadline while its "
                            "workers kept failing")
 
-    def _run(self, flight: Flight, request: RequestInput | AdmittedRequest,
+    def _run(self, flight: Flight, request: AdmittedRequest,
              sent: DeliveredTokens) -> RequestResult:
         on_delta = sent.new_attempt()
         clock = flight.clock = AttemptClock()
@@ -350,7 +377,7 @@ class Orchestrator:
                     elif isinstance(item, RequestDone):
                         done = item
                     else:
-                        self.traces.tokens(flight.request_id, len(item.token_ids))  # trace hook
+                        self.traces.tokens(flight.request_id, len(item))  # trace hook
                         on_delta(item)
             finally:
                 self.releases.settle_ack(flight)
@@ -358,31 +385,30 @@ class Orchestrator:
             self._close_inbox(flight)
         if flight.aborted or done.lifecycle is None:
             raise _aborted(flight)
+        sent.finish(done.token_ids)
+        output = sent.output
         lc = replace(done.lifecycle, handoff_round_trips=round_trips,
                      router_overhead_ms=overhead_ms)
+        if output.stopped:                   # the router's stop string, not the worker's rule
+            lc = replace(lc, finish_reason="stop", output_tokens=len(output.token_ids))
         if lc.prefill_worker and lc.decode_worker and not lc.migrations:
             with self._lock:
                 self.transfer_rates.observe(lc.prefill_worker, lc.decode_worker,
                                             lc.transfer_bytes, lc.transfer_s)
         self.traces.add_transfer_bytes(flight.request_id, lc.transfer_bytes)  # trace hook
-        return RequestResult(done.text, list(done.token_ids), lc)
+        return RequestResult(output.text, list(output.token_ids), lc)
 
-    def _routing_request(self, request: RequestInput | AdmittedRequest,
-                         decode_cached_blocks: int = 0, decode_worker: str = "") -> RoutingRequest:
-        if isinstance(request, AdmittedRequest):
-            return RoutingRequest(request.request_id, list(request.block_hashes),
-                                  request.num_tokens, request.block_size,
-                                  tenant=request.tenant,
-                                  output_tokens=request.sampling.max_tokens,
-                                  decode_cached_blocks=decode_cached_blocks,
-                                  lora=request.lora_id, decode_worker=decode_worker)
-        # not tokenized yet: capacity by an estimate, no prefix match
-        n = _prompt_tokens(request.prompt)
-        return RoutingRequest(request.request_id, [], n, self._block_size,
-                              tenant=request.tenant, output_tokens=request.sampling.max_tokens,
-                              lora=request.lora_id)
+    def _routing_request(self, request: AdmittedRequest, decode_cached_blocks: int = 0,
+                         decode_worker: str = "") -> RoutingRequest:
+        """What the policy sees of a request: its block hashes (the router hashed them, so
+        D is picked by the prefix it holds too), its size, tenant and adapter."""
+        return RoutingRequest(request.request_id, list(request.block_hashes),
+                              request.num_tokens, request.block_size, tenant=request.tenant,
+                              output_tokens=request.sampling.max_tokens,
+                              decode_cached_blocks=decode_cached_blocks,
+                              lora=request.lora_id, decode_worker=decode_worker)
 
-    def _admit(self, flight: Flight, request: RequestInput | AdmittedRequest,
+    def _admit(self, flight: Flight, request: AdmittedRequest,
                clock: AttemptClock) -> Admission:
         """Decode-first: the first decode worker with room reserves blocks and plans the
         transfer. Round trip 1 (more only while decode workers are full)."""
@@ -411,8 +437,6 @@ class Orchestrator:
                 except BaseException:
                     self.streams.close(did, flight.attempt_id)
                     raise
-                request = flight.admitted = adm.request   # tokenized once: later tries
-                # (another decode worker, a retry) pass this on
                 self._block_size = request.block_size
                 if not adm.admitted:
                     self.streams.close(did, flight.attempt_id)
@@ -570,8 +594,8 @@ class Orchestrator:
                     if self._move(flight, delta):
                         yield MOVED
                 else:
-                    if delta.token_ids or delta.text:
-                        yield TokenDelta(delta.token_ids, delta.text)
+                    if delta.token_ids:
+                        yield delta.token_ids
                     if delta.done is not None:
                         yield delta.done
                         return

@@ -11,9 +11,10 @@ the source, staging the plan's pages under a lease as a prefill worker does (its
 made on the first move); the destination replays the output so far on its stream.
 
 Tokens leave through one stream per worker (`deltas`, a Ray streaming generator the router
-reads once): each message carries the new tokens and text of every request that got some since
-the last one (one engine step's, or a few), so a token costs no Ray call of its own.
-Detokenization runs in that stream's thread, not in the engine loop.
+reads once): each message carries the new token ids of every request that got some since the
+last one (one engine step's, or a few), so a token costs no Ray call of its own. No text work
+happens here: the router tokenizes, detokenizes and checks stop strings (frontend/); a stop
+string it sees ends the request here through `stop`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import asdict, replace
 
 import ray
 
+from frontend.admit import FrontendSpec
 from kvtransfer import rdt
 from kvtransfer.endpoint import KVConsumer, KVProducer
 from protocol.errors import RequestError
@@ -42,7 +44,6 @@ from protocol.messages import (
     StepDeltas,
     TransferPlan,
 )
-from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import StepOutput
 from workers.host import EngineHost, actor_options
 from workers.kv_handoff import (
@@ -61,11 +62,11 @@ class DecodeHost(EngineHost):
 
     def __init__(self, *args, **kw) -> None:
         self._finished: dict[str, RequestDone] = {}  # request_id -> result, until streamed
-        # the delta stream: (worker request id, new token ids, ended, error) in order, and each
-        # open request's detokenizer (made at admission, with its stop strings)
+        # the delta stream: (worker request id, new token ids, ended, error) in order, and the
+        # requests whose stream is open (from admission to their end)
         self._outbox: deque[tuple[str, tuple[int, ...], bool, str | None]] = deque()
         self._outbox_cv = threading.Condition()
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._open: set[str] = set()
         self._replay: set[str] = set()     # moved-in requests: their first post is the output
         self._frozen_at: dict[str, float] = {}   # frozen request -> monotonic freeze time
         super().__init__(*args, **kw)
@@ -205,6 +206,26 @@ class DecodeHost(EngineHost):
         self._post(request_id, (), True)          # its stream ends (lifecycle None: aborted)
         return done
 
+    def stop(self, request_id: str) -> bool:
+        """The router saw a stop string in the request's text: end it as a stop (its blocks
+        freed, its RequestDone with its lifecycle on the stream), within a step of the hit.
+        False when it is not running here (ended, frozen for a move, unknown)."""
+        with self._lock:
+            req = self.engine.requests.get(request_id)
+            if req is None or request_id in self.engine.frozen:
+                return False
+            self.engine.finish_request(req, "stop", time.perf_counter())
+        self._deliver(StepOutput(req, [], True))
+        return True
+
+    def frontend_spec(self) -> FrontendSpec:
+        """What the router needs to tokenize, hash and detokenize for this worker's model."""
+        e = self.engine
+        inputs = e.inputs
+        return FrontendSpec(e.tokenizer, inputs.namespace, inputs.block_size, inputs.vocab_size,
+                            inputs.max_model_len, inputs.num_blocks,
+                            {name: spec.content_hash for name, spec in inputs.loras.items()})
+
     def land(self, request_id: str, epoch: int, prefill: PrefillResult, pages=None,
              sent_at: float | None = None) -> None:
         """Land `prefill`'s pages into the request's reservation (raises TransferRejected /
@@ -246,7 +267,7 @@ class DecodeHost(EngineHost):
                 raise RequestError(f"request {request_id} is not frozen on {self.worker_id}")
             req = self.engine.requests[request_id]
             self._frozen_at.pop(request_id, None)
-            self._detok.pop(request_id, None)
+            self._open.discard(request_id)
             return stage_plan(self.engine, self._source(), self.ledger, self.worker_id, req,
                               plan, req.output_token_ids[-1])
 
@@ -291,8 +312,7 @@ class DecodeHost(EngineHost):
     # ---- the delta stream --------------------------------------------------------------------
     def _open_stream(self, req) -> None:
         """Under the lock, at admission: the request's tokens will go out on the stream."""
-        self._detok[req.request_id] = IncrementalDetokenizer(self.engine.tokenizer,
-                                                             req.sampling.stop)
+        self._open.add(req.request_id)
         with self._outbox_cv:     # wakes the stream: new work, whose reports are owed
             self._outbox_cv.notify()
 
@@ -306,8 +326,7 @@ class DecodeHost(EngineHost):
         r = out.request
         if out.finished:
             self.metrics.observe_finished(r.lifecycle)
-            self._finished[r.request_id] = RequestDone(r.output_text, tuple(r.output_token_ids),
-                                                       r.lifecycle)
+            self._finished[r.request_id] = RequestDone(tuple(r.output_token_ids), r.lifecycle)
         tokens = tuple(out.new_token_ids)
         if r.request_id in self._replay:     # moved in: the stream starts with all its output
             self._replay.discard(r.request_id)
@@ -316,39 +335,32 @@ class DecodeHost(EngineHost):
             self._post(r.request_id, tokens, out.finished)
 
     def _fail_requests(self, msg: str) -> None:
-        for rid in list(self._detok):
+        for rid in list(self._open):
             if rid not in self.engine.requests:
                 self._post(rid, (), True, msg)
 
     def take_deltas(self, timeout: float) -> StepDeltas:
         """Every request's deltas posted since the last call (waiting up to `timeout` for
-        one), detokenized; empty when none came."""
+        one), a request's merged in order; empty when none came."""
         with self._outbox_cv:
             if not self._outbox:
                 self._outbox_cv.wait(timeout)
             items, self._outbox = list(self._outbox), deque()
         merged: dict[str, list] = {}
-        for rid, tokens, ended, error in items:     # a request's items, in order, merged
+        for rid, tokens, ended, error in items:
             m = merged.setdefault(rid, [[], False, None])
             m[0].extend(tokens)
             m[1] = m[1] or ended
             m[2] = m[2] or error
         out = []
         for rid, (tokens, ended, error) in merged.items():
-            detok = self._detok.get(rid)
-            if detok is None:                      # ended already (an abort after its end)
+            if rid not in self._open:             # ended already (an abort after its end)
                 continue
             done = None
             if ended:
-                self._detok.pop(rid, None)
+                self._open.discard(rid)
                 done = self._finished.pop(rid, RequestDone())
-            if done is not None and done.lifecycle is not None:
-                # finished: the rest of the final text, which is cut before a stop string
-                # (these tokens' text may run past the cut: not streamed)
-                text = detok.finish(done.text)
-            else:
-                text = detok.add(tokens) if tokens else ""
-            out.append(RequestDelta(rid, tuple(tokens), text, done, error))
+            out.append(RequestDelta(rid, tuple(tokens), done, error))
         return StepDeltas(self.worker_id, tuple(out))
 
     def deltas(self, wait_s: float = 1.0, report_every_s: float | None = None):

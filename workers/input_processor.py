@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 
+from frontend.prompts import check_prompt, is_chat, tokenize_prompt
 from kvcache.hashing import CacheNamespace
 from kvcache.manager import cdiv
 from protocol.errors import RequestError, UnknownLoRAError
@@ -39,20 +40,8 @@ class InputProcessor:
         self._ids = itertools.count()
 
     def tokenize(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
-        """Token ids of a prompt: chat messages (or `chat` text) through the chat template,
-        text as is, token ids unchanged (already templated, if at all)."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            chat = True
-        elif isinstance(prompt, list):
-            chat = False   # token ids: already tokenized (chat template applied, if any)
-        if chat:
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-        return list(prompt)
+        """Token ids of a prompt (frontend/prompts.py: the router's own rule)."""
+        return tokenize_prompt(self.tokenizer, prompt, chat)
 
     def make_request(self, prompt: str | list[int] | list[dict],
                      sampling: SamplingParams | None = None, request_id: str | None = None,
@@ -68,26 +57,10 @@ class InputProcessor:
 
     def _build(self, prompt, sampling: SamplingParams, request_id: str | None, chat: bool,
                tenant: str, lora_id: str) -> Request:
-        if isinstance(prompt, str) and not prompt.strip() and not chat:
-            raise RequestError("prompt is empty")
         token_ids = self.tokenize(prompt, chat)
-        if not token_ids:
-            raise RequestError("prompt is empty")
-        vocab = self.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        check_prompt(prompt, token_ids, sampling, self.vocab_size, self.max_model_len,
+                     is_chat(prompt, chat))
         n = len(token_ids)
-        if n >= self.max_model_len:
-            raise RequestError(f"prompt has {n} tokens; the model's context is "
-                               f"{self.max_model_len} tokens (prompt must leave room for output)",
-                               param="messages" if chat else "prompt")
-        if sampling.strict_max_tokens and n + sampling.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {n + sampling.max_tokens} tokens ({n} in the "
-                f"{'messages' if chat else 'prompt'}, {sampling.max_tokens} in the completion). "
-                "Please reduce the length of the prompt or of the completion (max_tokens).",
-                param="max_tokens")
         self.check_fits(n + 1)
         rid = request_id or f"req-{next(self._ids)}"
         self.check_new_id(rid)
