@@ -11,6 +11,7 @@ that expired), or left to the lease when an ack got lost.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,18 @@ from protocol.ledger import (
 )
 from protocol.messages import HoldRelease, TokenDelta
 
-CLEANUP_WAIT_S = 10.0   # how long a request thread waits for workers to confirm a release
+CLEANUP_WAIT_S = 10.0   # how long a request waits for workers to confirm a release
+
+
+async def wait_ref(ref: Any, timeout: float | None = None) -> Any:
+    """`ray.get(ref, timeout)` awaited on the router's loop (Ray's own errors as ray.get raises
+    them; none in time: GetTimeoutError). The wait holds no thread."""
+    fut = asyncio.wrap_future(ref.future())
+    try:
+        return await asyncio.wait_for(fut, timeout)
+    except TimeoutError:
+        raise ray.exceptions.GetTimeoutError(
+            f"no answer from the worker in {timeout:.1f} s") from None
 
 
 @dataclass
@@ -42,26 +54,17 @@ class AttemptClock:
     round_trips: int = 0
     waited_s: float = 0.0
 
-    def get(self, ref: Any, timeout: float | None = None) -> Any:
+    async def get(self, ref: Any, timeout: float | None = None) -> Any:
         t0 = time.perf_counter()
         self.round_trips += 1
         try:
-            return ray.get(ref, timeout=timeout)
+            return await wait_ref(ref, timeout)
         finally:
             self.waited_s += time.perf_counter() - t0
 
-    def first(self, gen: Any, timeout: float | None = None) -> Any:
-        """The first item of an actor's stream (waiting for it to be produced, then for it)."""
-        t0 = time.perf_counter()
-        try:
-            ref = next(gen)
-        finally:
-            self.waited_s += time.perf_counter() - t0
-        return self.get(ref, timeout)
-
-    def sleep(self, seconds: float) -> None:
+    async def sleep(self, seconds: float) -> None:
         """Waiting for capacity is queueing, not the router's own work."""
-        time.sleep(seconds)
+        await asyncio.sleep(seconds)
         self.waited_s += seconds
 
     def overhead_ms(self) -> float:
@@ -184,7 +187,7 @@ class HandoffReleases:
                     self.lease_pending.discard(key)
 
     # ---- releasing one flight ------------------------------------------------------------------
-    def settle_ack(self, flight: Flight) -> None:
+    async def settle_ack(self, flight: Flight) -> None:
         """Close P's staged hold by the ack's answer (sent after D's first token)."""
         ack = flight.ack
         if ack is None:
@@ -192,7 +195,7 @@ class HandoffReleases:
         flight.ack = None
         key = (self._worker_id(flight.prefill), STAGED, flight.attempt_id)
         try:
-            reason = ray.get(ack, timeout=CLEANUP_WAIT_S)
+            reason = await wait_ref(ack, CLEANUP_WAIT_S)
         except ray.exceptions.RayActorError:
             self.ledger.release(*key, WORKER_DIED)
             return
@@ -207,20 +210,20 @@ class HandoffReleases:
                     self.lease_pending.add(key)
         flight.transfer_id = None
 
-    def release_staged(self, flight: Flight, reason: str) -> None:
+    async def release_staged(self, flight: Flight, reason: str) -> None:
         """Drop P's staged copy of this attempt and wait until P confirms."""
         if flight.prefill is None or not flight.transfer_id:
             return
         ref = flight.prefill.abort_transfer.remote(flight.transfer_id)
         flight.transfer_id = None
-        self.confirm(ref, self._worker_id(flight.prefill), STAGED, flight.attempt_id, reason,
-                     flight.clock)
+        await self.confirm(ref, self._worker_id(flight.prefill), STAGED, flight.attempt_id,
+                           reason, flight.clock)
 
-    def confirm(self, ref: Any, worker_id: str, kind: str, attempt_id: str, reason: str,
-                clock: AttemptClock | None = None) -> None:
+    async def confirm(self, ref: Any, worker_id: str, kind: str, attempt_id: str, reason: str,
+                      clock: AttemptClock | None = None) -> None:
         """Close a ledger hold once the worker answered the release (a dead worker: died)."""
         try:
-            (clock or AttemptClock()).get(ref, timeout=CLEANUP_WAIT_S)
+            await (clock or AttemptClock()).get(ref, timeout=CLEANUP_WAIT_S)
         except ray.exceptions.RayActorError:
             self.ledger.release(worker_id, kind, attempt_id, WORKER_DIED)
             return
@@ -228,15 +231,15 @@ class HandoffReleases:
             return                           # no answer: the hold stays open (lease / deadline)
         self.ledger.release(worker_id, kind, attempt_id, reason)
 
-    def release(self, flight: Flight) -> None:
+    async def release(self, flight: Flight) -> None:
         """Release the attempt's state on both sides and wait for the workers to confirm
         (calls to a dead worker just fail: its holds close as worker_died, the others as
         aborted)."""
         rid = flight.attempt_id or flight.request_id
-        self.settle_ack(flight)
+        await self.settle_ack(flight)
         if flight.prefill is not None:
             flight.prefill.abort.remote(rid)
-            self.release_staged(flight, ABORTED)
+            await self.release_staged(flight, ABORTED)
         if flight.decode is not None:
-            self.confirm(flight.decode.abort.remote(rid), self._worker_id(flight.decode),
-                         RESERVED, rid, ABORTED, flight.clock)
+            await self.confirm(flight.decode.abort.remote(rid), self._worker_id(flight.decode),
+                               RESERVED, rid, ABORTED, flight.clock)

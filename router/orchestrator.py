@@ -22,10 +22,9 @@ hash drift alarm, router/drift.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
-import math
-import queue
 import threading
 import time
 import uuid
@@ -52,7 +51,6 @@ from protocol.errors import (
 )
 from protocol.ledger import (
     ABORTED,
-    ACKED,
     FALLBACK_LOCAL,
     FILLED,
     RESERVED,
@@ -63,7 +61,6 @@ from protocol.ledger import (
 from protocol.messages import (
     Admission,
     AdmittedRequest,
-    MigratedRequest,
     PrefillResult,
     RequestDelta,
     RequestDone,
@@ -73,6 +70,7 @@ from protocol.messages import (
 )
 from protocol.sampling import SamplingParams
 from router.drift import HashDriftAlarm
+from router.event_loop import RouterLoop
 from router.fleet import Fleet
 from router.flight import (
     CLEANUP_WAIT_S,
@@ -81,9 +79,11 @@ from router.flight import (
     Flight,
     HandoffReleases,
     MoveSignal,
+    wait_ref,
 )
 from router.flow_config import FAILURE_POLICIES, FlowConfig  # noqa: F401  (re-exported)
 from router.local_prefill import NO_LIMIT, local_prefill_limit
+from router.migration import LiveMigration, MoveFailed, unwrap
 from router.policies import (
     Locality,
     RoutingDecision,
@@ -100,18 +100,7 @@ from router.worker_view import note_decode, note_prefill
 MOVED = object()            # a request's item stream: its decode moved to another worker
 LOCAL = object()            # the prefill choice: the decode worker prefills it itself
 MAX_MOVE_FALLBACKS = 8      # re-prefills after failed moves, per request
-PRESSURE_FREE_SHARE = 0.05  # migrate_on_kv_pressure: a decode worker with fewer free blocks
-PRESSURE_BLOCKS_PER_SEQ = 4  # than this share of its pool, or than this many per running
-                             # sequence (each takes a block every block_size steps), sheds one
-ROOM_FREE_SHARE = 0.25      # ... to a decode worker with at least this share of its pool free
-MOVE_RETRY_S = 1.0          # a request whose move did not happen is asked again after this
-REBALANCE_MIN_GAP = 4       # rebalance: decode batches this far apart (and the busier at
-                            # least twice the idler) move half the gap to the idler
-
-
-class MoveFailed(Exception):
-    """A live move failed after its source froze the decode: the request re-prefills."""
-
+TEXT_THREADS = 2            # the router's tokenizing threads (a prompt's encode is off the loop)
 
 
 class _ReservationLost(TransferFailed):
@@ -119,7 +108,7 @@ class _ReservationLost(TransferFailed):
     (a death the attempt did not see as a RayActorError). Retried as a worker death; past
     max_retries it ends as TransferFailed's 503."""
 
-class Orchestrator:
+class Orchestrator(LiveMigration):
     """Runs requests through the fleet's workers: routing decisions, the P -> D flow, retries,
     aborts, and the router's own bookkeeping of them (ledger, decisions, rejections)."""
 
@@ -135,10 +124,7 @@ class Orchestrator:
         self.decisions: dict[str, int] = {}     # "policy:reason" -> count
         self.retries = 0                         # request re-runs after a worker failure
         self.prefill_retries = 0                 # prefills re-run on another prefill worker
-        # live moves of running decodes (outcome -> count: moved, fallback, unplaced)
-        self.migrations: dict[str, int] = {"moved": 0, "fallback": 0, "unplaced": 0}
-        self.moved_by_cause: dict[str, int] = {}  # moves that happened: cause -> count
-        self._move_ended: dict[str, float] = {}   # worker id -> monotonic end of its last move
+        self._init_migration()                   # live moves of running decodes
         self.rejected: dict[str, int] = {}       # TransferRejected reason -> count (router view)
         # the latest rejections, (reason, prefill worker, worker request id): an audit trail
         # that outlives a decode worker's restart (chaos checks corruption against it)
@@ -149,13 +135,15 @@ class Orchestrator:
         self.metrics = metrics or _NoMetrics()
         self._flights: dict[str, Flight] = {}
         self._frontend: Frontend | None = None
-        self._frontend_lock = threading.Lock()
+        self._frontend_lock = asyncio.Lock()
+        self._text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="raypd-text")
+        self.loop = RouterLoop()                 # every request's flow runs on it
         self.traces = TraceStore(on_finish=getattr(self.metrics, "record_trace", None))  # trace hook
         self._lock = threading.Lock()
         # RDT: one transfer at a time per actor. Ray matches sends to receives by order only
         # (no tags) and does not promise threaded actors run tasks in submission order, so two
         # transfers in flight at one actor could pair A's send with B's receive.
-        self._rdt_locks: dict[str, threading.Lock] = {}
+        self._rdt_locks: dict[str, asyncio.Lock] = {}
         self._rr = itertools.count()
         self.fleet = Fleet(prefill, decode, worker_ids=worker_ids, index_mode=cfg.index_mode,
                            report_interval_s=cfg.report_interval_s,
@@ -174,18 +162,18 @@ class Orchestrator:
             threading.Thread(target=self._pressure_loop, daemon=True,
                              name="raypd-kv-pressure").start()
 
-    def frontend(self) -> Frontend:
+    async def frontend(self) -> Frontend:
         """The router's text work for the served model (frontend/admit.py), from a decode
         worker's FrontendSpec (asked once; every decode worker serves the same namespace, and
         one that does not refuses what this router hashed)."""
-        with self._frontend_lock:
+        async with self._frontend_lock:
             if self._frontend is None:
                 live = self.fleet.live("decode")
                 if not live:
                     raise RoutingRejected("no_workers", "no decode worker is up",
                                           retry_after_s=5)
-                spec = _unwrap(lambda: ray.get(live[0].frontend_spec.remote(),
-                                               timeout=CLEANUP_WAIT_S * 6))
+                spec = await unwrap(wait_ref(live[0].frontend_spec.remote(),
+                                             CLEANUP_WAIT_S * 6))
                 self._frontend = Frontend(spec)
             return self._frontend
 
@@ -254,17 +242,38 @@ class Orchestrator:
         if record is not None:
             record(on, on and not was)
 
-    def run_request(self, prompt: Any, sampling: SamplingParams | None = None, *,
-                    chat: bool = False, tenant: str = "", lora_id: str = "",
-                    request_id: str | None = None,
-                    on_delta: Callable[[TokenDelta], None] | None = None,
-                    timeout_s: float | None = None) -> RequestResult:
+    def run_request(self, prompt: Any, sampling: SamplingParams | None = None,
+                    **kw: Any) -> RequestResult:
+        """`run_request_async` from a thread other than the router loop's, blocking until the
+        request ends (`on_delta` then runs on the router loop: it must not block)."""
+        return self.loop.run(self.run_request_async(prompt, sampling, **kw))
+
+    async def run_request_async(self, prompt: Any, sampling: SamplingParams | None = None, *,
+                                chat: bool = False, tenant: str = "", lora_id: str = "",
+                                request_id: str | None = None,
+                                on_delta: Callable[[TokenDelta], None] | None = None,
+                                timeout_s: float | None = None) -> RequestResult:
         """Run one request through P and D. `on_delta(TokenDelta)` is called as tokens stream
-        in. The request must end within `timeout_s` (default: request_timeout_s); the workers
-        drop what they hold for it by then on their own.
+        in, on the caller's loop. The request must end within `timeout_s` (default:
+        request_timeout_s); the workers drop what they hold for it by then on their own.
         Raises the errors of protocol/errors.py only: RequestError (bad request), RequestAborted,
         RoutingRejected (no capacity / SLO), TransferFailed, WorkerFailed (a Ray failure that
         is not one of these becomes WorkerFailed here, at the router's edge)."""
+        kw = dict(chat=chat, tenant=tenant, lora_id=lora_id, request_id=request_id,
+                  timeout_s=timeout_s)
+        if not self.loop.on_loop():          # another loop (a test client's): run it on
+            caller, fwd = asyncio.get_running_loop(), None     # ours, its deltas sent back
+            if on_delta is not None:
+                def fwd(d: TokenDelta) -> None:
+                    caller.call_soon_threadsafe(on_delta, d)
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                self._run_request(prompt, sampling, on_delta=fwd, **kw), self.loop.loop))
+        return await self._run_request(prompt, sampling, on_delta=on_delta, **kw)
+
+    async def _run_request(self, prompt: Any, sampling: SamplingParams | None, *, chat: bool,
+                           tenant: str, lora_id: str, request_id: str | None,
+                           on_delta: Callable[[TokenDelta], None] | None,
+                           timeout_s: float | None) -> RequestResult:
         sampling = sampling or SamplingParams()
         rid = request_id or uuid.uuid4().hex[:12]
         flight = Flight(rid)
@@ -292,9 +301,11 @@ class Orchestrator:
             request = RequestInput(rid, prompt, sampling, deadline, chat=chat, tenant=tenant,
                                    lora_id=lora_id)
             flight.deadline = deadline
-            frontend = self.frontend()
-            flight.admitted = frontend.admit(request)    # tokenized and hashed here, once
-            result = self._run_with_retries(flight, frontend.output(flight.admitted), on_delta)
+            frontend = await self.frontend()   # tokenized and hashed here, once, off the loop
+            flight.admitted = await asyncio.get_running_loop().run_in_executor(
+                self._text_pool, frontend.admit, request)
+            result = await self._run_with_retries(flight, frontend.output(flight.admitted),
+                                                  on_delta)
             status = 200
             return result
         except BaseException as e:
@@ -312,8 +323,8 @@ class Orchestrator:
             if window is not None:
                 _window_end(window, t0, first_at, result, status == 200)
 
-    def _run_with_retries(self, flight: Flight, output: OutputText,
-                          on_delta: Callable[[TokenDelta], None] | None) -> RequestResult:
+    async def _run_with_retries(self, flight: Flight, output: OutputText,
+                                on_delta: Callable[[TokenDelta], None] | None) -> RequestResult:
         """A worker that dies (or is restarting) fails only the attempt: what the other side
         holds is released and the request runs again elsewhere under the next epoch (prefill
         and decode again; the admitted request is not tokenized again). Tokens the client
@@ -326,12 +337,12 @@ class Orchestrator:
             current = replace(flight.admitted, epoch=epoch)
             flight.new_attempt(epoch, current.worker_request_id)
             try:
-                result = self._run(flight, current, sent)
+                result = await self._run(flight, current, sent)
                 result.lifecycle.retries = failures
                 result.lifecycle.migration_fallbacks = fallbacks
                 return result
             except MoveFailed as e:       # its KV did not move: re-prefill elsewhere
-                self.releases.release(flight)
+                await self.releases.release(flight)
                 if flight.aborted:
                     raise _aborted(flight) from None
                 fallbacks += 1
@@ -339,7 +350,7 @@ class Orchestrator:
                     raise WorkerFailed(f"request {flight.request_id}: {fallbacks} live moves "
                                        f"failed (last: {e})") from e
             except (ray.exceptions.RayActorError, _ReservationLost) as e:
-                self.releases.release(flight)
+                await self.releases.release(flight)
                 if flight.aborted:
                     raise _aborted(flight) from None
                 with self._lock:
@@ -349,7 +360,8 @@ class Orchestrator:
                 if failures > self.cfg.max_retries:
                     raise WorkerFailed(f"request {flight.request_id} failed: its workers died "
                                        f"{failures} times (last: {type(e).__name__})") from e
-                self.fleet.refresh()     # see who is gone before routing again
+                await asyncio.get_running_loop().run_in_executor(   # who is gone, before
+                    None, self.fleet.refresh)                        # routing again
             # past any epoch a move used, the failed ones too: a failed move's cleanup on its
             # target (an abort of that epoch's id) must not meet this attempt there
             epoch = max(flight.epoch, flight.last_epoch) + 1
@@ -358,20 +370,20 @@ class Orchestrator:
         raise WorkerFailed(f"request {flight.request_id} passed its deadline while its "
                            "workers kept failing")
 
-    def _run(self, flight: Flight, request: AdmittedRequest,
-             sent: DeliveredTokens) -> RequestResult:
+    async def _run(self, flight: Flight, request: AdmittedRequest,
+                   sent: DeliveredTokens) -> RequestResult:
         on_delta = sent.new_attempt()
         clock = flight.clock = AttemptClock()
         try:
-            admission = self._admit(flight, request, clock)
+            admission = await self._admit(flight, request, clock)
             if admission.local:
-                items = self._open_stream(flight, None, clock)
+                items = await self._open_stream(flight, None, clock)
             else:
-                items = self._prefill_and_stream(flight, admission, clock)
+                items = await self._prefill_and_stream(flight, admission, clock)
             overhead_ms, round_trips = clock.overhead_ms(), clock.round_trips
             done = RequestDone()
             try:
-                for item in items:
+                async for item in items:
                     if item is MOVED:        # the new decode worker replays the output
                         on_delta = sent.new_attempt()
                     elif isinstance(item, RequestDone):
@@ -380,7 +392,7 @@ class Orchestrator:
                         self.traces.tokens(flight.request_id, len(item))  # trace hook
                         on_delta(item)
             finally:
-                self.releases.settle_ack(flight)
+                await self.releases.settle_ack(flight)
         finally:
             self._close_inbox(flight)
         if flight.aborted or done.lifecycle is None:
@@ -408,7 +420,7 @@ class Orchestrator:
                               decode_cached_blocks=decode_cached_blocks,
                               lora=request.lora_id, decode_worker=decode_worker)
 
-    def _admit(self, flight: Flight, request: AdmittedRequest,
+    async def _admit(self, flight: Flight, request: AdmittedRequest,
                clock: AttemptClock) -> Admission:
         """Decode-first: the first decode worker with room reserves blocks and plans the
         transfer. Round trip 1 (more only while decode workers are full)."""
@@ -429,8 +441,8 @@ class Orchestrator:
                 # is open before
                 inbox = self.streams.open(d, did, flight.attempt_id)
                 try:
-                    adm: Admission = _unwrap(lambda d=d, r=request, n=local_max: clock.get(
-                        d.admit.remote(r, n)))
+                    adm: Admission = await unwrap(clock.get(d.admit.remote(request,
+                                                                            local_max)))
                 except ray.exceptions.RayActorError:
                     self.streams.close(did, flight.attempt_id)
                     continue                 # died or restarting: the reporter will notice
@@ -448,7 +460,7 @@ class Orchestrator:
                                          request.worker_request_id, adm.reserved_blocks,
                                          max(0.0, request.deadline - time.time()))
                     if flight.aborted:       # aborted while being admitted
-                        self.releases.release(flight)
+                        await self.releases.release(flight)
                         raise _aborted(flight)
                     return adm
             if flight.aborted:
@@ -457,7 +469,7 @@ class Orchestrator:
                 raise RoutingRejected("no_decode_capacity", "no decode worker has room for "
                                       f"this request (waited {self.cfg.admit_timeout_s:.0f} s)",
                                       retry_after_s=5)
-            clock.sleep(0.02)
+            await clock.sleep(0.02)
 
     def _local_prefill_limit(self, decode_id: str) -> int:
         """Under fleet.lock: the most uncached tokens decode worker `decode_id` prefills itself
@@ -486,7 +498,8 @@ class Orchestrator:
                     return LOCAL
             return self._decide("prefill", req, frozenset(tried), flight)
 
-    def _prefill_and_stream(self, flight: Flight, admission: Admission, clock: AttemptClock):
+    async def _prefill_and_stream(self, flight: Flight, admission: Admission,
+                                  clock: AttemptClock):
         """Round trips 2 and 3: P prefills and stages the plan, D pulls, verifies, lands and
         starts streaming. A prefill worker that fails (dies, errs, stages pages D rejects) is
         excluded and the next one is tried with the same reservation; with none left, D
@@ -497,26 +510,26 @@ class Orchestrator:
         last_error: Exception | None = None
         while True:
             if flight.aborted:
-                self.releases.release(flight)
+                await self.releases.release(flight)
                 raise _aborted(flight)
             try:
                 p = self._decide_prefill(flight, admission, tried)
             except RoutingRejected as e:
                 if e.reason != "no_workers":
-                    self.releases.release(flight)
+                    await self.releases.release(flight)
                     raise
                 p = None
             if p is None or p is LOCAL:      # no prefill worker left, or the pool's backlog
                 # is longer than D takes: D prefills it itself
                 if self.cfg.failure_policy == "fail" and last_error is not None:
-                    self.releases.release(flight)
+                    await self.releases.release(flight)
                     raise TransferFailed(f"KV transfer for request {flight.request_id} "
                                          f"failed: {last_error}") from last_error
-                if clock.get(d.fallback_local.remote(rid)):
+                if await clock.get(d.fallback_local.remote(rid)):
                     self.ledger.release(did, RESERVED, rid, FALLBACK_LOCAL)
                     self.traces.prefilled_locally(flight.request_id)  # trace hook
-                    return self._open_stream(flight, None, clock)
-                self.releases.release(flight)
+                    return await self._open_stream(flight, None, clock)
+                await self.releases.release(flight)
                 # (not aborted, checked above: the decode worker restarted meanwhile, so this
                 # attempt died with it and the request runs again elsewhere)
                 raise _ReservationLost(f"request {flight.request_id}: its decode worker was "
@@ -526,7 +539,7 @@ class Orchestrator:
             tried.add(pid)
             flight.prefill = p
             try:
-                result: PrefillResult = _unwrap(lambda p=p: clock.get(
+                result: PrefillResult = await unwrap(clock.get(
                     p.prefill.remote(admitted, plan)))
             except (ray.exceptions.RayError, RequestError) as e:
                 if flight.aborted:
@@ -541,12 +554,12 @@ class Orchestrator:
             if result.handle is not None:
                 self.ledger.hold(pid, STAGED, rid, plan.num_blocks, result.lease_s)
             try:
-                return self._open_stream(flight, result, clock)
+                return await self._open_stream(flight, result, clock)
             except ray.exceptions.RayActorError:
-                self.releases.release_staged(flight, ABORTED)
+                await self.releases.release_staged(flight, ABORTED)
                 raise
             except ray.exceptions.GetTimeoutError as e:   # D's pull hangs: give up
-                self.releases.release(flight)
+                await self.releases.release(flight)
                 raise TransferFailed(f"KV transfer for request {flight.request_id} did not "
                                      "finish before its deadline") from e
             except ray.exceptions.RayTaskError as e:
@@ -556,27 +569,28 @@ class Orchestrator:
                     self.rejected[reason] = self.rejected.get(reason, 0) + 1
                     self.recent_rejections.append((reason, pid, rid))
                     self.prefill_retries += 1
-                self.releases.release_staged(flight, TRANSFER_FAILED)
+                await self.releases.release_staged(flight, TRANSFER_FAILED)
                 last_error = e
                 if flight.aborted:
                     continue
                 if reason == "unknown":     # D no longer holds the reservation
-                    self.releases.release(flight)
+                    await self.releases.release(flight)
                     raise TransferFailed(f"KV transfer for request {flight.request_id} "
                                          f"failed: {cause}") from e
                 if self.cfg.failure_policy == "fail":
-                    self.releases.release(flight)
+                    await self.releases.release(flight)
                     raise TransferFailed(f"KV transfer for request {flight.request_id} "
                                          f"failed: {cause or e}") from e
 
-    def _open_stream(self, flight: Flight, result: PrefillResult | None, clock: AttemptClock):
+    async def _open_stream(self, flight: Flight, result: PrefillResult | None,
+                           clock: AttemptClock):
         """Land `result`'s pages on D (round trip 3; none when D prefills it itself), then
         return an iterator over the request's TokenDeltas and its RequestDone from D's delta
         stream (router/streams.py), its first item already arrived."""
         d, rid = flight.decode, flight.attempt_id
         timeout = max(1.0, self._deadline_left(flight))
         if result is not None:
-            self._land(flight.prefill, d, flight.request_id, flight.epoch, result, clock,
+            await self._land(flight.prefill, d, flight.request_id, flight.epoch, result, clock,
                        timeout)
             did = self.fleet.worker_id(d)
             self.traces.transferred(flight.request_id, did)  # trace hook: D landed the pages
@@ -584,14 +598,14 @@ class Orchestrator:
             if result.handle is not None:    # off the critical path: settled at the end
                 flight.ack = flight.prefill.ack.remote(result.handle.transfer_id)
         waited = time.perf_counter()
-        first = _next_delta(flight.inbox, timeout)
+        first = await _next_delta(flight.inbox, timeout)
         clock.waited_s += time.perf_counter() - waited
 
-        def items():
+        async def items():
             delta = first
             while True:
                 if isinstance(delta, MoveSignal):
-                    if self._move(flight, delta):
+                    if await self._move(flight, delta):
                         yield MOVED
                 else:
                     if delta.token_ids:
@@ -599,237 +613,22 @@ class Orchestrator:
                     if delta.done is not None:
                         yield delta.done
                         return
-                delta = _next_delta(flight.inbox, max(1.0, self._deadline_left(flight)))
+                delta = await _next_delta(flight.inbox, max(1.0, self._deadline_left(flight)))
         return items()
 
-    def _land(self, source: Any, d: Any, request_id: str, epoch: int, result: PrefillResult,
-              clock: AttemptClock, timeout: float) -> None:
+    async def _land(self, source: Any, d: Any, request_id: str, epoch: int,
+                    result: PrefillResult, clock: AttemptClock, timeout: float) -> None:
         """D pulls, verifies and lands `result`'s pages, staged by `source` (a prefill worker,
         or the decode worker a running request moves from)."""
-        with contextlib.ExitStack() as stack:
+        async with contextlib.AsyncExitStack() as stack:
             if result.handle is not None and self.cfg.transport == "rdt":
-                stack.enter_context(self._rdt_exclusive(source, d))
+                await stack.enter_async_context(self._rdt_exclusive(source, d))
                 send = source.kv_send.options(tensor_transport=self.cfg.rdt_backend)
                 pages = send.remote(result.handle.transfer_id)
                 landed = d.land.remote(request_id, epoch, result, pages, sent_at=time.time())
             else:
                 landed = d.land.remote(request_id, epoch, result)
-            _unwrap(lambda: clock.get(landed, timeout=timeout))
-
-    # ---- live migration ----------------------------------------------------------------------
-    def migrate(self, request_id: str, target: str | None = None, cause: str = "rebalance"
-                ) -> bool:
-        """Ask a request to move its running decode to another decode worker (`target`, or
-        the policy's pick among the others), with its KV, sampler state and stream position.
-        The request's own thread does the move between two of its tokens (`_move`). False
-        when the request is not on a decode worker now or a move is already asked."""
-        with self._lock:
-            flight = self._flights.get(request_id)
-        if flight is None:
-            return False
-        with flight.lock:
-            inbox = flight.inbox
-            if inbox is None or flight.moving or flight.aborted:
-                return False
-            flight.moving = True
-            inbox.put(MoveSignal(target, cause))
-        return True
-
-    def move_off(self, worker_id: str, cause: str = "drain") -> int:
-        """Ask every request decoding on `worker_id` to move away (a drain); a request whose
-        last move did not happen is asked again after MOVE_RETRY_S. Returns how many were
-        asked now."""
-        w = self.fleet.handle(worker_id)
-        now, asked = time.monotonic(), 0
-        for f in self.in_flight_flights():
-            if f.decode is w and now >= f.move_after and \
-                    self.migrate(f.request_id, cause=cause):
-                asked += 1
-        return asked
-
-    def _move(self, flight: Flight, signal: MoveSignal) -> bool:
-        """In the request's thread, between two of its tokens: move its running decode from
-        D1 (flight.decode) to D2. D1 freezes it (None: not a running decode there now: nothing
-        to do); D2 admits it under the next epoch, reserving what D1 computed and planning the
-        blocks it lacks; D1 stages exactly that plan (checksums, sampler state); D2 pulls,
-        verifies and lands it, then replays the output so far on its stream. No room on any
-        D2: D1 decodes it on. D1 or D2 failing after the freeze: MoveFailed (the request
-        re-prefills elsewhere; both sides are released). True when it moved."""
-        source = self.fleet.worker_id(flight.decode)
-        try:
-            return self._move_now(flight, signal)
-        finally:      # a move is "moving" until it ended, whichever way (no second ask)
-            self._move_ended[source] = time.monotonic()
-            with flight.lock:
-                flight.moving = False
-                flight.move_after = time.monotonic() + MOVE_RETRY_S
-
-    def _move_now(self, flight: Flight, signal: MoveSignal) -> bool:
-        d1, old = flight.decode, flight.attempt_id
-        d1_id = self.fleet.worker_id(d1)
-        if flight.aborted or flight.admitted is None:
-            return False
-        left = max(1.0, self._deadline_left(flight))
-        frozen = _unwrap(lambda: ray.get(d1.freeze.remote(old), timeout=left))
-        if frozen is None:
-            return False
-        self.releases.settle_ack(flight)     # P's ack (its ledger key names this attempt)
-        epoch = max(flight.epoch, flight.last_epoch) + 1
-        with flight.lock:
-            flight.last_epoch = epoch        # used, whether the move succeeds or not
-        admitted = replace(flight.admitted, epoch=epoch)
-        new = admitted.worker_request_id
-        moved = MigratedRequest(admitted, d1_id, frozen)
-        placed = self._admit_moved(moved, d1_id, signal.target)
-        if placed is None:                   # nobody has room: it goes on where it is
-            ray.get(d1.unfreeze.remote(old), timeout=left)
-            self._count_move("unplaced", signal.cause)
-            return False
-        d2, adm, inbox = placed
-        d2_id = self.fleet.worker_id(d2)
-        self.ledger.hold(d2_id, RESERVED, new, adm.reserved_blocks, left)
-        transfer_id = None
-        try:
-            result: PrefillResult = _unwrap(lambda: ray.get(
-                d1.stage_migration.remote(old, adm.plan), timeout=left))
-            if result.handle is not None:
-                transfer_id = result.handle.transfer_id
-                self.ledger.hold(d1_id, STAGED, old, adm.plan.num_blocks, result.lease_s)
-            self._land(d1, d2, flight.request_id, epoch, result, AttemptClock(), left)
-        except Exception as e:   # noqa: BLE001 - any failure after the freeze re-prefills
-            if isinstance(e, ray.exceptions.RayTaskError) and \
-                    isinstance(getattr(e, "cause", None), TransferRejected):
-                reason = e.cause.reason
-                with self._lock:
-                    self.rejected[reason] = self.rejected.get(reason, 0) + 1
-                    self.recent_rejections.append((reason, d1_id, new))
-            if transfer_id is not None:
-                self.releases.confirm(d1.abort_transfer.remote(transfer_id), d1_id, STAGED,
-                                      old, TRANSFER_FAILED)
-            self.releases.confirm(d2.abort.remote(new), d2_id, RESERVED, new, ABORTED)
-            self.streams.close(d2_id, new)
-            self._count_move("fallback", signal.cause)
-            raise MoveFailed(f"moving request {flight.request_id} from {d1_id} to {d2_id} "
-                             f"failed: {type(e).__name__}: {e}"[:400]) from e
-        self.ledger.release(d2_id, RESERVED, new, FILLED)
-        self._move_ended[d1_id] = self._move_ended[d2_id] = time.monotonic()
-        if transfer_id is not None:
-            self.releases.confirm(d1.ack.remote(transfer_id), d1_id, STAGED, old, ACKED)
-        self.streams.close(d1_id, old)
-        with flight.lock:
-            flight.decode, flight.inbox, flight.epoch, flight.attempt_id = d2, inbox, epoch, new
-            flight.prefill, flight.transfer_id = None, None
-        self._count_move("moved", signal.cause)
-        return True
-
-    def _admit_moved(self, moved: MigratedRequest, source: str, target: str | None):
-        """The first decode worker other than `source` (`target` alone when given) that
-        admits the moved request: (handle, Admission, its inbox), or None."""
-        if target is not None:
-            order = [self.fleet.handle(target)] if self.fleet.takes_requests(target) else []
-        else:
-            live = [d for d in self.fleet.live("decode") if self.fleet.worker_id(d) != source]
-            try:
-                first = self._decide("decode", self._routing_request(moved.admitted),
-                                     frozenset({source}))
-                order = [first] + [d for d in live if d is not first]
-            except RoutingRejected:
-                order = live
-        new = moved.admitted.worker_request_id
-        for d in order:
-            did = self.fleet.worker_id(d)
-            inbox = self.streams.open(d, did, new)
-            try:
-                adm: Admission = _unwrap(lambda d=d: ray.get(d.admit_migration.remote(moved),
-                                                             timeout=CLEANUP_WAIT_S))
-            except (ray.exceptions.RayError, RequestError):
-                self.streams.close(did, new)
-                continue
-            if adm.admitted:
-                return d, adm, inbox
-            self.streams.close(did, new)
-        return None
-
-    def _count_move(self, outcome: str, cause: str) -> None:
-        with self._lock:
-            self.migrations[outcome] += 1
-            if outcome == "moved":
-                self.moved_by_cause[cause] = self.moved_by_cause.get(cause, 0) + 1
-        record = getattr(self.metrics, "record_migration", None)
-        if record is not None:
-            record(outcome, cause)
-
-    def relieve_kv_pressure(self) -> int:
-        """migrate_on_kv_pressure: for each live decode worker whose pool is nearly full by its
-        last report (free blocks under PRESSURE_FREE_SHARE of the pool, or under
-        PRESSURE_BLOCKS_PER_SEQ per running sequence: its batch would exhaust them within a few
-        blocks' steps), ask its largest request (prompt + the tokens the client has) to move,
-        one move at a time per worker, before its engine would have to preempt and recompute.
-        The target is the decode worker with the most free blocks that keeps ROOM_FREE_SHARE
-        of its pool free after taking the request's blocks (so it is not the next one under
-        pressure, and a request does not bounce back); none such: nothing moves. A worker a
-        move left or reached sits out until its reports show the move (stale figures would
-        move a second request). Returns the moves asked."""
-        fleet, asked = self.fleet, 0
-        now = time.monotonic()
-        # a worker a move just left or reached reports its new pool a little later: until
-        # then its figures are stale (a second move off it would be one too many)
-        settle = max(0.25, 3 * self.cfg.report_interval_s)
-        with fleet.lock:
-            states = [(st.worker_id, st.free_blocks, st.total_blocks, st.decode_batch)
-                      for st in fleet.states("decode") if not st.draining and
-                      now - self._move_ended.get(st.worker_id, -math.inf) >= settle]
-        bs = self._block_size                # learned from the admissions
-        flights = self.in_flight_flights()
-        for wid, free, total, batch in states:
-            low = max(PRESSURE_FREE_SHARE * total, PRESSURE_BLOCKS_PER_SEQ * batch)
-            if not total or not batch or free >= low:
-                continue
-            w = fleet.handle(wid)
-            mine = [f for f in flights if f.decode is w and f.admitted is not None]
-            if not mine or any(f.moving for f in mine):
-                continue
-            ready = [f for f in mine if now >= f.move_after]
-            if not ready:
-                continue
-            biggest = max(ready, key=_tokens_held)
-            targets = [(f2, w2) for w2, f2, t2, _ in states if w2 != wid and t2 and
-                       f2 - -(-_tokens_held(biggest) // bs) >= ROOM_FREE_SHARE * t2]
-            if targets:
-                to = max(targets)[1]
-                asked += self.migrate(biggest.request_id, target=to, cause="kv_pressure")
-        return asked
-
-    def rebalance_decodes(self, max_moves: int = 8) -> int:
-        """Move running decodes from the busiest live decode worker to the idlest (a worker
-        that just joined takes its share at once instead of only new requests) when the
-        requests the router has on them differ by at least REBALANCE_MIN_GAP and the busiest
-        has at least twice the idlest's: half the gap (at most `max_moves`), the requests with
-        the most output asked for first (then the newest). The router's own flights, not the
-        reports, so a move is counted where it went at once; nothing while a move off the
-        busiest is still under way. Returns the moves asked."""
-        live = self.fleet.live("decode")
-        if len(live) < 2:
-            return 0
-        flights = [f for f in self.in_flight_flights() if f.admitted is not None]
-        on = {id(w): [f for f in flights if f.decode is w] for w in live}
-        hi = max(live, key=lambda w: len(on[id(w)]))
-        lo = min(live, key=lambda w: len(on[id(w)]))
-        mine, gap = on[id(hi)], len(on[id(hi)]) - len(on[id(lo)])
-        if gap < REBALANCE_MIN_GAP or len(mine) < 2 * len(on[id(lo)]) or \
-                any(f.moving for f in mine):
-            return 0
-        mine.sort(key=lambda f: (f.admitted.sampling.max_tokens, f.started), reverse=True)
-        to = self.fleet.worker_id(lo)
-        return sum(self.migrate(f.request_id, target=to, cause="rebalance")
-                   for f in mine[:min(max_moves, gap // 2)])
-
-    def _pressure_loop(self) -> None:
-        while not self._stop.wait(self.cfg.report_interval_s):
-            try:
-                self.relieve_kv_pressure()
-            except Exception:   # noqa: BLE001 - a worker left meanwhile: next round
-                pass
+            await unwrap(clock.get(landed, timeout=timeout))
 
     def _close_inbox(self, flight: Flight) -> None:
         if flight.inbox is not None:
@@ -840,15 +639,14 @@ class Orchestrator:
         return self.cfg.request_timeout_s if flight.deadline is None else \
             flight.deadline - time.time()
 
-    @contextlib.contextmanager
-    def _rdt_exclusive(self, *actors: Any):
+    @contextlib.asynccontextmanager
+    async def _rdt_exclusive(self, *actors: Any):
         """Hold the RDT locks of these actors (taken in one global order: no deadlock)."""
-        with self._lock:
-            locks = [self._rdt_locks.setdefault(k, threading.Lock())
-                     for k in sorted({a._actor_id.hex() for a in actors})]
-        with contextlib.ExitStack() as stack:
+        locks = [self._rdt_locks.setdefault(k, asyncio.Lock())
+                 for k in sorted({a._actor_id.hex() for a in actors})]
+        async with contextlib.AsyncExitStack() as stack:
             for lock in locks:
-                stack.enter_context(lock)
+                await stack.enter_async_context(lock)
             yield
 
     def abort(self, request_id: str) -> bool:
@@ -861,7 +659,7 @@ class Orchestrator:
         rid = flight.attempt_id or flight.request_id
         if flight.prefill is not None:
             flight.prefill.abort.remote(rid)
-        if flight.decode is not None:        # the request thread confirms and closes holds
+        if flight.decode is not None:        # the request's coroutine confirms, closes holds
             flight.decode.abort.remote(rid)
         return True
 
@@ -872,22 +670,27 @@ class Orchestrator:
     # ---- many requests -----------------------------------------------------------------------
     def generate(self, prompts: list, sampling: SamplingParams | None = None,
                  **kw) -> list[RequestResult]:
-        """Run requests concurrently; results in input order (a request that failed has its
-        error's message in `error`)."""
-        def one(p):
+        """Run requests concurrently (blocking; not from the router loop); results in input
+        order (a request that failed has its error's message in `error`)."""
+        async def one(p):
             try:
-                return self.run_request(p, sampling, **kw)
+                return await self.run_request_async(p, sampling, **kw)
             except RaypdError as e:
                 return RequestResult(error=str(e))
-        with ThreadPoolExecutor(max_workers=min(64, max(1, len(prompts)))) as pool:
-            return list(pool.map(one, prompts))
+
+        async def every():
+            return await asyncio.gather(*(one(p) for p in prompts))
+        return self.loop.run(every())
 
     def close(self, wait_s: float | None = None) -> None:
-        """Stop the load reporter. With `wait_s`, also wait (that long at most) until it has
-        made its last Ray call: a Ray call after ray.shutdown() would start a new local Ray."""
+        """Stop the load reporter, the stream readers and the router loop. With `wait_s`,
+        also wait (that long at most) until the reporter has made its last Ray call: a Ray
+        call after ray.shutdown() would start a new local Ray."""
         self._stop.set()
         self.fleet.close(wait_s)
-        self.streams.close_all(wait_s)
+        self.streams.close_all(self.loop.loop)
+        self.loop.close(wait_s if wait_s is not None else 5.0)
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _NoMetrics:
@@ -896,23 +699,14 @@ class _NoMetrics:
     def set_in_flight(self, n: int) -> None: ...
 
 
-def _unwrap(call: Callable[[], Any]) -> Any:
-    """Run a ray.get; a RequestError raised inside the worker comes out as itself."""
+async def _next_delta(inbox: asyncio.Queue, timeout: float) -> RequestDelta | MoveSignal:
+    """The next delta of a request's inbox (or a move asked of it); a dead worker's as Ray's
+    RayActorError (the attempt fails and runs again elsewhere), a failed step's as
+    StepFailed, none in time as Ray's GetTimeoutError."""
     try:
-        return call()
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, RequestError):
-            raise e.cause from None
-        raise
-
-
-def _next_delta(inbox: Any, timeout: float) -> RequestDelta | MoveSignal:
-    """The next delta of a request's inbox (or a move asked of it); a dead worker's as Ray's RayActorError (the attempt
-    fails and runs again elsewhere), a failed step's as StepFailed, none in time as Ray's
-    GetTimeoutError."""
-    try:
-        item = inbox.get(timeout=timeout)
-    except queue.Empty:
+        item = inbox.get_nowait() if not inbox.empty() else \
+            await asyncio.wait_for(inbox.get(), timeout)
+    except TimeoutError:
         raise ray.exceptions.GetTimeoutError(
             f"no token from the decode worker in {timeout:.0f} s") from None
     if isinstance(item, MoveSignal):
@@ -923,13 +717,6 @@ def _next_delta(inbox: Any, timeout: float) -> RequestDelta | MoveSignal:
     if item.error is not None:
         raise StepFailed(item.error)
     return item
-
-
-def _tokens_held(flight: Flight) -> int:
-    """The tokens a decoding request holds KV for, as the router knows them: its prompt and
-    the output its client has."""
-    sent = flight.sent.tokens if flight.sent is not None else 0
-    return flight.admitted.num_tokens + sent
 
 
 def _prompt_tokens(prompt: Any) -> int:

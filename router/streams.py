@@ -1,8 +1,8 @@
-"""The router's end of the decode workers' delta streams: one reader thread per decode worker
-consumes its `deltas` stream (one Ray item per message, each carrying every request's new
-tokens of a step) and hands each request's deltas to that request's inbox, a local queue its
-request thread waits on. So a token costs no Ray call of its own, and a request thread never
-waits on Ray for its tokens.
+"""The router's end of the decode workers' delta streams: one reader task per decode worker, on
+the router's loop, consumes its `deltas` stream (one Ray item per message, each carrying every
+request's new tokens of a step) and hands each request's deltas to that request's inbox, an
+asyncio queue its request's coroutine awaits. So a token costs no Ray call of its own, no
+thread, and one loop wake-up per message for all the requests it carries.
 
 A worker that dies ends every inbox it feeds with `WorkerGone` (the request's attempt fails and
 is retried elsewhere); the reader subscribes again once the worker is back (Ray restarts it), or
@@ -12,13 +12,10 @@ most one per report interval), which the fleet takes instead of calling the work
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
-import threading
 from collections.abc import Callable
 from typing import Any
-
-import ray
 
 from protocol.messages import LoadReport, RequestDelta
 
@@ -34,60 +31,57 @@ class WorkerGone:
 
 
 class DeltaStreams:
+    """Invariant: every method but `close_all` runs on the router's loop (no locks needed)."""
+
     def __init__(self, is_member: Callable[[str], bool],
                  on_report: Callable[[LoadReport], None] | None = None,
                  report_every_s: float | None = None,
                  on_lost: Callable[[str], None] | None = None) -> None:
         """With `on_report`, each stream carries its worker's load report at most every
-        `report_every_s` (DecodeHost.deltas), handed to `on_report` by the reader thread;
+        `report_every_s` (DecodeHost.deltas), handed to `on_report` by the reader;
         `on_lost(worker_id)` runs when a stream breaks, before its requests hear of it."""
         self._is_member = is_member               # worker id -> still in the fleet
         self._on_report = on_report
         self._on_lost = on_lost or (lambda worker_id: None)
         self._report_every_s = report_every_s if on_report is not None else None
-        self._lock = threading.Lock()
-        self._inboxes: dict[tuple[str, str], queue.SimpleQueue] = {}
-        self._readers: dict[str, threading.Thread] = {}
-        self._stop = threading.Event()
+        self._inboxes: dict[tuple[str, str], asyncio.Queue] = {}
+        self._readers: dict[str, asyncio.Task] = {}
+        self._stopped = False
 
-    def open(self, worker: Any, worker_id: str, worker_request_id: str) -> queue.SimpleQueue:
+    def open(self, worker: Any, worker_id: str, worker_request_id: str) -> asyncio.Queue:
         """The inbox of one request attempt on `worker` (open it before the request can
         produce tokens there: before its admission)."""
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        with self._lock:
-            self._inboxes[(worker_id, worker_request_id)] = inbox
-            reader = self._readers.get(worker_id)
-            if reader is None or not reader.is_alive():
-                reader = threading.Thread(target=self._read, args=(worker, worker_id),
-                                          daemon=True, name=f"raypd-deltas-{worker_id}")
-                self._readers[worker_id] = reader
-                reader.start()
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._inboxes[(worker_id, worker_request_id)] = inbox
+        reader = self._readers.get(worker_id)
+        if (reader is None or reader.done()) and not self._stopped:
+            self._readers[worker_id] = asyncio.get_running_loop().create_task(
+                self._read(worker, worker_id), name=f"raypd-deltas-{worker_id}")
         return inbox
 
     def close(self, worker_id: str, worker_request_id: str) -> None:
-        with self._lock:
-            self._inboxes.pop((worker_id, worker_request_id), None)
+        self._inboxes.pop((worker_id, worker_request_id), None)
 
-    def _read(self, worker: Any, worker_id: str) -> None:
-        while not self._stop.is_set() and self._is_member(worker_id):
+    async def _read(self, worker: Any, worker_id: str) -> None:
+        while not self._stopped and self._is_member(worker_id):
             try:
-                for ref in worker.deltas.remote(report_every_s=self._report_every_s):
-                    if self._stop.is_set():
+                async for ref in worker.deltas.remote(report_every_s=self._report_every_s):
+                    batch = await ref
+                    if self._stopped:
                         return
-                    batch = ray.get(ref)
                     if batch.report is not None:
                         self._report(batch.report)
-                    with self._lock:
-                        for d in batch.deltas:
-                            inbox = self._inboxes.get((worker_id, d.worker_request_id))
-                            if inbox is not None:
-                                inbox.put(d)
+                    for d in batch.deltas:
+                        inbox = self._inboxes.get((worker_id, d.worker_request_id))
+                        if inbox is not None:
+                            inbox.put_nowait(d)
+            except asyncio.CancelledError:
+                raise
             except Exception as e:   # noqa: BLE001 - the worker died, restarts or was removed
                 self._on_lost(worker_id)     # its reports come by polls again: a retry that
                 # refreshes the fleet then sees it gone
                 self._fail_all(worker_id, f"{type(e).__name__}: {e}"[:300])
-            if self._stop.wait(RESUBSCRIBE_S):
-                return
+            await asyncio.sleep(RESUBSCRIBE_S)
 
     def _report(self, report: LoadReport) -> None:
         try:
@@ -96,18 +90,24 @@ class DeltaStreams:
             log.exception("load report pushed by %s not applied", report.worker_id)
 
     def _fail_all(self, worker_id: str, reason: str) -> None:
-        with self._lock:
-            inboxes = [q for (wid, _), q in self._inboxes.items() if wid == worker_id]
-        for q in inboxes:
-            q.put(WorkerGone(reason))
+        for (wid, _), q in list(self._inboxes.items()):
+            if wid == worker_id:
+                q.put_nowait(WorkerGone(reason))
 
-    def close_all(self, wait_s: float | None = None) -> None:
-        """Stop the readers (a Ray call after ray.shutdown() would start a new local Ray)."""
-        self._stop.set()
-        if wait_s is not None:
-            for t in list(self._readers.values()):
-                if t is not threading.current_thread():
-                    t.join(wait_s)
+    def close_all(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Stop the readers (a Ray call after ray.shutdown() would start a new local Ray);
+        from any thread, given the loop they run on."""
+        self._stopped = True
+
+        def cancel() -> None:
+            for t in self._readers.values():
+                t.cancel()
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(cancel)
+        except RuntimeError:
+            pass
 
 
 InboxItem = RequestDelta | WorkerGone
