@@ -95,6 +95,8 @@ class PDCluster:
         self.orchestrator = Orchestrator(self.prefill, self.decode, self.flow, ids,
                                          metrics=metrics)
         self.run_request = self.orchestrator.run_request
+        self.run_request_async = self.orchestrator.run_request_async
+        self.loop = self.orchestrator.loop     # the router's loop: serve the ingresses on it
         self.generate = self.orchestrator.generate
         self.abort = self.orchestrator.abort
         self.autoscaler = None

@@ -3,12 +3,15 @@ serve them over OpenAI-compatible HTTP (and gRPC when `server.grpc_port` is set)
 
     raypd serve --config configs/local.yaml --model tiny --port 8000
 
-`start_server(cfg)` does the same in-process, uvicorn in a background thread, for tests and
-`raypd run`: it returns a handle with `.url` and `.stop()`.
+`start_server(cfg)` does the same in-process, for tests and `raypd run`: it returns a handle
+with `.url` and `.stop()`. uvicorn (and the gRPC server) run on the router's event loop
+(router/event_loop.py), so a request's tokens reach its stream with no thread in between.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import signal
 import sys
@@ -26,6 +29,7 @@ from ingress.core import IngressCore, IngressSettings
 from ingress.http_app import build_app
 from ingress.http_server import uvicorn_config
 from ingress.request_checks import ModelLimits
+from router.event_loop import RouterLoop
 
 API_KEY_ENV = "RAYPD_API_KEY"
 
@@ -66,7 +70,7 @@ class ServerHandle:
     app: Any
     backend: Any
     server: uvicorn.Server
-    thread: threading.Thread
+    running: Any                  # the server's run: a Future on the router loop, or a thread
     grpc: Any = None
     _owns_backend: bool = True
     _started_ray: bool = False
@@ -77,7 +81,7 @@ class ServerHandle:
             return
         self._stopped = True
         self.server.should_exit = True
-        self.thread.join(timeout=15)
+        wait_served(self.running, 15)
         if self.grpc is not None:
             self.grpc.stop()
         self.app.state.ingress.close()
@@ -118,11 +122,10 @@ def start_server(cfg: RaypdConfig, host: str | None = None, port: int | None = N
         core = IngressCore(backend, settings)
         app = build_app(backend, settings, core=core)
         server = uvicorn.Server(uvicorn_config(app, host, port, settings.limits, log_level))
-        thread = threading.Thread(target=server.run, name="raypd-http", daemon=True)
-        thread.start()
+        running = serve_on(server, backend)
         deadline = time.monotonic() + 30
         while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
+            if served_out(running) or time.monotonic() > deadline:
                 server.should_exit = True
                 raise OSError(f"the HTTP server did not start on {host}:{port}")
             time.sleep(0.02)
@@ -135,7 +138,7 @@ def start_server(cfg: RaypdConfig, host: str | None = None, port: int | None = N
             ray.shutdown()
         raise
     shown = f"[{host}]" if ":" in host else host
-    return ServerHandle(f"http://{shown}:{bound}", host, bound, app, backend, server, thread,
+    return ServerHandle(f"http://{shown}:{bound}", host, bound, app, backend, server, running,
                         grpc, owns, started_ray)
 
 
@@ -194,10 +197,10 @@ def _start_grpc(cfg: RaypdConfig, backend: Any, host: str, core: IngressCore) ->
 def serve_forever(cfg: RaypdConfig, log_level: str = "info") -> int:
     """`raypd serve`: launch the workers and serve them until SIGINT / SIGTERM (or the joined
     Ray cluster goes away); every worker is released on the way out."""
-    # SIGTERM: uvicorn handles it while serving (graceful stop); before or after, it unwinds
-    # through the `finally` below like Ctrl-C does.
+    # SIGTERM unwinds like Ctrl-C: the main thread (waiting on the server's run on the router
+    # loop) stops the server gracefully, then the `finally` below releases everything.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    started_ray = backend = grpc = app = None
+    started_ray = backend = grpc = app = server = running = None
     gate = check_kv_quality_gate(cfg)
     if gate is not None:
         floor = gate["noise_floor"]
@@ -226,10 +229,14 @@ def serve_forever(cfg: RaypdConfig, log_level: str = "info") -> int:
             print(f"raypd: gRPC ingress on {grpc.address}", file=sys.stderr, flush=True)
         print(f"raypd: serving {cfg.served_model_name!r} on "
               f"http://{cfg.server.host}:{cfg.server.port}", file=sys.stderr, flush=True)
-        uvicorn.Server(uvicorn_config(app, cfg.server.host, cfg.server.port, settings.limits,
-                                      log_level)).run()
+        server = uvicorn.Server(uvicorn_config(app, cfg.server.host, cfg.server.port,
+                                               settings.limits, log_level))
+        running = serve_on(server, backend)
+        wait_served(running, None)
     except KeyboardInterrupt:
-        pass
+        if server is not None:
+            server.should_exit = True
+            wait_served(running, 10)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         print("raypd: shutting down", file=sys.stderr, flush=True)
@@ -247,6 +254,34 @@ def serve_forever(cfg: RaypdConfig, log_level: str = "info") -> int:
             ray.shutdown()
     return 0
 
+
+
+def serve_on(server: uvicorn.Server, backend: Any) -> Any:
+    """Start `server` on the backend's router loop (router/event_loop.py: the ingress and
+    the request flow share one loop, no thread between them): the run's Future. A backend
+    without a loop (a stand-in) gets a thread running the server's own loop."""
+    loop = getattr(backend, "loop", None)
+    if isinstance(loop, RouterLoop):
+        return asyncio.run_coroutine_threadsafe(server.serve(), loop.loop)
+    thread = threading.Thread(target=server.run, name="raypd-http", daemon=True)
+    thread.start()
+    return thread
+
+
+def served_out(running: Any) -> bool:
+    """Whether the server's run ended."""
+    return not running.is_alive() if isinstance(running, threading.Thread) else running.done()
+
+
+def wait_served(running: Any, timeout: float | None) -> None:
+    """Wait (at most `timeout`) for the server's run to end."""
+    if isinstance(running, threading.Thread):
+        running.join(timeout)
+        return
+    try:
+        running.result(timeout)
+    except concurrent.futures.TimeoutError:
+        pass
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:

@@ -16,13 +16,15 @@ from protocol.sampling import SamplingParams
 
 
 class Backend(Protocol):
-    def run_request(self, prompt: Prompt, sampling: SamplingParams | None = None, *,
-                    chat: bool = False, tenant: str = "", lora_id: str = "",
-                    request_id: str | None = None,
-                    on_delta: Callable[[TokenDelta], None] | None = None,
-                    timeout_s: float | None = None) -> RequestResult:
-        """Run one request to its end (blocking), calling `on_delta` as tokens stream in.
-        Raises only the errors of protocol/errors.py."""
+    async def run_request_async(self, prompt: Prompt, sampling: SamplingParams | None = None,
+                                *, chat: bool = False, tenant: str = "", lora_id: str = "",
+                                request_id: str | None = None,
+                                on_delta: Callable[[TokenDelta], None] | None = None,
+                                timeout_s: float | None = None) -> RequestResult:
+        """Run one request to its end, calling `on_delta` on the caller's loop as tokens
+        stream in (text included: the backend detokenizes). Raises only the errors of
+        protocol/errors.py. A backend with a `loop` (router/event_loop.RouterLoop) wants its
+        servers on that loop (cluster/serve.py): then no thread lies between them."""
 
     def abort(self, request_id: str) -> bool:
         """Release the request's blocks on every worker; False when it is not in flight."""

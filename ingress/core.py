@@ -115,8 +115,10 @@ class IngressCore:
         return authenticate(keys, authorization, scope)
 
     def check_model(self, name: str | None) -> None:
+        """A 404 naming the served models unless `name` is one of them; None (not asked) is the
+        base model. An empty name is a name that no model has (as an unknown one is)."""
         loras = self.settings.lora_names
-        if name and name != self.model_name and name not in loras:
+        if name is not None and name != self.model_name and name not in loras:
             served = ", ".join(repr(m) for m in (self.model_name, *loras))
             raise IngressError(404, f"the model {name!r} does not exist; this server serves "
                                f"{served}", param="model", code="model_not_found")
@@ -155,13 +157,13 @@ class IngressCore:
         return base, subs
 
     # ---- the backend ----
-    def run(self, sub: SubRequest, tenant: str, lora: str,
-            on_delta: Callable[[TokenDelta], None] | None = None) -> RequestResult:
-        """Run one sub-request (blocking). A chat prompt travels as its message list: the
-        worker applies the chat template to it."""
-        return self.backend.run_request(sub.prompt, sub.sampling, chat=False, tenant=tenant,
-                                        lora_id=lora, request_id=sub.request_id,
-                                        on_delta=on_delta)
+    async def run(self, sub: SubRequest, tenant: str, lora: str,
+                  on_delta: Callable[[TokenDelta], None] | None = None) -> RequestResult:
+        """Run one sub-request. A chat prompt travels as its message list: the router applies
+        the chat template to it."""
+        return await self.backend.run_request_async(
+            sub.prompt, sub.sampling, chat=False, tenant=tenant, lora_id=lora,
+            request_id=sub.request_id, on_delta=on_delta)
 
     def abort(self, request_id: str) -> bool:
         """Release a sub-request everywhere; False when it already ended or is unknown."""

@@ -10,10 +10,8 @@ error map (ingress.errors: its `grpc_code`; RESOURCE_EXHAUSTED carries trailing 
 
 from __future__ import annotations
 
-import queue
-import threading
+import asyncio
 import time
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -33,6 +31,7 @@ from ingress.request_checks import (
 from protocol.errors import RequestError
 from protocol.lifecycle import RequestLifecycle
 from protocol.messages import RequestResult
+from router.event_loop import RouterLoop
 
 
 def parse_request(req: pb.GenerateRequest, core: IngressCore) -> GenerationRequest:
@@ -83,12 +82,13 @@ def usage_pb(result: RequestResult) -> pb.Usage:
 
 
 class RaypdServicer(pb_grpc.RaypdServicer):
+    """The servicer, on grpc.aio: every call is a coroutine on the serving loop (the router's
+    when the backend has one), a request a task, never a thread."""
+
     def __init__(self, core: IngressCore) -> None:
         self.core = core
-        self._pool = futures.ThreadPoolExecutor(max_workers=core.max_inflight,
-                                                thread_name_prefix="raypd-grpc-req")
 
-    def _principal(self, context: grpc.ServicerContext) -> Principal:
+    def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
         md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
         return self.core.authorize(md.get("authorization"), "inference")
 
@@ -102,74 +102,68 @@ class RaypdServicer(pb_grpc.RaypdServicer):
         self.core.acquire(1)
         return g, sub
 
-    def _run(self, g: GenerationRequest, sub: SubRequest, on_delta=None) -> RequestResult:
+    async def _run(self, g: GenerationRequest, sub: SubRequest, on_delta=None) -> RequestResult:
         try:
-            return self.core.run(sub, g.tenant, g.lora, on_delta)
+            return await self.core.run(sub, g.tenant, g.lora, on_delta)
         finally:
             self.core.release(1)
 
-    def _abort(self, request_id: str) -> None:
-        self.core.abort(request_id)
-
     @staticmethod
-    def _fail(context: grpc.ServicerContext, e: IngressError) -> None:
+    async def _fail(context: grpc.aio.ServicerContext, e: IngressError) -> None:
         if e.retry_after_s:
             context.set_trailing_metadata((("retry-after", f"{e.retry_after_s:g}"),))
-        context.abort(grpc.StatusCode[e.grpc_code], e.message)
+        await context.abort(grpc.StatusCode[e.grpc_code], e.message)
 
-    def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+    async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         try:
             g, sub = self._admit(request, self._principal(context))
         except Exception as e:   # noqa: BLE001 - every refusal leaves as a status
-            self._fail(context, classify(e))
-        deltas: queue.Queue = queue.Queue()
+            await self._fail(context, classify(e))
+        deltas: asyncio.Queue = asyncio.Queue()
         done = object()
 
-        def work() -> None:
+        async def work() -> None:
             try:
-                deltas.put((done, self._run(g, sub, on_delta=deltas.put)))
+                deltas.put_nowait((done, await self._run(g, sub, on_delta=deltas.put_nowait)))
             except BaseException as e:  # noqa: BLE001 - handed to the stream below
-                deltas.put((done, e))
+                deltas.put_nowait((done, e))
 
-        context.add_callback(lambda: self._abort(sub.request_id))  # no-op once finished
+        task = asyncio.ensure_future(work())
         try:
-            self._pool.submit(work)
-        except BaseException:
-            self.core.release(1)
-            raise
-        while True:
-            item = deltas.get()
-            if isinstance(item, tuple) and item[0] is done:
-                outcome = item[1]
-                if isinstance(outcome, BaseException):
-                    self._fail(context, classify(outcome))
-                lc = outcome.lifecycle
-                yield pb.GenerateChunk(finish_reason=(lc.finish_reason if lc else None) or "",
-                                       usage=usage_pb(outcome), lifecycle=lifecycle_pb(lc),
-                                       request_id=sub.request_id)
-                return
-            if item.token_ids or item.text:
-                yield pb.GenerateChunk(token_ids=item.token_ids, text=item.text,
-                                       request_id=sub.request_id)
+            while True:
+                item = await deltas.get()
+                if isinstance(item, tuple) and item[0] is done:
+                    outcome = item[1]
+                    if isinstance(outcome, BaseException):
+                        await self._fail(context, classify(outcome))
+                    lc = outcome.lifecycle
+                    yield pb.GenerateChunk(finish_reason=(lc.finish_reason if lc else None) or "",
+                                           usage=usage_pb(outcome), lifecycle=lifecycle_pb(lc),
+                                           request_id=sub.request_id)
+                    return
+                if item.token_ids or item.text:
+                    yield pb.GenerateChunk(token_ids=item.token_ids, text=item.text,
+                                           request_id=sub.request_id)
+        finally:
+            if not task.done():          # the client cancelled or went away: blocks freed
+                self.core.abort(sub.request_id)
 
-    def SubmitTrace(self, request_iterator, context):  # noqa: N802
+    async def SubmitTrace(self, request_iterator, context):  # noqa: N802
         try:
             principal = self._principal(context)
         except IngressError as e:
-            self._fail(context, e)
-        results: queue.Queue = queue.Queue()
+            await self._fail(context, e)
+        results: asyncio.Queue = asyncio.Queue()
         in_flight: set[str] = set()
-        lock = threading.Lock()
         eof = object()
 
-        def run_one(tr: pb.TraceRequest, t0: float) -> None:
+        async def run_one(tr: pb.TraceRequest, t0: float) -> None:
             rid = None
             try:
                 g, sub = self._admit(tr.request, principal)
                 rid = sub.request_id
-                with lock:
-                    in_flight.add(rid)
-                res = self._run(g, sub)
+                in_flight.add(rid)
+                res = await self._run(g, sub)
                 lc = res.lifecycle
                 out = pb.TraceResult(id=tr.id, ok=True, token_ids=res.token_ids, text=res.text,
                                      finish_reason=(lc.finish_reason if lc else None) or "",
@@ -180,73 +174,86 @@ class RaypdServicer(pb_grpc.RaypdServicer):
                                      error=err.message, retry_after_s=err.retry_after_s)
             finally:
                 if rid is not None:
-                    with lock:
-                        in_flight.discard(rid)
+                    in_flight.discard(rid)
             out.server_e2e_s = time.monotonic() - t0
-            results.put(out)
+            results.put_nowait(out)
 
-        def read() -> None:
+        tasks: set[asyncio.Task] = set()
+
+        async def read() -> None:
             n = 0
             try:
-                for tr in request_iterator:
-                    self._pool.submit(run_one, tr, time.monotonic())
+                async for tr in request_iterator:
+                    t = asyncio.ensure_future(run_one(tr, time.monotonic()))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
                     n += 1
-            except Exception:   # the client went away; the callback below aborts the rest
+            except Exception:   # noqa: BLE001 - the client went away; the rest are aborted
                 pass
-            results.put((eof, n))
+            results.put_nowait((eof, n))
 
-        def abort_all() -> None:
-            with lock:
-                ids = list(in_flight)
-            for rid in ids:
-                self._abort(rid)
-
-        context.add_callback(abort_all)
-        threading.Thread(target=read, daemon=True, name="raypd-grpc-trace-reader").start()
+        reader = asyncio.ensure_future(read())
         sent, total = 0, None
-        while total is None or sent < total:
-            item = results.get()
-            if isinstance(item, tuple) and item[0] is eof:
-                total = item[1]
-                continue
-            sent += 1
-            yield item
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            while total is None or sent < total:
+                item = await results.get()
+                if isinstance(item, tuple) and item[0] is eof:
+                    total = item[1]
+                    continue
+                sent += 1
+                yield item
+        finally:
+            reader.cancel()
+            for rid in list(in_flight):      # the client cancelled: free what is left
+                self.core.abort(rid)
 
 
 class GrpcServer:
     """A started ingress server: `.port`, `.address`, `.stop()`."""
 
-    def __init__(self, server: grpc.Server, servicer: RaypdServicer, host: str, port: int):
+    def __init__(self, server: grpc.aio.Server, servicer: RaypdServicer, loop: RouterLoop,
+                 owns_loop: bool, host: str, port: int):
         self.server, self.servicer, self.host, self.port = server, servicer, host, port
+        self._loop, self._owns_loop = loop, owns_loop
         self.address = f"{host}:{port}"
 
     def stop(self, grace: float | None = 1.0) -> None:
-        self.server.stop(grace).wait()
-        self.servicer.close()
+        self._loop.run(self.server.stop(grace))
+        if self._owns_loop:
+            self._loop.close()
 
     def wait(self) -> None:
-        self.server.wait_for_termination()
+        self._loop.run(self.server.wait_for_termination())
 
 
 def start_grpc_server(backend: Backend, host: str = "127.0.0.1", port: int = 0,
                       settings: IngressSettings | None = None,
                       core: IngressCore | None = None) -> GrpcServer:
-    """Serve `backend` on host:port (0: any free port) in background threads; `core` shares
-    capacity with the HTTP app."""
+    """Serve `backend` on host:port (0: any free port) on the backend's loop (a loop of its
+    own for a backend without one); `core` shares capacity with the HTTP app."""
     core = core or IngressCore(backend, settings or IngressSettings())
     lim = core.settings.limits
     servicer = RaypdServicer(core)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64,
-                                                    thread_name_prefix="raypd-grpc"),
-                         maximum_concurrent_rpcs=lim.max_connections,
-                         options=[("grpc.max_receive_message_length", lim.max_body_bytes),
-                                  ("grpc.max_send_message_length", 64 << 20)])
-    pb_grpc.add_RaypdServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if not bound:
-        raise OSError(f"cannot bind the gRPC ingress to {host}:{port}")
-    server.start()
-    return GrpcServer(server, servicer, host, bound)
+    loop = getattr(backend, "loop", None)
+    owns_loop = not isinstance(loop, RouterLoop)
+    if owns_loop:
+        loop = RouterLoop()
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(
+            maximum_concurrent_rpcs=lim.max_connections,
+            options=[("grpc.max_receive_message_length", lim.max_body_bytes),
+                     ("grpc.max_send_message_length", 64 << 20)])
+        pb_grpc.add_RaypdServicer_to_server(servicer, server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if not bound:
+            raise OSError(f"cannot bind the gRPC ingress to {host}:{port}")
+        await server.start()
+        return server, bound
+    try:
+        server, bound = loop.run(start())
+    except BaseException:
+        if owns_loop:
+            loop.close()
+        raise
+    return GrpcServer(server, servicer, loop, owns_loop, host, bound)

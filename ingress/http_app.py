@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -68,7 +67,8 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
 
 
 class HttpIngress:
-    """The app's state: the shared core, metrics, the request threads, operations."""
+    """The app's state: the shared core, metrics, operations. A request is a task on the
+    serving loop, never a thread."""
 
     def __init__(self, backend: Backend, settings: IngressSettings,
                  metrics: IngressMetrics | None, core: IngressCore | None = None) -> None:
@@ -77,8 +77,6 @@ class HttpIngress:
         self.metrics = metrics or IngressMetrics(backend)
         self.core.on_inflight = self.metrics.inflight.set
         self.ops = Operations(self.core, self.metrics)
-        self.executor = ThreadPoolExecutor(max_workers=settings.max_inflight,
-                                           thread_name_prefix="raypd-http-req")
         self.created = int(time.time())
 
     @property
@@ -130,7 +128,7 @@ class HttpIngress:
             finally:
                 self.core.release(1)
 
-        job = RequestJob(self.core, self.executor, [SubState(s) for s in subs], req.tenant,
+        job = RequestJob(self.core, [SubState(s) for s in subs], req.tenant,
                          req.lora, self.settings.limits.stream_queue_events, on_finish,
                          return_token_ids=req.return_token_ids,
                          client_request_id=req.client_request_id)
@@ -187,7 +185,6 @@ class HttpIngress:
         return await self.ops.render_metrics()
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
         self.ops.close()
 
 

@@ -1,7 +1,7 @@
-"""The sub-requests of one HTTP request, running in the ingress's threads.
+"""The sub-requests of one HTTP request, each an asyncio task on the serving loop (no thread).
 
-Each sub-request runs `backend.run_request` in a worker thread; its deltas reach the event loop
-through `call_soon_threadsafe` into a bounded asyncio.Queue. A client that goes away, or one
+Each sub-request awaits `backend.run_request_async`; its deltas go straight into a bounded
+asyncio.Queue (the backend calls `on_delta` on this loop). A client that goes away, or one
 that reads a stream so slowly that the queue fills (`server.limits.stream_queue_events`), aborts
 every unfinished sub-request: their blocks are freed.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,11 +46,10 @@ class JobEvent:
 
 @dataclass
 class RequestJob:
-    """One HTTP request's sub-requests. `on_finish(job, state, status, result, error)` runs in
-    the worker thread once per sub-request (timeline, metrics, capacity release)."""
+    """One HTTP request's sub-requests. `on_finish(job, state, status, result, error)` runs
+    on the loop once per sub-request (timeline, metrics, capacity release)."""
 
     core: IngressCore
-    executor: ThreadPoolExecutor
     states: list[SubState]
     tenant: str
     lora: str
@@ -61,37 +60,31 @@ class RequestJob:
     started: float = field(default_factory=time.perf_counter)
     arrival: float = field(default_factory=time.time)          # wall clock, for the timeline
     overflowed: bool = False
-    queue: asyncio.Queue = field(init=False)
-    _getter: asyncio.Task | None = None
+    _events: deque[JobEvent] = field(default_factory=deque)   # at most queue_events
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: list[asyncio.Task] = field(default_factory=list)  # one per sub-request
     _checked: float = field(default_factory=time.monotonic)   # last disconnect check
 
     def __post_init__(self) -> None:
-        self.queue = asyncio.Queue(maxsize=self.queue_events)
         self.by_index = {s.sub.index: s for s in self.states}
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        for st in self.states:
-            self.executor.submit(self._run, st, loop)
+        self._tasks = [asyncio.ensure_future(self._run(st)) for st in self.states]
 
     def _enqueue(self, ev: JobEvent) -> None:
         """On the event loop: queue the event; a full queue cuts the client off."""
         if self.overflowed:
             return
-        try:
-            self.queue.put_nowait(ev)
-        except asyncio.QueueFull:
+        if len(self._events) >= self.queue_events:
             self.overflowed = True
             self.abort()
+            return
+        self._events.append(ev)
+        self._ready.set()
 
-    def _run(self, st: SubState, loop: asyncio.AbstractEventLoop) -> None:
+    async def _run(self, st: SubState) -> None:
         sub = st.sub
-
-        def put(ev: JobEvent) -> None:
-            try:
-                loop.call_soon_threadsafe(self._enqueue, ev)
-            except RuntimeError:        # the loop is gone (server stopped)
-                pass
+        put = self._enqueue
 
         def on_delta(delta: TokenDelta) -> None:
             if st.ttft_s is None:
@@ -105,7 +98,7 @@ class RequestJob:
         try:
             if st.cancelled:
                 raise RequestAborted(f"request {sub.request_id} was aborted")
-            result = self.core.run(sub, self.tenant, self.lora, on_delta)
+            result = await self.core.run(sub, self.tenant, self.lora, on_delta)
             status = 200
             put(JobEvent(sub.index, "done", result))
         except BaseException as e:      # noqa: BLE001 - every failure goes to the client
@@ -130,24 +123,30 @@ class RequestJob:
                 self._checked = time.monotonic()
                 if await request.is_disconnected():
                     return None
-            if self._getter is None:
-                self._getter = asyncio.ensure_future(self.queue.get())
-            done, _ = await asyncio.wait({self._getter}, timeout=DISCONNECT_POLL_S)
-            if done:
-                ev = self._getter.result()
-                self._getter = None
-                if ev.kind != "delta":
-                    st = self.by_index[ev.index]
-                    st.done = True
-                    if ev.kind == "done":
-                        st.result = ev.payload
-                return ev
+            if self._events:
+                return self.take()
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                pass
+
+    def peek(self) -> JobEvent | None:
+        """The next event already queued, left in place (None: none yet)."""
+        return self._events[0] if self._events else None
+
+    def take(self) -> JobEvent:
+        """The next queued event, taken (there must be one); a sub-request's end marks it."""
+        ev = self._events.popleft()
+        if ev.kind != "delta":
+            st = self.by_index[ev.index]
+            st.done = True
+            if ev.kind == "done":
+                st.result = ev.payload
+        return ev
 
     def abort(self) -> None:
         """Abort every unfinished sub-request (client gone, or another one failed)."""
-        if self._getter is not None:
-            self._getter.cancel()
-            self._getter = None
         for s in self.states:
             if not s.done and not s.cancelled:
                 s.cancelled = True

@@ -4,6 +4,7 @@ HTTP and gRPC share one capacity; keys bind tenants."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -16,6 +17,7 @@ from cluster.serve import start_server
 from ingress.auth import KeyRing, Principal, tenant_of
 from ingress.core import IngressCore, IngressSettings
 from ingress.errors import IngressError
+from protocol.messages import TokenDelta
 
 
 class FloodingBackend:
@@ -25,9 +27,10 @@ class FloodingBackend:
         self.aborted = threading.Event()
         self.info = [{"worker_id": "fake-0", "vocab_size": 1000, "max_model_len": 512}]
 
-    def run_request(self, prompt, sampling, *, on_delta=None, **kw):
+    async def run_request_async(self, prompt, sampling, *, on_delta=None, **kw):
         while not self.aborted.is_set():
-            on_delta({"token_ids": [1], "text": "x" * 16384})
+            on_delta(TokenDelta((1,), "x" * 16384))
+            await asyncio.sleep(0)
         raise RuntimeError("aborted")
 
     def abort(self, request_id):

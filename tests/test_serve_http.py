@@ -323,12 +323,12 @@ def test_health_and_metrics(server):
 
 # ---- backend failures, with a stand-in backend (no Ray) -----------------------------------------
 class FailingBackend:
-    """Raises the exception it is given from run_request."""
+    """Raises the exception it is given from run_request_async."""
 
     def __init__(self) -> None:
         self.exc: BaseException | None = None
 
-    def run_request(self, prompt, sampling, **kw):
+    async def run_request_async(self, prompt, sampling, **kw):
         raise self.exc
 
     def abort(self, request_id):

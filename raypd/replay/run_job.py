@@ -36,8 +36,9 @@ class RecordingBackend:
         self._backend = backend
         self.results: dict[str, RequestResult] = {}
 
-    def run_request(self, prompt: Any, sampling: Any = None, **kw: Any) -> RequestResult:
-        result = self._backend.run_request(prompt, sampling, **kw)
+    async def run_request_async(self, prompt: Any, sampling: Any = None,
+                                **kw: Any) -> RequestResult:
+        result = await self._backend.run_request_async(prompt, sampling, **kw)
         if kw.get("request_id"):
             self.results[kw["request_id"]] = result
         return result
