@@ -16,7 +16,6 @@ kv_timeline); this package never imports cluster/ or workers/, so no torch.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
@@ -28,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ingress import http_answers
 from ingress.auth import Principal
 from ingress.backend import Backend, OperatedBackend
+from ingress.body import read_body
 from ingress.core import GenerationRequest, IngressCore, IngressSettings
 from ingress.errors import IngressError
 from ingress.http_answers import error_response
@@ -37,33 +37,6 @@ from ingress.openai_protocol import chat_request, completion_request
 from ingress.operations import Operations
 from ingress.stats import IngressMetrics
 from ingress.trace_routes import add_trace_routes
-
-
-async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The whole body: 413 past `max_bytes` (declared or sent), 408 past `timeout_s`."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise IngressError(400, "Content-Length: must be a number of bytes")
-        if int(declared) > max_bytes:
-            raise IngressError(413, f"request body of {declared} bytes; at most {max_bytes} "
-                               f"(server.limits.max_body_bytes)", code="body_too_large")
-    chunks, size = [], 0
-
-    async def read() -> None:
-        nonlocal size
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise IngressError(413, f"request body over {max_bytes} bytes "
-                                   f"(server.limits.max_body_bytes)", code="body_too_large")
-            chunks.append(chunk)
-    try:
-        await asyncio.wait_for(read(), timeout_s)
-    except TimeoutError:
-        raise IngressError(408, f"request body not received within {timeout_s:g} s "
-                           f"(server.limits.body_timeout_s)", code="body_timeout") from None
-    return b"".join(chunks)
 
 
 class HttpIngress:

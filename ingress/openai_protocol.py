@@ -50,6 +50,8 @@ class _Body(BaseModel):
     tenant: str | None = None            # ours: cache namespace
     lora: str | None = None              # ours: LoRA adapter id (a cache-namespace key)
     return_token_ids: bool | None = None  # vLLM's: token ids per choice (+ ours: raypd_lifecycle)
+    include_stop_str_in_output: bool | None = None   # vLLM extra: the stop string ends the text
+    skip_special_tokens: bool | None = None          # vLLM extra: special tokens leave no text
 
 
 class StreamOptions(BaseModel):
@@ -74,8 +76,9 @@ class ContentPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = None     # null: an assistant's with tool_calls only
     name: str | None = None
+    tool_calls: list[Any] | None = None
 
 
 class ChatBody(_Body):
@@ -139,7 +142,8 @@ def _request(body: _Body, prompts: list, *, chat: bool, limits: RequestLimits,
             chat=chat, limits=limits, model=model, max_tokens=max_tokens,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
             stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens)
+            min_tokens=body.min_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens)
         tenant = check_label("tenant", body.tenant, limits)
         lora = check_label("lora", body.lora, limits)
         check_label("user", body.user, limits)
@@ -193,6 +197,12 @@ def chat_request(raw: dict, limits: RequestLimits, model: ModelLimits
 
 
 def _message_dict(m: Message, i: int) -> dict:
+    """{role, content: str}; content null only for an assistant message with tool calls (as the
+    OpenAI API has it), else 400."""
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise IngressError(400, f"messages.{i}.content: is required for a {m.role} message "
+                           f"(null only for an assistant message with tool_calls)",
+                           param="messages")
     if m.content is None or isinstance(m.content, str):
         text = m.content or ""
     else:

@@ -67,7 +67,8 @@ def make_sampling(*, chat: bool, limits: RequestLimits, model: ModelLimits,
                   max_tokens: Any = None, temperature: Any = None, top_p: Any = None,
                   top_k: Any = None, seed: Any = None, stop: Any = None,
                   stop_token_ids: Any = None, ignore_eos: Any = None,
-                  min_tokens: Any = None) -> SamplingParams:
+                  min_tokens: Any = None, include_stop_str_in_output: Any = None,
+                  skip_special_tokens: Any = None) -> SamplingParams:
     """SamplingParams from what a client sent (None: the default), every field range-checked
     against the limits and the model."""
     cap = limits.max_tokens if model.max_model_len is None \
@@ -101,8 +102,11 @@ def make_sampling(*, chat: bool, limits: RequestLimits, model: ModelLimits,
         raise _bad("seed", f"must be a 64-bit signed integer, got {_short(seed)}")
     stops = _stops(stop, limits)
     ids = _stop_token_ids(stop_token_ids, limits, model)
-    if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        raise _bad("ignore_eos", f"must be true or false, got {ignore_eos!r}")
+    for name, flag in (("ignore_eos", ignore_eos),
+                       ("include_stop_str_in_output", include_stop_str_in_output),
+                       ("skip_special_tokens", skip_special_tokens)):
+        if flag is not None and not isinstance(flag, bool):
+            raise _bad(name, f"must be true or false, got {_short(flag)}")
     if min_tokens is None:
         min_tokens = 0
     if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
@@ -111,7 +115,9 @@ def make_sampling(*, chat: bool, limits: RequestLimits, model: ModelLimits,
     sp = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
                         top_p=float(top_p), top_k=top_k, seed=seed, stop=stops,
                         stop_token_ids=ids, ignore_eos=bool(ignore_eos), min_tokens=min_tokens,
-                        strict_max_tokens=strict)
+                        strict_max_tokens=strict,
+                        include_stop_str_in_output=bool(include_stop_str_in_output),
+                        skip_special_tokens=skip_special_tokens is not False)
     return sp
 
 

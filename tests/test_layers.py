@@ -15,13 +15,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # top to bottom: a package may import itself and those after it, never those before it
-LAYERS = ("raypd", "cluster", "ingress", "router", "workers", "kvtransfer", "protocol", "kvcache")
+LAYERS = ("raypd", "cluster", "ingress", "router", "workers", "frontend", "kvtransfer", "protocol",
+          "kvcache")
 SERVING = LAYERS[1:]
 # what must not be imported at all, anywhere in a package (third-party top-level names)
 FORBIDDEN = {
     "protocol": {"torch", "ray", "numpy", "fastapi", "argparse"},
     "kvcache": {"torch", "ray", "numpy", "fastapi", "argparse"},
     "router": {"torch", "fastapi", "argparse"},
+    "frontend": {"torch", "ray", "numpy", "fastapi", "argparse"},
     "ingress": {"torch", "argparse"},
     "kvtransfer": {"fastapi", "argparse"},
     "workers": {"fastapi", "argparse"},
@@ -74,6 +76,7 @@ def test_serving_folders_hold_no_benchmark_simulator_or_cli():
 
 @pytest.mark.parametrize("package, absent", [
     ("protocol", ("torch", "ray")), ("kvcache", ("torch", "ray")), ("router", ("torch",)),
+    ("frontend", ("torch", "ray")),
     ("ingress", ("torch",)), ("raypd.cli", ("torch", "ray", "fastapi", "uvicorn"))])
 def test_a_layer_loads_without_what_it_must_not_need(package, absent):
     """Every module of the package imported in a fresh interpreter: none of `absent` loaded."""
