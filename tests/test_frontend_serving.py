@@ -102,17 +102,25 @@ def _threads(pid: int | None = None) -> int:
 
 def test_the_serve_process_holds_as_many_threads_with_256_streams_open_as_with_one():
     cfg = load_config("configs/local.yaml", {"model.name": "tiny", "workers.prefill.count": 0,
-                                              "engine.num_blocks": 4096})
+                                              "engine.num_blocks": 4096, "engine.max_num_seqs": 256})
     with start_server(cfg, "127.0.0.1", 0, api_key="") as srv:
         url = srv.url + "/v1/completions"
-        requests.post(url, json={"prompt": "warm", "max_tokens": 2}, timeout=60).raise_for_status()
+        # a burst first: the router's small fixed pools (its tokenizing threads) start their
+        # threads on first use; they are the same size with 1 stream or 256
+        burst = [threading.Thread(target=lambda: requests.post(
+            url, json={"prompt": "warm", "max_tokens": 2}, timeout=60).raise_for_status())
+            for _ in range(8)]
+        for b in burst:
+            b.start()
+        for b in burst:
+            b.join()
 
         def open_streams(n: int) -> tuple[int, list]:
             started = threading.Semaphore(0)
             stop = threading.Event()
 
             def one() -> None:
-                body = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+                body = {"prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
                 with requests.post(url, json=body, stream=True, timeout=120) as resp:
                     resp.raise_for_status()
                     lines = resp.iter_lines()
