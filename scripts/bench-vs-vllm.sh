@@ -30,8 +30,11 @@
 # run's prompt tokens and prefix-cache hits are read from the server's /metrics before and
 # after it (vLLM's and raypd's counters), and OUT.json reports the cached fraction; each run's
 # CPU-seconds per process of the server (/proc utime + stime of its session's processes before
-# and after the run: scripts/bench_vs_vllm_cpu.py) and of the client (bash's `time`) give
-# `cpu_s_per_output_token`:
+# and after the run: scripts/bench_vs_vllm_cpu.py, raypd/bench/proc_stats.py) and of the client
+# (bash's `time`) give `cpu_s_per_output_token`; the server's processes' thread counts, sampled
+# every second while the client runs, give `serve_threads_under_load` (the front process's
+# peak per server, per workload, and its count just before a run) and `threads_under_load`
+# (every process's peak):
 #   single_stream_text     text prompts of 390-540 tokens (scripts/bench_vs_vllm_data.py), 64
 #                          out, concurrency 1; llama.cpp joins here only (text prompts, one
 #                          request at a time; it has no ignore_eos: its outputs may end early)
@@ -53,8 +56,9 @@
 # vllm_output_tok_s, raypd_output_tok_s, output_tok_s_ratio, median_ttft_ratio, p99_tpot_ratio
 # (raypd / vLLM) beside vllm_failed_requests; `cpu_s_per_output_token` (per server, per
 # process: raypd's serve, actor:PrefillHost / actor:DecodeHost, raylet, gcs_server, ...;
-# vLLM's api_server, engine_core; the client); `targets_met` (issue 29's targets and the
-# checks above). Seven server starts (the sweep's three, the four scored blocks) and llama.cpp's;
+# vLLM's api_server, engine_core; the client); `serve_threads_under_load` and
+# `threads_under_load` (per server: raypd's default and colocated, vllm for both blocks,
+# llamacpp); `targets_met` (issue 29's targets and the checks above). Seven server starts (the sweep's three, the four scored blocks) and llama.cpp's;
 # on a 2-core VM an estimated ~30 min with --quick and ~65 without. RAYPD_BENCH_ONLY=a,b
 # (workload names) and RAYPD_BENCH_SWEEP=512,2048 make a shorter check.
 set -euo pipefail
@@ -149,7 +153,8 @@ metrics() {   # port, file: the server's Prometheus text (empty where it has non
   curl -sf --max-time 10 "http://127.0.0.1:$1/metrics" > "$2" 2>/dev/null || : > "$2"
 }
 
-procs() {   # file: the CPU ticks of every process of the server's session (never fails the run)
+procs() {   # file: the CPU ticks and threads of every process of the server's session (never
+            # fails the run)
   python "$ROOT/scripts/bench_vs_vllm_cpu.py" snapshot "$SERVER_PID" "$1" 2>/dev/null || rm -f "$1"
 }
 
@@ -160,6 +165,11 @@ client() {   # label, workload name, port, backend, args, run (warmup, tune, 0, 
   [ "$label" = llamacpp ] && ids=(--request-id-prefix 00000000-0000-4000-8000-00000000000)
   metrics "$3" "$stem.metrics.before"
   procs "$stem.procs.before"
+  # the server's thread counts while the client runs, sampled every second: their peaks
+  rm -f "$stem.threads.stop"
+  python "$ROOT/scripts/bench_vs_vllm_cpu.py" threads "$SERVER_PID" "$stem.threads" \
+    "$stem.threads.stop" 2>/dev/null &
+  local watcher=$!
   # shellcheck disable=SC2086
   { time HF_HUB_OFFLINE=1 "$VENV/bin/vllm" bench serve "${ids[@]}" --backend $4 \
       --base-url "http://127.0.0.1:$3" --model "$HF_DIR" --tokenizer "$HF_DIR" \
@@ -168,6 +178,8 @@ client() {   # label, workload name, port, backend, args, run (warmup, tune, 0, 
       --result-dir "$WORK" --result-filename "${stem##*/}.json" > "$stem.log" 2>&1; } \
       2> "$stem.client_cpu" \
     || { echo "client failed: $stem.log" >&2; tail -n 20 "$stem.log" >&2; }
+  : > "$stem.threads.stop"
+  wait "$watcher" 2>/dev/null || rm -f "$stem.threads"
   procs "$stem.procs.after"
   metrics "$3" "$stem.metrics.after"
 }
@@ -281,4 +293,5 @@ stop_server
 
 python "$ROOT/scripts/bench_vs_vllm.py" summarize "$WORK" "$OUT" --runs "$RUNS" --sweep "$SWEEP_CSV" \
   --unseen "$UNSEEN" "${SELECTED[@]}"
+python "$ROOT/scripts/bench_vs_vllm_cpu.py" threads-summary "$WORK" "$OUT"
 echo "bench-vs-vllm: wrote $OUT (runs and server logs in $WORK)" >&2

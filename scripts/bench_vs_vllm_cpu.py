@@ -1,138 +1,51 @@
-"""CPU-seconds of each process of a server under test, from /proc before and after a run.
+"""CPU-seconds and OS threads of each process of a server under test (raypd/bench/proc_stats.py
+reads /proc), for scripts/bench-vs-vllm.sh.
 
   python scripts/bench_vs_vllm_cpu.py snapshot LEADER_PID OUT.json
+      every process of the server (its session and descendants) with its CPU ticks and threads
+  python scripts/bench_vs_vllm_cpu.py threads LEADER_PID OUT.json STOP_FILE
+      samples the server's processes' thread counts every SAMPLE_EVERY_S until STOP_FILE
+      exists (the script starts it beside a run's client), then writes each one's peak
+  python scripts/bench_vs_vllm_cpu.py threads-summary WORK OUT.json
+      adds to OUT.json (bench_vs_vllm.py's summary) `serve_threads_under_load` and
+      `threads_under_load` from the scored runs' peaks (see `threads_summary`)
 
-A server of scripts/bench-vs-vllm.sh starts under `setsid`, so its first process (LEADER_PID) leads
-a session that every process it starts inherits (Ray's raylet, GCS and worker actors, vLLM's
-engine core): a snapshot takes every process of that session, or below LEADER_PID in the process
-tree, with its cmdline and utime + stime (/proc/PID/stat: all of its threads). A run's CPU-seconds
-per process are the after-snapshot's ticks minus the before's, matched on (pid, start time): a
-process born during the run counts from zero; one that exited during it is named in `exited`
-(its last ticks are not readable, so its share is missing, never guessed).
-
-Processes are named by what they are, from the cmdline (see `process_label`): the leader is
-the server's front process (`serve` for raypd, `api_server` for vLLM, `server` for llama.cpp),
-Ray's worker actors `actor:<Class>` (their title is `ray::Class` or `ray::Class.method()`),
-other set titles in snake case (vLLM's `VLLM::EngineCore` -> `engine_core`, and on a CPU the
-`VLLM::Worker` that runs the model -> `worker`), binaries by their file name (`raylet`,
-`gcs_server`), Python scripts by theirs (`python -c` for an inline one: multiprocessing's
-resource tracker); two processes of one name are `name`, `name#2`, ... in start order.
+A server starts under `setsid`, so its first process (LEADER_PID) leads a session that every
+process it starts inherits (Ray's raylet, GCS and worker actors, vLLM's engine core). The leader
+is named by the server's kind (`LEADER_ROLE`: `serve` for raypd, `api_server` for vLLM, `server`
+for llama.cpp), every other process by proc_stats.process_label.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import dataclass
+
+from raypd.bench import proc_stats
+from raypd.bench.proc_stats import snapshot
+
+__all__ = ["CpuTally", "LEADER_ROLE", "process_label", "read_client_seconds",
+           "run_cpu_seconds", "snapshot", "threads_summary"]
 
 LEADER_ROLE = {"vllm": "api_server", "raypd": "serve", "llamacpp": "server"}
-
-
-@dataclass(frozen=True)
-class ProcSample:
-    pid: int
-    start: int          # start time since boot, in clock ticks (/proc/PID/stat field 22)
-    ppid: int
-    session: int
-    ticks: int          # utime + stime, all threads, in clock ticks
-    cmd: str            # cmdline, NULs as spaces
-
-
-def parse_stat(pid: int, stat: str, cmd: str) -> ProcSample:
-    """One /proc/PID/stat line (its comm may hold spaces and parentheses: fields after the last
-    ')' are counted from the state, field 3)."""
-    f = stat[stat.rindex(")") + 2:].split()
-    return ProcSample(pid=pid, start=int(f[19]), ppid=int(f[1]), session=int(f[3]),
-                      ticks=int(f[11]) + int(f[12]), cmd=cmd)
-
-
-def read_procs(proc: str = "/proc") -> list[ProcSample]:
-    out = []
-    for name in os.listdir(proc):
-        if not name.isdigit():
-            continue
-        try:
-            with open(os.path.join(proc, name, "stat")) as f:
-                stat = f.read()
-            with open(os.path.join(proc, name, "cmdline"), "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:          # exited while we read
-            continue
-        out.append(parse_stat(int(name), stat, cmd))
-    return out
-
-
-def server_tree(procs: list[ProcSample], leader: int) -> list[ProcSample]:
-    """The leader, every process of its session, and every descendant of any of them."""
-    children: dict[int, list[ProcSample]] = {}
-    for p in procs:
-        children.setdefault(p.ppid, []).append(p)
-    keep = {p.pid: p for p in procs if p.pid == leader or p.session == leader}
-    todo = list(keep)
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c.pid not in keep:
-                keep[c.pid] = c
-                todo.append(c.pid)
-    return sorted(keep.values(), key=lambda p: (p.start, p.pid))
-
-
-def snapshot(leader: int, proc: str = "/proc") -> dict:
-    return {"leader": leader, "clk_tck": os.sysconf("SC_CLK_TCK"),
-            "procs": [asdict(p) for p in server_tree(read_procs(proc), leader)]}
+SAMPLE_EVERY_S = 1.0
+VLLM_BLOCKS = ("vllm1", "vllm2")      # vLLM's two scored blocks: one server in the summary
 
 
 def process_label(cmd: str, is_leader: bool, server: str) -> str:
-    """What a process is, from its cmdline (see the module docstring)."""
-    if is_leader:
-        return LEADER_ROLE[server]
-    argv = cmd.split()
-    if not argv:
-        return "unnamed"
-    head = argv[0]
-    if head.startswith("ray::"):
-        cls = head[len("ray::"):].split(".")[0].split("(")[0]
-        return "ray_idle_worker" if cls == "IDLE" else f"actor:{cls}"
-    if "::" in head:            # a title set with setproctitle: VLLM::EngineCore -> engine_core
-        title = head.split("::", 1)[1]
-        return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", title).lower()
-    if os.path.basename(head).startswith("python"):
-        rest = iter(argv[1:])
-        for a in rest:
-            if a == "-m":
-                return next(rest, "python -m")
-            if a == "-c":
-                return "python -c"
-            if not a.startswith("-"):
-                return os.path.basename(a)
-    return os.path.basename(head)
-
-
-def _labelled(snap: dict, server: str) -> dict[tuple[int, int], tuple[str, int]]:
-    """(pid, start) -> (label, ticks); duplicate labels numbered in start order."""
-    seen: dict[str, int] = {}
-    out = {}
-    for p in sorted(snap["procs"], key=lambda p: (p["start"], p["pid"])):
-        label = process_label(p["cmd"], p["pid"] == snap["leader"], server)
-        seen[label] = seen.get(label, 0) + 1
-        if seen[label] > 1:
-            label = f"{label}#{seen[label]}"
-        out[(p["pid"], p["start"])] = (label, p["ticks"])
-    return out
+    """What a process of a `server` kind (vllm, raypd, llamacpp) is, from its cmdline."""
+    return proc_stats.process_label(cmd, LEADER_ROLE[server] if is_leader else None)
 
 
 def run_cpu_seconds(before: dict, after: dict, server: str) -> tuple[dict[str, float], list[str]]:
-    """CPU-seconds of each process over a run, and the labels of those that exited during it.
-    A process's label is the after-snapshot's (Ray renames a worker while it runs a method; the
-    class stays)."""
-    assert before["clk_tck"] == after["clk_tck"] and before["leader"] == after["leader"]
-    b, a = _labelled(before, server), _labelled(after, server)
-    hz = after["clk_tck"]
-    cpu = {label: (ticks - b.get(key, ("", 0))[1]) / hz for key, (label, ticks) in a.items()}
-    exited = [label for key, (label, _) in b.items() if key not in a]
-    return cpu, exited
+    """CPU-seconds of each process of a `server` kind over a run, and the labels of those that
+    exited during it (proc_stats.cpu_seconds)."""
+    return proc_stats.cpu_seconds(before, after, LEADER_ROLE[server])
 
 
 def read_client_seconds(text: str) -> float | None:
@@ -188,20 +101,88 @@ class CpuTally:
         processes) and `client`; None where no run was read (unknown, never zero)."""
         if not self.runs_read:
             return None
-        n = self.output_tokens
-        out = {k: v / n for k, v in sorted(self.seconds.items())}
-        out["server_total"] = sum(self.seconds.values()) / n
-        out["client"] = self.client_s / n
+        out: dict = proc_stats.per_output_token(self.seconds, self.output_tokens)
+        out["client"] = self.client_s / self.output_tokens
         out["runs_read"] = self.runs_read
         out["runs_unread"] = self.runs_unread
         out["processes_exited_during_runs"] = self.exited
         return out
 
 
+def watch_threads(leader: int, out: str, stop_file: str, every_s: float = SAMPLE_EVERY_S) -> None:
+    """Sample the server's thread counts until `stop_file` exists (or the leader is gone: the
+    script was stopped); write their peaks."""
+    peaks = proc_stats.ThreadPeaks(leader)
+    while True:
+        peaks.sample()
+        if os.path.exists(stop_file) or not os.path.exists(f"/proc/{leader}"):
+            break
+        time.sleep(every_s)
+    with open(out, "w") as f:
+        json.dump(peaks.to_json(), f)
+
+
+SCORED_RUN = re.compile(r"^([^.]+)\.([^.]+)\.(\d+)\.threads$")   # LABEL.WORKLOAD.RUN.threads
+
+
+def threads_summary(work: str) -> dict:
+    """From the scored runs' thread peaks (WORK/LABEL.WORKLOAD.RUN.threads) and the snapshots
+    before them: per server (vLLM's two blocks as one), `serve_threads_under_load` (the
+    leader's most threads during any run, per workload, and its fewest just before one) and
+    `threads_under_load` (each process's most during any run)."""
+    from bench_vs_vllm_runs import server_kind  # it imports this module
+    serve: dict[str, dict] = {}
+    every: dict[str, dict[str, int]] = {}
+    for path in sorted(glob.glob(os.path.join(work, "*.threads"))):
+        m = SCORED_RUN.match(os.path.basename(path))
+        if m is None:
+            continue
+        label, workload, _ = m.groups()
+        kind = server_kind(label)
+        server = "vllm" if label in VLLM_BLOCKS else label
+        leader_label = LEADER_ROLE[kind]
+        with open(path) as f:
+            peaks = json.load(f)
+        s = serve.setdefault(server, {"process": leader_label, "peak": 0, "at_rest": None,
+                                      "per_workload": {}, "samples": 0})
+        s["samples"] += peaks["samples"]
+        most = every.setdefault(server, {})
+        for name, p in proc_stats.labelled(peaks, leader_label).values():
+            most[name] = max(most.get(name, 0), p["threads"])
+            if name == leader_label:
+                s["peak"] = max(s["peak"], p["threads"])
+                s["per_workload"][workload] = max(s["per_workload"].get(workload, 0),
+                                                  p["threads"])
+        try:
+            with open(path.removesuffix(".threads") + ".procs.before") as f:
+                before = json.load(f)
+        except (OSError, ValueError):
+            continue
+        rest = [p["threads"] for p in before["procs"]
+                if p["pid"] == before["leader"] and "threads" in p]
+        if rest:
+            s["at_rest"] = min(rest + ([s["at_rest"]] if s["at_rest"] is not None else []))
+    return {"serve_threads_under_load": serve,
+            "threads_under_load": {k: dict(sorted(v.items())) for k, v in every.items()}}
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["snapshot"] and len(argv) == 3:
         with open(argv[2], "w") as f:
             json.dump(snapshot(int(argv[1])), f)
+        return 0
+    if argv[:1] == ["threads"] and len(argv) == 4:
+        watch_threads(int(argv[1]), argv[2], argv[3])
+        return 0
+    if argv[:1] == ["threads-summary"] and len(argv) == 3:
+        with open(argv[2]) as f:
+            result = json.load(f)
+        result.update(threads_summary(argv[1]))
+        with open(argv[2], "w") as f:
+            json.dump(result, f, indent=2)
+        print("serve threads under load:", json.dumps(
+            {k: {"peak": v["peak"], "at_rest": v["at_rest"]}
+             for k, v in result["serve_threads_under_load"].items()}))
         return 0
     print(__doc__, file=sys.stderr)
     return 2

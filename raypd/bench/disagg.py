@@ -21,13 +21,38 @@ colocated baseline pins each kind's requests to the two workers alternately (`Pi
 a balanced placement, because the router's own decode choice (BasePolicy.choose_decode, fewest
 running tokens by the last load report) sees a stale view while a long prefill step holds the
 worker's lock; one run placed by the router is added as `coloc_router` for comparison.
+
+Where the CPU goes (raypd/bench/proc_stats.py reads /proc):
+  cpu_s_per_output_token   per setup, the CPU-seconds of each process over the timed runs over
+                     their output tokens: `driver` (this process: the router, and the bench's
+                     client threads, one per request, which call it in-process), each worker
+                     actor (`actor:PrefillHost`, `actor:DecodeHost`, `#2` for a second of a
+                     class), `raylet`, `gcs_server` and Ray's other processes (those this
+                     process started, when it started Ray), and `server_total`.
+  serve_threads_1, serve_threads_256   the OS threads (/proc/self/task) of the process that
+                     serves HTTP with 1 and with 256 streaming completions open at once: this
+                     process, with `raypd serve`'s own HTTP ingress (cluster.serve.start_server)
+                     over a 1 prefill + 1 decode cluster (the main load above does not go
+                     through HTTP: its client calls the router in-process). The streams are
+                     raw sockets read by one selector here, so the client adds no thread; each
+                     figure is the most threads seen while its streams were open (`serve_threads`
+                     has how many were accepted and streaming).
+  detok_chars_per_token_last100_over_first100   the characters the router's detokenizer
+                     (frontend.detokenize.TextStream) decodes for the last 100 tokens of a
+                     4,000-token output over those it decodes for the first 100, SmolLM2's
+                     tokenizer over real English (the Python reference's help topics): 1.0
+                     when a token costs the same at any length, ~n/100 when each decodes the
+                     whole output so far.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
+import selectors
+import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -36,7 +61,9 @@ from typing import Any
 import ray
 
 from cluster.pd import PDCluster, PDConfig
+from frontend.detokenize import TextStream
 from protocol.messages import TokenDelta
+from raypd.bench import proc_stats
 from raypd.bench.server_overhead import measure_server_overhead
 from raypd.bench.transfer import random_prompt
 from router.orchestrator import FlowConfig
@@ -71,6 +98,12 @@ QUICK = Workload(window_s=20.0, num_short=10, short_at_start=4, short_output=(64
 
 # the HTTP phase (raypd/bench/server_overhead.py) of a quick run
 QUICK_HTTP = {"concurrency": 4, "requests_n": 8, "max_tokens": 32}
+
+DRIVER = "driver"            # this process's label in cpu_s_per_output_token
+OPEN_STREAMS = (1, 256)      # serve_threads_N: streams open at once
+DETOK_MODEL = "smollm2"      # the tokenizer of the detokenizer's cost figure
+DETOK_TOKENS = 4000
+DETOK_WINDOW = 100
 
 
 @dataclass(frozen=True)
@@ -244,9 +277,12 @@ def _run_once(cfg: PDConfig, jobs: list[Job], warmup: list[Job], pin: bool) -> d
         _drive(cluster, warmup, "warm-")
         ray.get([w.reset_prefix_cache.remote() for w in cluster.workers])
         before = cluster.stats()
+        cpu_before = proc_stats.snapshot(os.getpid())
         watch = _UnhealthyWatch(orch)
         records = _drive(cluster, jobs, "job-")
         unhealthy = watch.stop()
+        cpu, cpu_exited = proc_stats.cpu_seconds(cpu_before, proc_stats.snapshot(os.getpid()),
+                                                 DRIVER)
         after = cluster.stats()
         cluster.check_invariants()
     finally:
@@ -261,15 +297,208 @@ def _run_once(cfg: PDConfig, jobs: list[Job], warmup: list[Job], pin: bool) -> d
                          "leases_expired": a.get("transfer_expired", 0)
                          - b.get("transfer_expired", 0)}
         for b, a in zip(before, after, strict=True)}
-    return {"records": records, "wall_s": wall, "workers": workers,
-            "loadavg_1m": [load_before, os.getloadavg()[0]]}
+    return {"records": records, "wall_s": wall, "workers": workers, "cpu_s": cpu,
+            "cpu_exited": cpu_exited, "loadavg_1m": [load_before, os.getloadavg()[0]]}
 
 
 def _pool(runs: list[dict]) -> dict[str, Any]:
     res = summarize([r for run in runs for r in run["records"]], [run["wall_s"] for run in runs])
     res["per_run"] = [{"wall_s": run["wall_s"], "loadavg_1m": run["loadavg_1m"],
-                       "workers": run["workers"]} for run in runs]
+                       "workers": run["workers"], "cpu_s": run["cpu_s"],
+                       "cpu_exited": run["cpu_exited"]} for run in runs]
+    seconds: dict[str, float] = {}
+    for run in runs:
+        for label, s in run["cpu_s"].items():
+            seconds[label] = seconds.get(label, 0.0) + s
+    res["cpu_s_per_output_token"] = (proc_stats.per_output_token(seconds, res["output_tokens"])
+                                     if res["output_tokens"] else None)
     return res
+
+
+@dataclass
+class _Stream:
+    """One streaming completion read off a raw socket: `status` once its status line came
+    back, `streaming` once it carried a data event, `ended` once the server closed it or sent
+    [DONE]."""
+    sock: socket.socket
+    head: bytes = b""
+    status: int | None = None
+    streaming: bool = False
+    ended: bool = False
+    tail: bytes = b""          # the last bytes read: a marker split across two reads
+
+    def feed(self, data: bytes) -> None:
+        if not data:
+            self.ended = True
+            return
+        if self.status is None:
+            self.head += data
+            if b"\r\n" in self.head:
+                self.status = int(self.head.split(b" ", 2)[1])
+        seen = self.tail + data
+        self.streaming = self.streaming or b"data: " in seen
+        self.ended = self.ended or b"[DONE]" in seen
+        self.tail = seen[-16:]
+
+
+class _OpenStreams:
+    """`n` streaming completions held open on raw sockets and read by one selector in the
+    calling thread, so the client adds no thread to the process whose threads are counted."""
+
+    def __init__(self, host: str, port: int, body: dict[str, Any], n: int) -> None:
+        payload = json.dumps(body).encode()
+        request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+                   "Connection: close\r\n\r\n").encode() + payload
+        self._sel = selectors.DefaultSelector()
+        self.streams: list[_Stream] = []
+        for _ in range(n):
+            sock = socket.create_connection((host, port), timeout=30)
+            sock.sendall(request)
+            sock.setblocking(False)
+            self.streams.append(_Stream(sock))
+            self._sel.register(sock, selectors.EVENT_READ, self.streams[-1])
+
+    @property
+    def answered(self) -> int:
+        return sum(s.status is not None for s in self.streams)
+
+    @property
+    def accepted(self) -> int:
+        return sum(s.status == 200 for s in self.streams)
+
+    @property
+    def streaming(self) -> int:
+        return sum(s.streaming for s in self.streams)
+
+    @property
+    def ended(self) -> int:
+        return sum(s.ended for s in self.streams)
+
+    def poll(self, timeout_s: float) -> None:
+        """Read whatever has arrived within `timeout_s`."""
+        for key, _ in self._sel.select(timeout_s):
+            stream: _Stream = key.data
+            try:
+                data = stream.sock.recv(65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self._sel.unregister(stream.sock)
+            stream.feed(data)
+
+    def close(self) -> None:
+        self._sel.close()
+        for s in self.streams:
+            s.sock.close()
+
+
+def _threads_with_open_streams(host: str, port: int, body: dict[str, Any], n: int,
+                               settle_s: float, max_wait_s: float) -> dict[str, Any]:
+    """Open `n` streams; sample this process's threads until every one was answered and
+    `settle_s` more passed (or `max_wait_s`, or one ended); close them."""
+    threads_before = proc_stats.thread_count()
+    t0 = time.monotonic()
+    streams = _OpenStreams(host, port, body, n)
+    peak, all_answered = 0, None
+    try:
+        while (now := time.monotonic()) - t0 < max_wait_s and not streams.ended:
+            peak = max(peak, proc_stats.thread_count())
+            if all_answered is None and streams.answered == n:
+                all_answered = now
+            if all_answered is not None and now - all_answered >= settle_s:
+                break
+            streams.poll(0.1)
+        return {"streams": n, "threads_peak": peak, "threads_before": threads_before,
+                "answered": streams.answered, "accepted": streams.accepted,
+                "streaming": streams.streaming, "ended_while_sampled": streams.ended,
+                "sampled_s": time.monotonic() - t0}
+    finally:
+        streams.close()
+
+
+def measure_serve_threads(model: str = "smollm2", streams: tuple[int, ...] = OPEN_STREAMS,
+                          prompt_tokens: int = 16, max_tokens: int = 1024,
+                          settle_s: float = 3.0, max_wait_s: float = 30.0,
+                          seed: int = 0) -> dict[str, Any]:
+    """This process's OS threads while it serves HTTP (`raypd serve`'s ingress over a 1 prefill
+    + 1 decode cluster, both started here) with each count of `streams` open at once, in
+    increasing order after a one-request warm-up (a pool that grew for many streams stays
+    grown); see the module doc. max_inflight is set above the largest count (no 429)."""
+    from urllib.parse import urlsplit
+
+    from cluster.config import load_config
+    from cluster.serve import start_server
+    cfg = load_config(None, {"model.name": model, "workers.prefill.count": 1,
+                             "workers.decode.count": 1, "transfer.transport": "shm",
+                             "router.health_timeout_s": HEALTH_TIMEOUT_S})
+    rng = random.Random(seed)
+    body = {"model": cfg.served_model_name, "prompt": random_prompt(rng, prompt_tokens),
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    cluster = PDCluster(cfg.to_pd_config())
+    server = None
+    try:
+        server = start_server(cfg, "127.0.0.1", 0, backend=cluster, api_key="",
+                              max_inflight=2 * max(streams) + 1)
+        url = urlsplit(server.url)
+        host, port = url.hostname or "127.0.0.1", url.port or 80
+        warm = _OpenStreams(host, port, {**body, "max_tokens": 4}, 1)
+        deadline = time.monotonic() + 120
+        while not warm.ended and time.monotonic() < deadline:
+            warm.poll(0.1)
+        warm.close()
+        return {str(n): _threads_with_open_streams(host, port, body, n, settle_s, max_wait_s)
+                for n in sorted(streams)}
+    finally:
+        if server is not None:
+            server.stop()
+        cluster.shutdown()
+
+
+def real_text_token_ids(tokenizer: Any, n: int) -> list[int]:
+    """The first `n` tokens of real English text (the Python reference's help topics, in
+    pydoc_data, on every Python), special tokens left out."""
+    from pydoc_data.topics import topics
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    ids: list[int] = []
+    for key in sorted(topics):
+        for para in topics[key].split("\n\n"):
+            ids += [t for t in tokenizer.encode(para + "\n\n", add_special_tokens=False)
+                    if t not in special]
+            if len(ids) >= n:
+                return ids[:n]
+    raise ValueError(f"the help topics hold {len(ids)} tokens, fewer than {n}")
+
+
+def detok_cost_growth(tokenizer: Any, token_ids: list[int], window: int = DETOK_WINDOW,
+                      stream_cls: Any = TextStream) -> dict[str, Any]:
+    """Feed `token_ids` one at a time to a detokenizer (`stream_cls(tokenizer,
+    skip_special_tokens=True)`, its `add(ids)` and cumulative `chars_decoded`): the characters
+    it decoded for the first and the last `window` tokens, and last / first."""
+    assert len(token_ids) >= 2 * window
+    ts = stream_cls(tokenizer, skip_special_tokens=True)
+    decoded = [0]
+    for t in token_ids:
+        ts.add([t])
+        decoded.append(ts.chars_decoded)
+    first, last = decoded[window] - decoded[0], decoded[-1] - decoded[-1 - window]
+    return {"output_tokens": len(token_ids), "window": window,
+            "chars_decoded_first": first, "chars_decoded_last": last,
+            "chars_decoded_total": decoded[-1],
+            "last_over_first": last / first if first else math.nan}
+
+
+def measure_detok(model: str = DETOK_MODEL, tokens: int = DETOK_TOKENS) -> dict[str, Any]:
+    """detok_cost_growth over `tokens` tokens of real text, `model`'s tokenizer (loaded as a
+    worker loads it: workers/model_loader.py)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from workers.model_loader import resolve_model_dir
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(resolve_model_dir(model))
+    return {"tokenizer": model, "detokenizer": f"{TextStream.__module__}.TextStream",
+            **detok_cost_growth(tokenizer, real_text_token_ids(tokenizer, tokens))}
 
 
 def run_bench_disagg(quick: bool = False, model: str = "smollm2",
@@ -316,10 +545,12 @@ def run_bench_disagg(quick: bool = False, model: str = "smollm2",
         router_run = _run_once(setups["coloc"], jobs, warmup(2), pin=False) \
             if router_baseline else None
         overhead = measure_server_overhead(model, **(QUICK_HTTP if quick else {}), seed=seed)
+        threads = measure_serve_threads(model, seed=seed)
     finally:
         if started:
             ray.shutdown()
     d, c = _pool(runs["disagg"]), _pool(runs["coloc"])
+    detok = measure_detok()
     out = {
         "tpot_p99_disagg_s": d["tpot_p99_s"], "tpot_p99_coloc_s": c["tpot_p99_s"],
         "tpot_p99_ratio": d["tpot_p99_s"] / c["tpot_p99_s"],
@@ -329,6 +560,10 @@ def run_bench_disagg(quick: bool = False, model: str = "smollm2",
         "ttft_p50_disagg_s": d["ttft_p50_s"], "ttft_p99_disagg_s": d["ttft_p99_s"],
         "ttft_p50_coloc_s": c["ttft_p50_s"], "ttft_p99_coloc_s": c["ttft_p99_s"],
         "server_overhead_ms_per_token": overhead["server_overhead_ms_per_token"],
+        "cpu_s_per_output_token": {"disagg": d["cpu_s_per_output_token"],
+                                   "coloc": c["cpu_s_per_output_token"]},
+        **{f"serve_threads_{n}": t["threads_peak"] for n, t in threads.items()},
+        "detok_chars_per_token_last100_over_first100": detok["last_over_first"],
         "output_tokens_disagg": d["output_tokens"], "output_tokens_coloc": c["output_tokens"],
         "wall_s_disagg": d["wall_s"], "wall_s_coloc": c["wall_s"],
         "definitions": {
@@ -341,6 +576,17 @@ def run_bench_disagg(quick: bool = False, model: str = "smollm2",
             "pooling": "each setup ran `rounds` times (order below); percentiles pool them",
             "health_timeout_s": f"{HEALTH_TIMEOUT_S:.0f} (router default 10 s: a long "
                                 "prefill step holds the report past it; see module)",
+            "cpu_s_per_output_token": "per setup and process, CPU-seconds (/proc utime + "
+                                      "stime) over the timed runs / their output tokens; "
+                                      "`driver` is this process: the router and the bench's "
+                                      "client threads",
+            "serve_threads_N": "OS threads of this process (/proc/self/task) serving `raypd "
+                               "serve`'s HTTP ingress with N streams open at once (most seen "
+                               "while they were open); detail in `serve_threads`",
+            "detok_chars_per_token_last100_over_first100":
+                "characters frontend.detokenize.TextStream decoded for the last 100 tokens "
+                "of a 4,000-token output of real text over the first 100 (SmolLM2's "
+                "tokenizer); detail in `detok`",
         },
         "setups": {"disagg": "1 prefill + 1 decode worker, 1 torch thread each, shm transport",
                    "coloc": "2 decode workers that prefill their own requests, 1 thread each; "
@@ -349,7 +595,8 @@ def run_bench_disagg(quick: bool = False, model: str = "smollm2",
         "workload": {**asdict(w), "seed": seed, "requests": len(jobs),
                      "long_requests": sum(j.kind == "long" for j in jobs)},
         "model": model, "quick": quick,
-        "disagg": d, "coloc": c, "server_overhead": overhead,
+        "disagg": d, "coloc": c, "server_overhead": overhead, "serve_threads": threads,
+        "detok": detok,
     }
     if router_run is not None:
         r = _pool([router_run])

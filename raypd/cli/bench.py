@@ -364,11 +364,14 @@ def cmd_bench_disagg(args: argparse.Namespace) -> int:
 
 def add_bench_disagg_parser(bsub) -> argparse.ArgumentParser:
     """Register `bench disagg` on the `bench` subparsers."""
-    p = bsub.add_parser("disagg", help="mixed load: 1 prefill + 1 decode vs 2 colocated workers")
+    p = bsub.add_parser("disagg", help="mixed load: 1 prefill + 1 decode vs 2 colocated workers; "
+                        "CPU-seconds per output token of each process, the serving process's "
+                        "threads with 1 and 256 HTTP streams open, the detokenizer's cost per "
+                        "token at the end of a 4,000-token output")
     add_config_args(p)
     p.add_argument("--model", default="smollm2", help="model.name (this bench's default: "
                    "smollm2)")
-    p.add_argument("--quick", action="store_true", help="a shorter, lighter load (~2 min)")
+    p.add_argument("--quick", action="store_true", help="a shorter, lighter load (~3 min)")
     p.add_argument("--json", metavar="PATH", help="also write the JSON here")
     p.set_defaults(func=cmd_bench_disagg)
     return p
