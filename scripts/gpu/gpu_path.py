@@ -16,8 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-REPO_PACKAGES = ("cluster", "ingress", "router", "workers", "kvtransfer", "protocol", "kvcache",
-                 "raypd")
+REPO_PACKAGES = ("cluster", "ingress", "router", "frontend", "workers", "kvtransfer", "protocol",
+                 "kvcache", "raypd")
 # what the steps run: their own scripts, `python -m raypd.cli bench engine|transfer`, and the
 # 1P+1D cluster of step (c)
 ENTRIES = ("scripts/gpu/first_contact.py", "scripts/gpu/probe.py", "scripts/gpu/greedy.py",
