@@ -14,16 +14,22 @@ left out of its seconds (the worker reports them on their own, as lora_load_s).
 
 Decode model: t = d0 + d1 * batch + d2 * context tokens of the batch, on decode-only steps.
 A fit exists only after `min_steps` steps; before that the report says so (no made-up rate).
+A live worker refits on a clock (`REFIT_INTERVAL_S`), not at every step it reads its fits in:
+between refits it reports the last fit, which is at most that old.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 MIN_STEPS = 4
+# A live worker's fits are refitted at most this often (seconds): a fit is a least-squares
+# solve over the window in pure Python, and the worker reads its fits once a step.
+REFIT_INTERVAL_S = 0.25
 
 # An engine step's token budget (engine.max_num_batched_tokens) when the config leaves it unset,
 # by device type; the live engine and the simulator's CPU cost model read it here. On a CPU a
@@ -143,15 +149,24 @@ def _lstsq(rows: list[list[float]], ys: Sequence[float]) -> list[float] | None:
 
 
 class StepRates:
-    """The recent steps of one worker and the fits made of them (refitted lazily)."""
+    """The recent steps of one worker and the fits made of them, refitted lazily: when read
+    after new steps, and (with `refit_interval_s` > 0) at most once per `refit_interval_s` of
+    `clock` once a fit exists; in between a read returns the cached fit. The first fit is made
+    as soon as `min_steps` steps exist. `refit_interval_s` 0 (the default, as the simulators
+    use it) refits at every read after new steps and never reads the clock."""
 
-    def __init__(self, window: int = 64, min_steps: int = MIN_STEPS) -> None:
+    def __init__(self, window: int = 64, min_steps: int = MIN_STEPS,
+                 refit_interval_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.min_steps = min_steps
+        self.refit_interval_s = refit_interval_s
+        self.clock = clock
         self._prefill: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._decode: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._prefill_fit: PrefillFit | None = None
         self._decode_fit: DecodeFit | None = None
         self._dirty_p = self._dirty_d = False
+        self._refit_p_at = self._refit_d_at = 0.0   # clock time from which a refit may run
         self.last_decode_step_s = 0.0
         self.last_decode_batch = 0
 
@@ -172,8 +187,16 @@ class StepRates:
         self.last_decode_step_s, self.last_decode_batch = seconds, batch
         self._dirty_d = True
 
+    def _due(self, has_fit: bool, refit_at: float) -> float | None:
+        """The clock time of a refit allowed now (0.0 off the clock), or None: wait."""
+        if self.refit_interval_s <= 0:
+            return 0.0
+        now = self.clock()
+        return now if not has_fit or now >= refit_at else None
+
     def prefill_fit(self) -> PrefillFit | None:
-        if self._dirty_p:
+        if self._dirty_p and (now := self._due(self._prefill_fit is not None,
+                                               self._refit_p_at)) is not None:
             self._dirty_p = False
             steps = list(self._prefill)
             if len(steps) >= self.min_steps:
@@ -183,13 +206,16 @@ class StepRates:
                     c0 = c2 = 0.0
                 self._prefill_fit = PrefillFit(1.0 / c1, (c1 / c2) if c2 > 0 else 0.0, c0,
                                                len(steps))
+                self._refit_p_at = now + self.refit_interval_s
         return self._prefill_fit
 
     def decode_fit(self) -> DecodeFit | None:
-        if self._dirty_d:
+        if self._dirty_d and (now := self._due(self._decode_fit is not None,
+                                               self._refit_d_at)) is not None:
             self._dirty_d = False
             steps = list(self._decode)
             if len(steps) >= self.min_steps:
                 d = nnls([(1.0, b, c) for b, c, _ in steps], [t for *_, t in steps])
                 self._decode_fit = DecodeFit(d[0], d[1], d[2], len(steps))
+                self._refit_d_at = now + self.refit_interval_s
         return self._decode_fit

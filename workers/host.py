@@ -29,7 +29,7 @@ from kvtransfer.rdt import pool_device
 from protocol.errors import StepFailed
 from protocol.ledger import HandoffLedger, Hold
 from protocol.messages import HoldRelease, KVCounters, LoadReport
-from protocol.step_rates import StepRates
+from protocol.step_rates import REFIT_INTERVAL_S, StepRates
 from workers.device import serial_openmp_here
 from workers.engine import EngineConfig, LLMEngine, StepOutput
 from workers.kernels.tp_comm import CommError
@@ -52,17 +52,24 @@ def actor_options(options: dict) -> dict:
 class EngineLock:
     """The engine lock (reentrant). A thread other than the engine loop that takes it runs its
     torch work on one OpenMP thread (workers/device.py serial_openmp_here): only the loop's
-    team is ever in parallel regions, so libgomp keeps spinning between them."""
+    team is ever in parallel regions, so libgomp keeps spinning between them.
+    `caller_entries` counts the times such a thread took it (the loop's load report is rebuilt
+    before a step only when it moved: only the loop changes the engine otherwise)."""
 
     def __init__(self, serial_callers: bool = True) -> None:
         self._lock = threading.RLock()
         self._serial_callers = serial_callers
         self.loop_thread: threading.Thread | None = None
+        self.caller_entries = 0
 
     def __enter__(self) -> EngineLock:
-        if self._serial_callers and threading.current_thread() is not self.loop_thread:
+        if threading.current_thread() is self.loop_thread:
+            self._lock.acquire()
+            return self
+        if self._serial_callers:
             serial_openmp_here()
         self._lock.acquire()
+        self.caller_entries += 1
         return self
 
     def __exit__(self, *exc) -> None:
@@ -100,7 +107,10 @@ class EngineHost:
             if cfg.tp > 1 else LLMEngine(cfg)
         self.transport_name = transport
         self._transport_cfg = {"worker_id": worker_id, **(transport_cfg or {})}
-        self._lock = EngineLock(serial_callers=in_actor)
+        # `_lock` is what every caller takes (a test may wrap it); the loop reads the counts
+        # of the EngineLock itself
+        self._engine_lock = EngineLock(serial_callers=in_actor)
+        self._lock = self._engine_lock
         # callers waiting for the engine lock (`_call_lock`): the loop lets them in before its
         # next step (the lock is not fair: the loop would win it back, and a prompt that
         # arrived during a step could miss the next one while a later one made it)
@@ -122,7 +132,10 @@ class EngineHost:
         self.ledger = HandoffLedger(on_release=self._note_release)
         self._step_started: float | None = None       # monotonic start of the running step
         self._step_failures = 0                        # steps that raised (their requests failed)
-        self.rates = StepRates()                       # measured prefill / decode speed
+        # measured prefill / decode speed, refitted on a clock (the report reads it each step)
+        self.rates = StepRates(refit_interval_s=REFIT_INTERVAL_S)
+        self._reported_key: tuple | None = None       # `_load_key()` at the last report
+        self._reported_entries = -1                    # caller_entries at the last report
 
     def _start_loop(self) -> None:
         """Called last by each subclass constructor, once every field the loop reads exists."""
@@ -137,7 +150,7 @@ class EngineHost:
         """Step the engine while there is work. A step that raises fails its own requests
         (`_fail_step`) and the loop goes on; if the loop itself breaks, the process exits so
         that Ray restarts the actor and the router retries its requests elsewhere."""
-        self._lock.loop_thread = threading.current_thread()
+        self._engine_lock.loop_thread = threading.current_thread()
         if self._loop_threads:
             torch.set_num_threads(self._loop_threads)   # this thread's team: the only one
         try:
@@ -150,8 +163,10 @@ class EngineHost:
                     self._before_step()
                     self._housekeeping()
                     self.metrics.maybe_update(self.stats)
-                    self._publish()
-                    if not self.engine.has_unfinished():
+                    idle = not self.engine.has_unfinished()
+                    if idle or self._changed_since_report():
+                        self._publish()
+                    if idle:
                         self._work.clear()
                         if self._threads is not None:
                             self._threads.set_busy(False)
@@ -307,10 +322,27 @@ class EngineHost:
         """This worker's open handoff holds."""
         return self.ledger.open_holds()
 
+    def _load_key(self) -> tuple[int, ...]:
+        """O(1) figures that anything ending work or freeing blocks between steps moves (the
+        housekeeping's expiries, aborts and lease releases): pool usage, requests, reservations."""
+        e = self.engine
+        return (e.kv.pool.num_free_blocks, e.kv.pool.num_cached_blocks, len(e.requests),
+                self._num_reserved())
+
+    def _changed_since_report(self) -> bool:
+        """Under the engine lock, in the loop: did anything but the loop's own steps change the
+        engine since the last report (an actor call took the lock, or housekeeping freed
+        blocks or ended work)? After a step the loop always reports, so in steady decoding
+        the report is built once a step."""
+        return self._engine_lock.caller_entries != self._reported_entries \
+            or self._load_key() != self._reported_key
+
     def _publish(self) -> None:
         """Under the engine lock: move KV events and a load snapshot to where `load_report`
         reads them, so a report never waits for an engine step (steps can take seconds)."""
         e = self.engine
+        self._reported_entries = self._engine_lock.caller_entries
+        self._reported_key = self._load_key()
         events = e.view.take_kv_events()
         waiting, running_reqs = e.view.waiting_requests(), e.view.running_requests()
         used, cached, free, total = e.view.pool_usage()

@@ -7,9 +7,11 @@ engine's device (workers/device.py decides it; nothing else here picks one).
 The model is the compact Llama-family implementation (workers/llama.py) where it applies, else
 the stock transformers model with the paged attention plugged in (`model_impl` says which).
 The metadata (token ids, positions, slot mapping, block tables, context lengths, sampled rows)
-is built on the host from a few Python lists per step and reaches the device in ONE copy
-(`StepUpload`: packed into one int64 buffer, pinned and non-blocking on cuda). On cuda, decode
-steps of bucketed batch sizes replay CUDA graphs (workers/cuda_graphs.py) unless switched off.
+is built on the host, the decodes' block tables from rows kept across steps (`DecodeRows`, the
+persistent batch: a block id is copied in when a block fills, not every step), and reaches the
+device in ONE copy (`StepUpload`: packed into one int64 buffer, pinned and non-blocking on cuda).
+On cuda, decode steps of bucketed batch sizes replay CUDA graphs (workers/cuda_graphs.py) unless
+switched off.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from workers.device import PinnedStaging, pinned, synchronize
 from workers.kv_quant import QuantizedPool
 from workers.llama import CompactLlama, layer_windows
 from workers.lora import LoRABatch, LoRAManager, LoRASpec, fused_groups, stock_groups
+from workers.request import Request
 from workers.scheduler_output import ScheduledChunk, SchedulerOutput
 from workers.tp_shard import TPShard
 
@@ -42,26 +45,28 @@ MODEL_IMPLS = ("auto", "compact", "stock")
 
 @dataclass
 class StepUpload:
-    """A step's host metadata tensors, moved to the device in one copy: every part is packed
+    """A step's host metadata arrays, moved to the device in one copy: every part is packed
     into one flat int64 host buffer (pinned when the device is a GPU), copied once
     (non-blocking), and handed back as views of that one device buffer, in `add` order."""
 
     device: torch.device
     staging: PinnedStaging | None = None   # the runner's reused pinned buffer (cuda)
-    parts: list[torch.Tensor] = field(default_factory=list)
+    parts: list[np.ndarray] = field(default_factory=list)
 
-    def add(self, t: torch.Tensor | list[int]) -> int:
-        """Queue a host tensor (or list of ints); returns its index in `upload()`'s list."""
-        t = torch.as_tensor(t, dtype=torch.long)
-        assert t.device.type == "cpu", "metadata is built on the host"
-        self.parts.append(t)
+    def add(self, t: np.ndarray | torch.Tensor | list[int]) -> int:
+        """Queue a host array (or tensor, or list of ints); returns its index in `upload()`'s
+        list."""
+        if isinstance(t, torch.Tensor):
+            assert t.device.type == "cpu", "metadata is built on the host"
+            t = t.numpy()
+        self.parts.append(np.asarray(t, dtype=np.int64))
         return len(self.parts) - 1
 
     def pack(self) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
         """Every part in one flat int64 host buffer, and each part's shape."""
-        flat = torch.cat([p.reshape(-1) for p in self.parts]) if self.parts \
-            else torch.empty(0, dtype=torch.long)
-        return flat, [tuple(p.shape) for p in self.parts]
+        flat = np.concatenate([p.reshape(-1) for p in self.parts]) if self.parts \
+            else np.empty(0, np.int64)
+        return torch.from_numpy(flat), [tuple(p.shape) for p in self.parts]
 
     def upload(self) -> list[torch.Tensor]:
         return self.unpack(*self.pack())
@@ -108,6 +113,84 @@ class StepInputs:
         return cls(torch.from_numpy(flat), shapes, num_decodes, groups, segs)
 
 
+class DecodeRows:
+    """The decode batch kept across steps (vLLM v1's persistent batch): a row per decoding
+    request holding its block table, updated in place. A request joins when it first decodes
+    (its table copied into a free row), gains a block id only when its context crosses into a
+    new block, and leaves (its row zeroed and freed) at the first step it does not decode in
+    (finished, preempted, paused, or computing a chunk again). `update` returns each decode's
+    row; the step reads its block tables and slots from those rows, in the step's order.
+
+    Invariants, for a request with row i: `tables[i, :filled[i]]` is its block table's first
+    `filled[i]` ids and the rest of the row is 0; `sources[i]` is that block table itself, the
+    KV manager's own list, which grows in place while the request holds its blocks (a request
+    that frees and re-allocates them, as a preemption does, gets a new list): the same list
+    says the row's ids are still the request's. Between steps the rows are exactly the last
+    step's decodes."""
+
+    def __init__(self, block_size: int, rows: int = 16, width: int = 8) -> None:
+        self.block_size = block_size
+        self.tables = np.zeros((rows, width), np.int64)
+        self.row_of: dict[Request, int] = {}
+        self.sources: list[list[int] | None] = [None] * rows
+        self.filled = [0] * rows
+        self._free = list(range(rows - 1, -1, -1))
+
+    def update(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
+        """Bring the rows to this step's decode `chunks` (in the step's order), each row's
+        table up to its chunk's position (`num_computed_tokens // block_size + 1` blocks);
+        returns each chunk's row and position. Requests without a chunk leave."""
+        bs, row_of, sources, filled = self.block_size, self.row_of, self.sources, self.filled
+        rows: list[int] = []
+        positions: list[int] = []
+        for ch in chunks:
+            req, table = ch.request, ch.block_table
+            pos = req.num_computed_tokens
+            need = pos // bs + 1
+            i = row_of.get(req)
+            if i is None:
+                i = self._join(req, table)
+            elif sources[i] is not table or need < filled[i]:
+                self._clear(i, table)     # its blocks were freed and taken anew
+            if need > filled[i]:
+                if need > self.tables.shape[1]:
+                    self._widen(need)
+                self.tables[i, filled[i]:need] = table[filled[i]:need]
+                filled[i] = need
+            rows.append(i)
+            positions.append(pos)
+        if len(row_of) > len(rows):
+            keep = set(rows)
+            for req, i in [(r, i) for r, i in row_of.items() if i not in keep]:
+                del row_of[req]
+                self._clear(i, None)
+                self._free.append(i)
+        return rows, positions
+
+    def _join(self, req: Request, table: list[int]) -> int:
+        if not self._free:
+            n, w = self.tables.shape
+            self.tables = np.concatenate([self.tables, np.zeros((n, w), np.int64)])
+            self.sources += [None] * n
+            self.filled += [0] * n
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        i = self._free.pop()
+        self.row_of[req] = i
+        self.sources[i] = table
+        return i
+
+    def _clear(self, i: int, table: list[int] | None) -> None:
+        self.tables[i, :self.filled[i]] = 0
+        self.filled[i] = 0
+        self.sources[i] = table
+
+    def _widen(self, width: int) -> None:
+        n, w = self.tables.shape
+        wider = np.zeros((n, max(width, 2 * w)), np.int64)
+        wider[:, :w] = self.tables
+        self.tables = wider
+
+
 class ModelRunner:
     h2d_copies = 0   # host -> device metadata copies made (a seam for tests; all runners)
 
@@ -137,6 +220,7 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.device = device if device is not None else next(model.parameters()).device
         self.staging = PinnedStaging(self.device)   # one pinned buffer for every step's upload
+        self.decode_rows = DecodeRows(block_size)   # the decodes' block tables, across steps
         reason = CompactLlama.unsupported(cfg)
         if model_impl == "compact" and reason:
             raise ValueError(f"the compact model does not support this checkpoint: {reason}")
@@ -223,11 +307,12 @@ class ModelRunner:
         """Run the model on the scheduled step. Returns logits [n, vocab] (float32, on the
         device) for the chunks that end at their request's last known token, and those chunks'
         indices in `sched.chunks`."""
-        inputs, sample_chunks = self.host_inputs(sched)
+        order = sched.step_order()
+        inputs, sample_chunks = self.host_inputs(sched, order)
         if self.tp_group is not None:    # the other ranks run the same step
             self.tp_group.send_step(inputs)
         input_ids, positions, meta, sample_rows = self.device_inputs(inputs)
-        lora = self._lora_step(sched)
+        lora = self._lora_step(sched, order)
         t0 = time.perf_counter()
         try:
             if self.graphs is not None and self.graphs.applies(meta, lora):
@@ -238,14 +323,15 @@ class ModelRunner:
             self.last_forward_s = time.perf_counter() - t0
             self._lora_batch = None
 
-    def _lora_step(self, sched: SchedulerOutput) -> LoRABatch | None:
-        """Each token's adapter, in the flat batch's order (decodes, then prefills)."""
+    def _lora_step(self, sched: SchedulerOutput, order: tuple[list[int], list[int]]
+                   ) -> LoRABatch | None:
+        """Each token's adapter, in the flat batch's order (`order`: decodes, then prefills)."""
         if self.lora is None:
             return None
-        decodes, prefills = sched.step_order()
-        order = [sched.chunks[i] for i in decodes + prefills]
-        return self.lora.batch([ch.request.lora_name for ch in order],
-                               [ch.num_new_tokens for ch in order])
+        decodes, prefills = order
+        chunks = [sched.chunks[i] for i in decodes + prefills]
+        return self.lora.batch([ch.request.lora_name for ch in chunks],
+                               [ch.num_new_tokens for ch in chunks])
 
     def _hook_stock_projections(self) -> None:
         """The stock model: each projection's forward hook adds the step's LoRA delta."""
@@ -295,35 +381,33 @@ class ModelRunner:
         inputs, sample_chunks = self.host_inputs(sched)
         return (*self.device_inputs(inputs), sample_chunks)
 
-    def host_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, list[int]]:
+    def host_inputs(self, sched: SchedulerOutput, order: tuple[list[int], list[int]] | None = None
+                    ) -> tuple[StepInputs, list[int]]:
         """The step's metadata built on the host (`prepare`'s first half), and the indices in
-        `sched.chunks` of the chunks sampled."""
+        `sched.chunks` of the chunks sampled. `order`: `sched.step_order()`, when known."""
         bs = self.block_size
         chunks: list[ScheduledChunk] = sched.chunks
-        decodes, prefills = sched.step_order()
-        tokens: list[int] = []
-        sample_rows: list[int] = []
-        sample_chunks: list[int] = []
-        # decodes: one token each at position num_computed_tokens
-        d_pos = [chunks[i].request.num_computed_tokens for i in decodes]
-        for row, i in enumerate(decodes):
-            req = chunks[i].request
-            tokens.append(req.token_at(d_pos[row]))
-            if d_pos[row] + 1 == req.num_tokens:
-                sample_rows.append(row)
-                sample_chunks.append(i)
-        groups, d_slots = self._decode_groups([chunks[i].block_table for i in decodes], d_pos)
-        positions = [torch.tensor(d_pos, dtype=torch.long)]
+        decodes, prefills = order or sched.step_order()
+        # decodes: one token each at position num_computed_tokens, block tables from their rows
+        d_chunks = [chunks[i] for i in decodes]
+        rows, d_pos = self.decode_rows.update(d_chunks)
+        reqs = [ch.request for ch in d_chunks]
+        tokens = [r.token_at(p) for r, p in zip(reqs, d_pos, strict=True)]
+        sample_rows = [row for row, (r, p) in enumerate(zip(reqs, d_pos, strict=True))
+                       if p + 1 == r.num_tokens]
+        sample_chunks = [decodes[row] for row in sample_rows]
+        groups, d_slots, d_positions = self._decode_groups(rows, d_pos)
+        positions = [d_positions]
         slots = [d_slots]
-        segs: list[tuple[int, int, int, torch.Tensor | None]] = []
+        segs: list[tuple[int, int, int, np.ndarray | None]] = []
         for i in prefills:
             ch = chunks[i]
             req, n = ch.request, ch.num_new_tokens
             start = req.num_computed_tokens
             q_start = len(tokens)
-            tokens.extend(req.all_token_ids[start:start + n])
-            pos = torch.arange(start, start + n)
-            table = torch.tensor(ch.block_table[:cdiv(start + n, bs)], dtype=torch.long)
+            tokens.extend(req.token_ids[start:start + n])
+            pos = np.arange(start, start + n, dtype=np.int64)
+            table = np.array(ch.block_table[:cdiv(start + n, bs)], np.int64)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             if start + n == req.num_tokens:
@@ -332,7 +416,7 @@ class ModelRunner:
             own_kv = start == 0 and not self.kv_quant   # quantized: read back what was stored
             segs.append((q_start, n, start + n, None if own_kv else table))
         up = StepUpload(self.device)
-        for part in (tokens, torch.cat(positions), torch.cat(slots), sample_rows):
+        for part in (tokens, np.concatenate(positions), np.concatenate(slots), sample_rows):
             up.add(part)
         group_parts = [(up.add(tables), up.add(lens), *shape) for tables, lens, shape in groups]
         seg_parts = [(q_start, n, ctx, -1 if t is None else up.add(t))
@@ -352,29 +436,28 @@ class ModelRunner:
                                  prefill_segs, self.kv_scales, self.kv_quant)
         return dev[0], dev[1], meta, dev[3]
 
-    def _decode_groups(self, tables: list[list[int]], positions: list[int]):
-        """Decodes sorted by context length, split where the block count doubles (each group
-        is one gather over its longest context, so padding stays under half of what it reads;
-        one group where the native kernel runs, `one_decode_group`):
-        per group (host block tables [count, width], host context lens [count], (start, count,
-        max_context_len, needs_mask)); plus the decodes' slot mapping (host)."""
+    def _decode_groups(self, rows: list[int], positions: list[int]):
+        """The decodes (rows of `decode_rows`, sorted by context length) split where the block
+        count doubles (each group is one gather over its longest context, so padding stays under
+        half of what it reads; one group where the native kernel runs, `one_decode_group`):
+        per group (host block tables [count, width], padded with block 0, host context lens
+        [count], (start, count, max_context_len, needs_mask)); plus the decodes' slot mapping
+        and positions (host)."""
         bs = self.block_size
-        if not tables:
-            return [], torch.empty(0, dtype=torch.long)
-        lens = torch.tensor(positions, dtype=torch.long) + 1
-        nblocks = [cdiv(p + 1, bs) for p in positions]
-        width = max(nblocks)
-        # one array for all rows (numpy reads nested lists ~3x faster than torch.tensor)
-        padded = torch.from_numpy(np.array([t[:nb] + [0] * (width - nb) for t, nb
-                                            in zip(tables, nblocks, strict=True)], np.int64))
-        pos = lens - 1
-        slots = padded.gather(1, (pos // bs).view(-1, 1)).view(-1) * bs + pos % bs
+        if not rows:
+            return [], np.empty(0, np.int64), np.empty(0, np.int64)
+        idx = np.array(rows, np.int64)
+        pos = np.array(positions, np.int64)
+        lens = pos + 1
+        tables = self.decode_rows.tables
+        slots = tables[idx, pos // bs] * bs + pos % bs
+        nblocks = (pos // bs + 1).tolist()
+        padded = tables[idx, :max(nblocks)]   # zeros past each row's own blocks
         groups = []
         start = 0
-        while start < len(tables):
-            end = start + 1
-            while end < len(tables) and (self.one_decode_group
-                                         or nblocks[end] <= 2 * nblocks[start]):
+        while start < len(rows):
+            end = len(rows) if self.one_decode_group else start + 1
+            while end < len(rows) and nblocks[end] <= 2 * nblocks[start]:
                 end += 1
             w = nblocks[end - 1]
             max_len = positions[end - 1] + 1
@@ -382,7 +465,7 @@ class ModelRunner:
             groups.append((padded[start:end, :w], lens[start:end],
                            (start, end - start, max_len, needs_mask)))
             start = end
-        return groups, slots
+        return groups, slots, pos
 
     # ---- page access for KV transfer ------------------------------------------------------
     def read_pages(self, block_ids: list[int]) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -11,13 +12,55 @@ from protocol.errors import RequestError
 from protocol.lifecycle import RequestLifecycle
 from protocol.sampling import SamplingParams
 
-__all__ = ["Request", "RequestError", "RequestStatus", "SamplingParams"]
+__all__ = ["Request", "RequestError", "RequestStatus", "SamplingParams", "TokenIds"]
 
 
 class RequestStatus(str, Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+def token_at(prompt: list[int], output: list[int], position: int) -> int:
+    """Token `position` (>= 0) of prompt + output."""
+    n = len(prompt)
+    return prompt[position] if position < n else output[position - n]
+
+
+class TokenIds(Sequence[int]):
+    """A request's prompt + output tokens read in place: an index or a slice reads the two lists
+    it spans, never a concatenated copy of both (the step path reads a few tokens of a long
+    request each step). A slice is a new list, as a list's slice is; the view sees tokens
+    appended after it was made."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, index):
+        n = len(self.prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n + len(self.output))
+            if step != 1:
+                return list(self)[index]
+            if stop <= n:
+                return self.prompt[start:stop]
+            if start >= n:
+                return self.output[start - n:stop - n]
+            return self.prompt[start:] + self.output[:stop - n]
+        if index < 0:
+            index += n + len(self.output)
+            if index < 0:
+                raise IndexError("token index out of range")
+        return token_at(self.prompt, self.output, index)
+
+    def __iter__(self):
+        yield from self.prompt
+        yield from self.output
 
 
 @dataclass(eq=False)
@@ -54,13 +97,17 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt + output as a new list (O(tokens) a call: the step path reads `token_ids`)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def token_ids(self) -> TokenIds:
+        """Prompt + output as a view: index and slice it without concatenating the two."""
+        return TokenIds(self.prompt_token_ids, self.output_token_ids)
 
     def token_at(self, position: int) -> int:
         """all_token_ids[position] without building the list."""
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n \
-            else self.output_token_ids[position - n]
+        return token_at(self.prompt_token_ids, self.output_token_ids, position)
 
     @property
     def is_prefill(self) -> bool:
@@ -70,13 +117,10 @@ class Request:
     def update_block_hashes(self) -> None:
         """Extend the chained hashes to cover every full block of the known tokens."""
         bs = self.block_size
-        tokens = None
         while (len(self.block_hashes) + 1) * bs <= self.num_tokens:
-            if tokens is None:
-                tokens = self.all_token_ids
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else self.namespace_root
-            self.block_hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
+            self.block_hashes.append(hash_block(parent, self.token_ids[i * bs:(i + 1) * bs]))
 
     def append_token(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)

@@ -87,9 +87,10 @@ class Scheduler:
 
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if req.is_prefill and (n := self._with_tail(
-                    req.num_tokens - req.num_computed_tokens, min(n, prefill_cap()))) <= 0:
+            left = req.num_tokens - req.num_computed_tokens
+            is_prefill = left > 1              # req.is_prefill, read once a step
+            n = min(left, budget)
+            if is_prefill and (n := self._with_tail(left, min(n, prefill_cap()))) <= 0:
                 break
             while not self._allocate(req, req.num_computed_tokens + n):
                 if len(self.running) == 1:   # alone and still cannot grow
@@ -105,11 +106,11 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING or req in out_of_blocks or stalled:
                 break
-            if req.is_prefill:
+            if is_prefill:
                 prefill_left -= n
             else:
                 decodes += 1
-                decode_ctx += req.num_tokens
+                decode_ctx += req.num_computed_tokens + left
             chunks.append(ScheduledChunk(req, n, self.kv.block_table(req.request_id)))
             budget -= n
             i += 1
@@ -120,7 +121,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.lora_name and not self.lora_fits(req.lora_name):
                 break   # FCFS: it waits until a running adapter's requests finish
-            hits = self.kv.match_prefix(req.namespace_root, req.block_hashes, req.all_token_ids,
+            hits = self.kv.match_prefix(req.namespace_root, req.block_hashes, req.token_ids,
                                         req.num_tokens - 1)
             num_cached = len(hits) * self.kv.block_size
             n = self._with_tail(req.num_tokens - num_cached,
@@ -166,7 +167,7 @@ class Scheduler:
     def cache_computed(self, req: Request) -> None:
         """Cache the request's full computed blocks (prefix caching)."""
         self.kv.cache_computed(req.request_id, req.namespace_root, req.block_hashes,
-                               req.all_token_ids, req.num_computed_tokens)
+                               req.token_ids, req.num_computed_tokens)
 
     def add_running(self, req: Request) -> None:
         """A request whose KV is already computed (landed from another worker, or unfrozen)
@@ -205,6 +206,8 @@ class Scheduler:
         return any(blocks for rid, blocks in self.kv.req_blocks.items() if rid not in running)
 
     def _allocate(self, req: Request, num_tokens: int) -> bool:
+        if len(self.kv.block_table(req.request_id)) * self.kv.block_size >= num_tokens:
+            return True   # its blocks hold them already (most decode steps): nothing to take
         new = self.kv.allocate_slots(req.request_id, num_tokens)
         if new is None:
             return False
