@@ -11,10 +11,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from frontend.output_text import OutputText
-from frontend.prompts import check_prompt, is_chat, tokenize_prompt
+from frontend.prompts import check_fits, check_prompt, is_chat, tokenize_prompt, unknown_lora
 from kvcache.hashing import CacheNamespace, block_hashes
-from kvcache.manager import cdiv
-from protocol.errors import RequestError, UnknownLoRAError
 from protocol.messages import AdmittedRequest, RequestInput
 
 
@@ -44,9 +42,7 @@ class Frontend:
         chat = is_chat(request.prompt, request.chat)
         ids = tokenize_prompt(self.tokenizer, request.prompt, chat)
         check_prompt(request.prompt, ids, request.sampling, s.vocab_size, s.max_model_len, chat)
-        if cdiv(len(ids) + 1, s.block_size) > s.num_blocks:
-            raise RequestError(f"prompt needs {cdiv(len(ids) + 1, s.block_size)} KV blocks; "
-                               f"the whole pool has {s.num_blocks}")
+        check_fits(len(ids) + 1, s.block_size, s.num_blocks)
         ns = s.namespace.with_request(tenant=request.tenant,
                                       lora_id=self.lora_hash(request.lora_id))
         root = ns.root_hash()
@@ -57,14 +53,12 @@ class Frontend:
 
     def output(self, admitted: AdmittedRequest) -> OutputText:
         """The request's output text, its window starting at the prompt's last tokens."""
-        return OutputText(self.tokenizer, admitted.sampling, admitted.prompt_token_ids[-8:])
+        return OutputText(self.tokenizer, admitted.sampling, admitted.prompt_token_ids)
 
     def lora_hash(self, name: str) -> str:
         if not name:
             return ""
         h = self.spec.lora_hashes.get(name)
         if h is None:
-            known = ", ".join(sorted(self.spec.lora_hashes)) or "none"
-            raise UnknownLoRAError(f"the LoRA adapter {name!r} does not exist; this server "
-                                   f"serves: {known}")
+            raise unknown_lora(name, self.spec.lora_hashes)
         return h

@@ -8,7 +8,7 @@ space off a lone token still gets the output's first word right."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 PROMPT_CONTEXT = 6      # prompt tokens the first window starts from
@@ -19,12 +19,12 @@ class TextStream:
     `chars_decoded` counts the characters the tokenizer produced for it (the cost)."""
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
-                 prompt_tail: Iterable[int] = ()) -> None:
+                 prompt: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ()) \
             if skip_special_tokens else frozenset()
-        self.ids: list[int] = list(prompt_tail)[-PROMPT_CONTEXT:]
+        self.ids: list[int] = list(prompt[-PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""

@@ -6,7 +6,7 @@ so a stop string is never streamed and the streamed text always equals the final
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +28,9 @@ class OutputText:
     `sent` <= len(`text`); once `stopped`, `add` keeps nothing more."""
 
     def __init__(self, tokenizer: Any, sampling: SamplingParams,
-                 prompt_tail: Iterable[int] = ()) -> None:
+                 prompt: Sequence[int] = ()) -> None:
         self.sampling = sampling
-        self.stream = TextStream(tokenizer, sampling.skip_special_tokens, prompt_tail)
+        self.stream = TextStream(tokenizer, sampling.skip_special_tokens, prompt)
         self.stop = tuple(sampling.stop)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []

@@ -3,9 +3,11 @@ before any engine sees them (empty, vocabulary, the model's context, max_tokens)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from protocol.errors import RequestError
+from kvcache.manager import cdiv
+from protocol.errors import RequestError, UnknownLoRAError
 from protocol.sampling import SamplingParams
 
 
@@ -50,3 +52,17 @@ def check_prompt(prompt: Any, token_ids: list[int], sampling: SamplingParams, vo
             f"requested {n + sampling.max_tokens} tokens ({n} in the {where}, "
             f"{sampling.max_tokens} in the completion). Please reduce the length of the prompt "
             "or of the completion (max_tokens).", param="max_tokens")
+
+
+def check_fits(num_tokens: int, block_size: int, num_blocks: int, what: str = "prompt") -> None:
+    """RequestError unless `num_tokens` fit a whole pool of `num_blocks` blocks."""
+    need = cdiv(num_tokens, block_size)
+    if need > num_blocks:
+        raise RequestError(f"{what} needs {need} KV blocks; the whole pool has {num_blocks}")
+
+
+def unknown_lora(name: str, served: Iterable[str]) -> UnknownLoRAError:
+    """The error for an adapter name that is not served (404)."""
+    known = ", ".join(sorted(served)) or "none"
+    return UnknownLoRAError(f"the LoRA adapter {name!r} does not exist; this server serves: "
+                            f"{known}")

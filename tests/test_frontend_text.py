@@ -97,7 +97,7 @@ def test_a_tokens_cost_does_not_grow_with_the_output(smol):
                                      k=200)
     block = smol.encode(" " + " ".join(words), add_special_tokens=False)[:100]
     ids = block * 40
-    ts = TextStream(smol, prompt_tail=block[-8:])    # the prompt ends as the block does
+    ts = TextStream(smol, prompt=block)    # the prompt ends as the block does
     costs = []
     for t in ids:
         before = ts.chars_decoded

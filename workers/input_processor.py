@@ -11,10 +11,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 
-from frontend.prompts import check_prompt, is_chat, tokenize_prompt
+from frontend.prompts import check_fits, check_prompt, is_chat, tokenize_prompt, unknown_lora
 from kvcache.hashing import CacheNamespace
-from kvcache.manager import cdiv
-from protocol.errors import RequestError, UnknownLoRAError
+from protocol.errors import RequestError
 from protocol.lifecycle import EngineStats
 from workers.lora import LoRASpec
 from workers.request import Request, SamplingParams
@@ -73,10 +72,7 @@ class InputProcessor:
 
     def check_fits(self, num_tokens: int, what: str = "prompt") -> None:
         """RequestError unless `num_tokens` fit this worker's whole pool."""
-        need = cdiv(num_tokens, self.block_size)
-        if need > self.num_blocks:
-            raise RequestError(f"{what} needs {need} KV blocks; the whole pool has "
-                               f"{self.num_blocks}")
+        check_fits(num_tokens, self.block_size, self.num_blocks, what)
 
     def check_new_id(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -92,7 +88,5 @@ class InputProcessor:
             return ""
         spec = self.loras.get(name)
         if spec is None:
-            known = ", ".join(sorted(self.loras)) or "none"
-            raise UnknownLoRAError(f"the LoRA adapter {name!r} does not exist; "
-                                   f"this server serves: {known}")
+            raise unknown_lora(name, self.loras)
         return spec.content_hash

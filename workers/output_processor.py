@@ -30,7 +30,7 @@ class OutputProcessor:
             text = self._texts.get(req.request_id)
             if text is None:
                 text = self._texts[req.request_id] = OutputText(
-                    self.tokenizer, sp, req.prompt_token_ids[-8:])
+                    self.tokenizer, sp, req.prompt_token_ids)
             if text.add(req.output_token_ids[len(text.token_ids):]).stopped:
                 req.output_text, req.stop_cut = text.text, True
                 return "stop"
